@@ -1,0 +1,169 @@
+"""The backend contract: what every inference backend implements.
+
+A backend owns a model, its tokenizer and its KV cache. The engine hands it fully-prepared, stateless
+requests (token ids plus a resolved GenerationConfig) and reads back token ids; detokenization, stop
+strings, sessions and the sleep gate live in the engine, so every backend behaves the same.
+
+There is no sequence_start, sequence_end or step: each request carries its whole context.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from core.config import GenerationConfig
+
+WAKE_TAGS = frozenset({"weights", "kv_cache"})
+
+
+class FinishReason(str, enum.Enum):
+    """Why a generation ended. Values are the OpenAI finish_reason strings."""
+
+    STOP = "stop"  # an eos/stop token or a stop string
+    LENGTH = "length"  # max_new_tokens or the context window
+    ABORT = "abort"  # aborted: by the caller, stop_all or sleep
+    ERROR = "error"  # the backend failed for this request
+
+
+class EndResult(enum.Enum):
+    """The backend's confirmation of `end(session_id)`."""
+
+    ENDED = "ended"
+    NOT_FOUND = "not_found"
+
+
+class Tokenizer(Protocol):
+    """What the engine needs of a tokenizer; Hugging Face tokenizers satisfy it as they are."""
+
+    eos_token_id: int | None
+    all_special_ids: list[int]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the loaded model that the engine and the server need.
+
+    :param generation_defaults: the model's generation_config.json sampling values (temperature,
+        top_p, top_k, min_p, repetition_penalty), used when a request leaves them unset.
+    """
+
+    name: str
+    architecture: str
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
+    chat_template: str | None = None
+    generation_defaults: Mapping[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"
+    vocab_size: int = 0
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One stateless request, ready for the backend.
+
+    :param stop_token_ids: every token id that ends generation (the model's eos ids unless
+        ignore_eos, plus config.stop_token_ids); generation never stops on them before
+        config.min_new_tokens.
+    :param max_new_tokens: already resolved against the context window.
+    :param multimodal: opaque inputs a vision processor prepared (embeddings, placeholder ranges).
+    """
+
+    session_id: str
+    prompt_token_ids: Sequence[int]
+    config: GenerationConfig
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    multimodal: Any = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Logprob of one generated token and the `top_logprobs` most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class BackendOutput:
+    """New tokens of one choice (index < n) since the previous output."""
+
+    token_ids: Sequence[int]
+    index: int = 0
+    finish_reason: FinishReason | None = None
+    logprobs: Sequence[TokenLogprob] | None = None
+    num_cached_tokens: int = 0
+    stop_token_id: int | None = None
+
+
+@dataclass(frozen=True)
+class BackendStats:
+    """A snapshot for metrics and leak checks: everything must return to zero when idle."""
+
+    running: int = 0
+    waiting: int = 0
+    sessions: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    block_size: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    is_sleeping: bool = False
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+class Backend(ABC):
+    """An inference backend. Implementations register a factory through `core_register_backends`.
+
+    Lifecycle of a request: `generate` yields outputs until each choice has a finish_reason (or the
+    caller stops iterating); `abort` makes an in-flight `generate` finish promptly with ABORT and frees
+    its KV blocks; `end` releases whatever the backend still holds for the session and confirms it.
+    The engine calls `end` exactly once per request that reached the backend.
+    """
+
+    model_info: ModelInfo
+    tokenizer: Tokenizer
+
+    @abstractmethod
+    def generate(self, request: GenerateRequest) -> AsyncIterator[BackendOutput]:
+        """Stream outputs for `request`; raise `core.errors.CoreError` subclasses on failure."""
+
+    @abstractmethod
+    async def abort(self, session_id: str) -> None:
+        """Stop the session's work now and free its KV blocks; a no-op for unknown sessions."""
+
+    @abstractmethod
+    async def end(self, session_id: str) -> EndResult:
+        """Release the session; ENDED if the backend knew it, NOT_FOUND otherwise (never raises)."""
+
+    @abstractmethod
+    async def sleep(self, level: int) -> None:
+        """Free memory: level 1 drops the KV cache and moves weights to host memory; 2 drops both."""
+
+    @abstractmethod
+    async def wakeup(self, tags: Sequence[str]) -> None:
+        """Restore the parts named by tags ("weights", "kv_cache")."""
+
+    @property
+    @abstractmethod
+    def is_sleeping(self) -> bool:
+        """True while any part is asleep."""
+
+    @abstractmethod
+    def stats(self) -> BackendStats:
+        """Current counters; cheap enough to call on every /metrics scrape."""
+
+    async def close(self) -> None:  # noqa: B027 - a backend without resources needs no close
+        """Stop background work and release all memory. Idempotent."""

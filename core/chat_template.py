@@ -1,0 +1,93 @@
+"""How messages become a prompt: the ChatTemplate contract and how the engine picks one.
+
+Templates come from plugins (the templates plugin renders Hugging Face Jinja templates and ships named
+built-ins). The core only chooses, in this order: the template the user named (a registered name or a
+file), the model's own template, a built-in registered for the model's architecture. It never guesses
+by import order.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from core.errors import InvalidRequestError, PluginError
+
+if TYPE_CHECKING:
+    from core.backend import ModelInfo, Tokenizer
+    from core.plugins import PluginHost
+
+Message = Mapping[str, Any]
+
+
+class ChatTemplate(ABC):
+    """Renders OpenAI-style messages into prompt text."""
+
+    #: Text that ends an assistant turn (e.g. "<|im_end|>"): generation stops on it.
+    stop_strings: tuple[str, ...] = ()
+    #: Whether the tokenizer adds its special tokens (bos) when encoding the rendered text. Hugging Face
+    #: templates write bos themselves, so the default is False (as transformers and vLLM do).
+    encode_with_special_tokens: bool = False
+
+    @abstractmethod
+    def render(
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """The prompt for `messages`. A final assistant message is continued, not closed, when
+        add_generation_prompt is False. `template_kwargs` are chat_template_kwargs (e.g.
+        enable_thinking)."""
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check the shape of an OpenAI-style message list; a clear error names the bad item."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list", param="messages")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise InvalidRequestError(f"messages[{i}] must be an object", param=f"messages[{i}]")
+        role = message.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise InvalidRequestError(
+                f"messages[{i}].role must be system, user, assistant or tool, got {role!r}",
+                param=f"messages[{i}].role",
+            )
+        checked.append(dict(message))
+    return checked
+
+
+def resolve_chat_template(
+    plugins: PluginHost, requested: str | None, model: ModelInfo, tokenizer: Tokenizer | None
+) -> ChatTemplate | None:
+    """The template to use: the user's choice, else the model's own, else an architecture built-in."""
+    if requested:
+        if os.path.isfile(requested):
+            with open(requested, encoding="utf-8") as f:
+                return _from_source(plugins, f.read(), tokenizer, requested)
+        try:
+            return plugins.chat_templates.get(requested).load()(tokenizer)
+        except LookupError as exc:
+            raise PluginError(f"--chat-template {requested!r} is neither a file nor a registered template: {exc}") from exc
+    if model.chat_template:
+        return _from_source(plugins, model.chat_template, tokenizer, f"{model.name}'s own template")
+    for entry in plugins.chat_templates:
+        if model.architecture in entry.meta.get("architectures", ()):
+            return entry.load()(tokenizer)
+    return None
+
+
+def _from_source(plugins: PluginHost, source: str, tokenizer: Tokenizer | None, what: str) -> ChatTemplate:
+    template = plugins.hook.core_make_chat_template(source=source, tokenizer=tokenizer)
+    if template is None:
+        raise PluginError(
+            f"no installed plugin can render {what}; install the templates plugin "
+            "(pip install ./plugins/templates) or pass --chat-template NAME"
+        )
+    return template

@@ -1,0 +1,218 @@
+"""The `core` command line: a thin layer over the public API.
+
+Heavy modules (torch, the server) are imported inside the commands that need them, so `core --help` and
+`core plugins` stay fast and never touch a GPU. Plugins add commands through `core_register_commands`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from core import __version__
+from core.errors import CoreError, PluginError
+
+ENGINE_FLAGS = ("backend", "dtype", "device", "max_model_len", "block_size", "kv_cache_memory_gib",
+                "max_num_seqs", "max_num_batched_tokens", "chat_template", "served_model_name", "seed")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by every command that builds an engine."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--backend", help="backend name (see `core plugins`); default: best available")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", help="cpu, cuda or cuda:N (default: the backend's choice)")
+    g.add_argument("--max-model-len", type=int, help="context window (default: the model's)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, metavar="GIB",
+                   help="KV-cache budget in GiB (default: a fraction of free GPU memory, or 1 GiB on CPU)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+    g.add_argument("--chat-template", help="a registered template name or a Jinja file")
+    g.add_argument("--served-model-name", help="the model name clients use")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    from core.config import EngineConfig
+
+    options = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name, None) is not None}
+    return EngineConfig(model=getattr(args, "model", None), enable_prefix_caching=not args.no_prefix_caching,
+                        enforce_eager=args.enforce_eager, **options)
+
+
+# -- plugins ---------------------------------------------------------------------------------------
+
+
+def plugins_report() -> dict[str, Any]:
+    """Everything `core plugins` shows, as plain data."""
+    from core.backend_selection import backend_choices
+    from core.plugins import get_plugins
+
+    host = get_plugins()
+    report: dict[str, Any] = {
+        "plugins": [
+            {"name": p.name, "distribution": p.distribution, "version": p.version, "hooks": list(p.hooks)}
+            for p in host.info()
+        ],
+        "failed": [{"name": f.name, "distribution": f.distribution, "error": f.error} for f in host.failures],
+        "backends": [
+            {"name": c.name, "plugin": c.entry.plugin, "priority": c.priority,
+             "available": c.unavailable_reason is None, "reason": c.unavailable_reason}
+            for c in backend_choices(host)
+        ],
+    }
+    for key, registry in (("model_architectures", host.model_architectures), ("chat_templates", host.chat_templates),
+                          ("reasoning_parsers", host.reasoning_parsers), ("tool_call_parsers", host.tool_call_parsers),
+                          ("vision_processors", host.vision_processors), ("commands", host.commands)):
+        report[key] = [{"name": e.name, "plugin": e.plugin, **({"backend": e.scope} if e.scope else {})}
+                       for e in registry]
+    return report
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    report = plugins_report()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for p in report["plugins"]:
+        print(f"{p['name']}  {p['distribution'] or '-'} {p['version'] or ''}".rstrip())
+        print(f"  hooks: {', '.join(p['hooks']) or 'none'}")
+    for f in report["failed"]:
+        print(f"{f['name']}  FAILED TO LOAD: {f['error']}")
+    print("backends (best first):")
+    for b in report["backends"]:
+        state = "available" if b["available"] else f"unavailable: {b['reason']}"
+        print(f"  {b['name']} (priority {b['priority']}, from {b['plugin']}): {state}")
+    for key in ("model_architectures", "chat_templates", "reasoning_parsers", "tool_call_parsers",
+                "vision_processors", "commands"):
+        if report[key]:
+            print(f"{key.replace('_', ' ')}: {', '.join(sorted({e['name'] for e in report[key]}))}")
+    return 0
+
+
+# -- generate / chat -------------------------------------------------------------------------------
+
+
+def _generation_config(args: argparse.Namespace) -> Any:
+    from core.config import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from core.pipeline import Pipeline
+
+    if len(args.words) > 2:
+        raise SystemExit("core generate: give at most a model and one prompt (quote the prompt)")
+    args.model, prompt = (args.words[0], args.words[1]) if len(args.words) == 2 else (None, args.words[0])
+    with Pipeline.from_config(engine_config(args)) as pipe:
+        has_template = pipe.engine.preparer.template is not None
+        inputs: Any = [{"role": "user", "content": prompt}] if has_template and not args.raw else prompt
+        print(pipe.infer(inputs, _generation_config(args)).text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from core.pipeline import ChatSession, Pipeline
+
+    with Pipeline.from_config(engine_config(args)) as pipe:
+        session, config = ChatSession(), _generation_config(args)
+        print("Type a message; an empty line or Ctrl-D ends the chat.", file=sys.stderr)
+        while True:
+            try:
+                prompt = input("you> ").strip()
+            except EOFError:
+                break
+            if not prompt or prompt in ("exit", "quit"):
+                break
+            print("assistant> ", end="", flush=True)
+            for delta in pipe.stream_chat(prompt, session, config):
+                print(delta, end="", flush=True)
+            print()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from core.server.run import serve
+    except ImportError as exc:
+        raise PluginError(f"the HTTP server needs its dependencies: pip install 'core-serve[serve]' ({exc})") from exc
+    return serve(args, engine_config(args))
+
+
+# -- parser ----------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="core", description="A pluggable LLM-serving framework.")
+    parser.add_argument("--version", action="version", version=f"core {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="serve a model over an OpenAI- and Anthropic-compatible HTTP API")
+    p.add_argument("model", nargs="?", help="a Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require this key (also read from CORE_API_KEY)")
+    p.add_argument("--reasoning-parser", help="a registered reasoning parser")
+    p.add_argument("--tool-call-parser", help="a registered tool-call parser")
+    add_engine_arguments(p)
+    p.set_defaults(run=cmd_serve)
+
+    for name, help_text, run in (("generate", "generate a reply to one prompt", cmd_generate),
+                                 ("chat", "chat in the terminal (the whole history is resent each turn)", cmd_chat)):
+        p = sub.add_parser(name, help=help_text)
+        if name == "generate":
+            p.add_argument("words", nargs="+", metavar="[MODEL] PROMPT")
+            p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+        else:
+            p.add_argument("model", nargs="?", help="a Hugging Face folder or .gguf file (default model if omitted)")
+        p.add_argument("--max-new-tokens", type=int, default=256)
+        p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's)")
+        add_engine_arguments(p)
+        p.set_defaults(run=run)
+
+    p = sub.add_parser("plugins", help="list installed plugins, their hooks and what they register")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=cmd_plugins)
+    _add_plugin_commands(sub)
+    return parser
+
+
+def _add_plugin_commands(sub: Any) -> None:
+    from core.plugins import get_plugins
+
+    for entry in get_plugins().commands:
+        p = sub.add_parser(entry.name, help=entry.meta.get("help", f"(from plugin {entry.plugin})"))
+        configure = entry.meta.get("configure")
+        if configure is not None:
+            configure(p)
+        p.set_defaults(run=entry.load())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "run", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.run(args) or 0)
+    except (CoreError, PluginError, LookupError) as exc:
+        print(f"core {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""Validated configuration objects: GenerationConfig (per request) and EngineConfig (per engine).
+
+Both validate on construction and raise `InvalidRequestError` (a ValueError) naming the field and the bad
+value, so the same check serves Python callers (an exception naming the argument) and the HTTP server
+(a 400 naming the field).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.errors import InvalidRequestError
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_TOP_LOGPROBS = 20
+MAX_N = 128
+
+# Fallbacks for sampling fields left unset by both the request and the model's generation_config.json.
+SAMPLING_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
+def _fail(name: str, value: Any, expected: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{name} must be {expected}, got {value!r}", param=name)
+
+
+def _check_int(name: str, value: Any, low: int | None = None, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(name, value, "an integer")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise _fail(name, value, f"an integer {bounds}")
+
+
+def _check_float(name: str, value: Any, low: float, high: float, *, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise _fail(name, value, "a number")
+    if value < low or value > high or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise _fail(name, value, f"in {bracket}{low}, {high}]")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise _fail(name, value, "true or false")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How to generate for one request; the fields users of vLLM and LMDeploy expect.
+
+    Sampling fields left as None take the model's generation_config.json value, else SAMPLING_DEFAULTS
+    (see `with_defaults`). temperature 0 means greedy. max_new_tokens None means "until the context
+    window is full".
+    """
+
+    n: int = 1
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self._normalise_sequences()
+        self._validate_counts()
+        self._validate_sampling()
+        self._validate_stops()
+        self._validate_flags()
+
+    def _normalise_sequences(self) -> None:
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)):
+            raise _fail("stop", stop, "a string or a list of strings")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)):
+            raise _fail("stop_token_ids", ids, "a list of token ids")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+
+    def _validate_counts(self) -> None:
+        _check_int("n", self.n, 1, MAX_N)
+        if self.max_new_tokens is not None:
+            _check_int("max_new_tokens", self.max_new_tokens, 1)
+        _check_int("min_new_tokens", self.min_new_tokens, 0)
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise InvalidRequestError(
+                f"min_new_tokens ({self.min_new_tokens}) must not exceed max_new_tokens "
+                f"({self.max_new_tokens})",
+                param="min_new_tokens",
+            )
+        if self.seed is not None:
+            _check_int("seed", self.seed, INT64_MIN, INT64_MAX)
+        _check_int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+
+    def _validate_sampling(self) -> None:
+        if self.temperature is not None:
+            _check_float("temperature", self.temperature, 0.0, 1e4)
+        if self.top_p is not None:
+            _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if self.top_k is not None:
+            _check_int("top_k", self.top_k, -1)
+        if self.min_p is not None:
+            _check_float("min_p", self.min_p, 0.0, 1.0)
+        if self.repetition_penalty is not None:
+            _check_float("repetition_penalty", self.repetition_penalty, 0.0, 1e4, low_open=True)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if not isinstance(self.logit_bias, Mapping):
+            raise _fail("logit_bias", self.logit_bias, "a mapping of token id to bias")
+        for token, bias in self.logit_bias.items():
+            _check_int("logit_bias key", token, 0)
+            _check_float(f"logit_bias[{token}]", bias, -100.0, 100.0)
+
+    def _validate_stops(self) -> None:
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise _fail("stop", s, "a non-empty string")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, 0)
+
+    def _validate_flags(self) -> None:
+        for name in ("ignore_eos", "logprobs", "skip_special_tokens", "include_stop_str_in_output"):
+            _check_bool(name, getattr(self, name))
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs=True", param="top_logprobs")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling reduces to argmax (after defaults were applied)."""
+        return self.temperature == 0.0
+
+    def with_defaults(self, model_defaults: Mapping[str, Any] | None = None) -> GenerationConfig:
+        """Fill unset sampling fields from the model's generation config, then SAMPLING_DEFAULTS."""
+        model_defaults = model_defaults or {}
+        filled = {}
+        for name, fallback in SAMPLING_DEFAULTS.items():
+            if getattr(self, name) is None:
+                value = model_defaults.get(name)
+                filled[name] = fallback if value is None else value
+        return dataclasses.replace(self, **filled) if filled else self
+
+    def replace(self, **changes: Any) -> GenerationConfig:
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> GenerationConfig:
+        """Build from a mapping, rejecting unknown keys by name."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown generation parameter {unknown[0]!r}", param=unknown[0])
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build an engine: which model, which backend, and the memory and batching limits.
+
+    :param model: a Hugging Face folder or a .gguf file; None serves the backend's default model.
+    :param backend: a registered backend name; None picks the best available one by priority.
+    :param kv_cache_memory_gib: absolute KV-cache budget; None uses kv_cache_memory_fraction on GPUs
+        and a fixed default on the CPU.
+    :param backend_options: options only a particular backend understands (documented by it).
+    """
+
+    model: str | None = None
+    backend: str | None = None
+    dtype: str = "auto"
+    device: str | None = None
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory_gib: float | None = None
+    kv_cache_memory_fraction: float = 0.85
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    chat_template: str | None = None
+    served_model_name: str | None = None
+    seed: int = 0
+    enforce_eager: bool = False
+    backend_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise _fail("dtype", self.dtype, "one of auto, float32, bfloat16, float16")
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 1)
+        _check_int("block_size", self.block_size, 1, 1024)
+        if self.kv_cache_memory_gib is not None:
+            _check_float("kv_cache_memory_gib", self.kv_cache_memory_gib, 0.0, 1e6, low_open=True)
+        _check_float("kv_cache_memory_fraction", self.kv_cache_memory_fraction, 0.0, 1.0, low_open=True)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        _check_bool("enforce_eager", self.enforce_eager)
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use for this model."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model is None:
+            return "default"
+        return self.model.rstrip("/").rsplit("/", 1)[-1]
+
+
+def as_tuple(values: Sequence[Any] | None) -> tuple[Any, ...]:
+    """A tuple from an optional sequence (None -> empty)."""
+    return tuple(values) if values else ()

@@ -1,0 +1,342 @@
+"""AsyncEngine: stateless generate over a backend, with sessions, detokenization and the sleep gate.
+
+Data flows: inputs -> RequestPreparer (template, tokens, limits) -> Session -> backend.generate ->
+per-choice IncrementalDetokenizer -> RequestOutput. Every path out of a request (finish, error,
+cancellation, the caller closing the stream early) aborts the backend work at most once, ends the backend
+session exactly once and removes the Session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any
+
+from core.backend import (
+    WAKE_TAGS,
+    Backend,
+    BackendOutput,
+    BackendStats,
+    FinishReason,
+    GenerateRequest,
+    ModelInfo,
+)
+from core.chat_template import ChatTemplate, resolve_chat_template
+from core.config import EngineConfig, GenerationConfig
+from core.detokenize import IncrementalDetokenizer
+from core.errors import (
+    BackendError,
+    CoreError,
+    EngineSleepingError,
+    EngineUnavailableError,
+    InvalidRequestError,
+)
+from core.request import (
+    Inputs,
+    PreparedRequest,
+    RequestOutput,
+    RequestPreparer,
+    merge_config,
+    reject_removed_keywords,
+)
+from core.session import Session, SessionManager, SessionState
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    """The asynchronous engine: every request carries its full context; nothing is kept between them."""
+
+    def __init__(self, backend: Backend, *, chat_template: ChatTemplate | None = None,
+                 model_name: str | None = None) -> None:
+        self.backend = backend
+        self.model_name = model_name or backend.model_info.name
+        self.preparer = RequestPreparer(backend.model_info, backend.tokenizer, chat_template)
+        self.sessions = SessionManager(backend)
+        self._asleep: set[str] = set()
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, plugins: Any = None) -> AsyncEngine:
+        """Build the backend that `config` names (or the best available one) and its chat template."""
+        from core.backend_selection import select_backend
+        from core.plugins import get_plugins
+
+        plugins = plugins or get_plugins()
+        backend = select_backend(plugins, config.backend).load()(config)
+        template = resolve_chat_template(plugins, config.chat_template, backend.model_info, backend.tokenizer)
+        return cls(backend, chat_template=template, model_name=config.served_model_name)
+
+    # -- properties ---------------------------------------------------------------------------------
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.backend.model_info
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.backend.tokenizer
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    @property
+    def asleep_tags(self) -> frozenset[str]:
+        return frozenset(self._asleep)
+
+    def stats(self) -> BackendStats:
+        return self.backend.stats()
+
+    # -- generate -----------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        inputs: Inputs,
+        config: GenerationConfig | None = None,
+        *,
+        session_id: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> RequestStream:
+        """Start one request and return its stream of RequestOutputs.
+
+        `inputs` is a prompt string, a list of token ids, or OpenAI-style messages. Generation fields
+        may also be given as keywords (max_new_tokens=8). Validation happens here, eagerly: bad input
+        raises InvalidRequestError (a ValueError naming the field) before anything is queued. The
+        removed keywords sequence_start, sequence_end, step and interactive raise a TypeError.
+        """
+        reject_removed_keywords("generate", kwargs)
+        self._check_gate()
+        prepared = self.preparer.prepare(
+            inputs, merge_config(config, kwargs), add_generation_prompt=add_generation_prompt,
+            tools=tools, chat_template_kwargs=chat_template_kwargs,
+        )
+        return RequestStream(self, self.sessions.create(session_id), prepared)
+
+    def _check_gate(self) -> None:
+        if self._closed:
+            raise EngineUnavailableError("the engine is shut down")
+        if self._asleep:
+            raise EngineSleepingError(self._asleep)
+
+    async def _run(self, session: Session, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
+        choices = _Choices(self, session, prepared)
+        backend_stream: AsyncIterator[BackendOutput] | None = None
+        try:
+            if self.sessions.is_stale(session) or session.state is SessionState.ABORTED:
+                for output in choices.abort_all():  # never reaches the backend
+                    yield output
+                return
+            self._check_gate()
+            session.reached_backend, session.state = True, SessionState.RUNNING
+            backend_stream = self.backend.generate(self._backend_request(session, prepared))
+            async for backend_output in backend_stream:
+                output = choices.update(backend_output)
+                if output is not None:
+                    yield output
+                if choices.all_finished:
+                    break
+            for output in choices.finish_unfinished():
+                yield output
+        except CoreError:
+            raise
+        except Exception as exc:
+            log.exception("backend failed while serving %s", session.id)
+            raise BackendError(f"internal error while generating ({type(exc).__name__}); see the server log") from exc
+        finally:
+            release = self._release(session, backend_stream, needs_abort=not choices.backend_finished)
+            await asyncio.shield(release)
+
+    def _backend_request(self, session: Session, prepared: PreparedRequest) -> GenerateRequest:
+        return GenerateRequest(
+            session_id=session.id, prompt_token_ids=prepared.prompt_token_ids, config=prepared.config,
+            max_new_tokens=prepared.max_new_tokens, stop_token_ids=prepared.stop_token_ids,
+            multimodal=prepared.multimodal,
+        )
+
+    async def _release(self, session: Session, backend_stream: AsyncIterator[BackendOutput] | None, *,
+                       needs_abort: bool) -> None:
+        """Abort unfinished work (at most once), close the backend's stream, end the session once."""
+        try:
+            if needs_abort:
+                await self.sessions.abort(session)
+            aclose = getattr(backend_stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        finally:
+            await self.sessions.close(session)
+
+    # -- control ------------------------------------------------------------------------------------
+
+    async def abort(self, session_id: str) -> bool:
+        """Abort one request by id; False if no such request is in flight."""
+        return await self.sessions.abort_id(session_id)
+
+    async def abort_all(self) -> int:
+        """Abort every request in flight; returns how many."""
+        return await self.sessions.abort_all()
+
+    async def stop_all(self) -> int:
+        """Start a new epoch: abort everything in flight, and anything stamped earlier not yet started."""
+        return await self.sessions.stop_all()
+
+    async def sleep(self, level: int = 1) -> None:
+        """Close the gate, abort in-flight requests, then free memory (level 1 or 2)."""
+        if isinstance(level, bool) or level not in (1, 2):
+            raise InvalidRequestError(f"level must be 1 or 2, got {level!r}", param="level")
+        self._check_gate()
+        self._asleep = set(WAKE_TAGS)
+        await self.sessions.stop_all()
+        await self.backend.sleep(level)
+
+    async def wakeup(self, tags: Iterable[str] | None = None) -> None:
+        """Restore the parts named by tags (default: all); serving resumes when every part is awake."""
+        wanted = list(WAKE_TAGS if tags is None else tags)
+        unknown = sorted(set(wanted) - WAKE_TAGS)
+        if unknown or not wanted:
+            raise InvalidRequestError(
+                f"unknown wakeup tag {unknown[0]!r}; use weights and/or kv_cache" if unknown
+                else "tags must name weights and/or kv_cache",
+                param="tags",
+            )
+        to_wake = [t for t in sorted(set(wanted)) if t in self._asleep]
+        if to_wake:
+            await self.backend.wakeup(to_wake)
+            self._asleep -= set(to_wake)
+
+    def tokenize(self, inputs: Inputs, **render_options: Any) -> list[int]:
+        """Token ids for a prompt string or chat messages, exactly as generate would see them."""
+        return list(self.preparer.tokenize(inputs, **render_options)[0])
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Text for token ids."""
+        return self.tokenizer.decode(list(token_ids))
+
+    async def close(self) -> None:
+        """Abort everything and close the backend. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        await self.sessions.stop_all()
+        await self.backend.close()
+
+
+class RequestStream:
+    """The async iterator of one request's outputs, with its session id.
+
+    A stream that is never iterated holds no backend resources: closing it (or dropping it) just
+    forgets its session.
+    """
+
+    def __init__(self, engine: AsyncEngine, session: Session, prepared: PreparedRequest) -> None:
+        self.session = session
+        self.prepared = prepared
+        self._engine = engine
+        self._generator = engine._run(session, prepared)
+        self._started = False
+
+    @property
+    def session_id(self) -> str:
+        return self.session.id
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        return self.prepared.prompt_token_ids
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        self._started = True
+        return await self._generator.__anext__()
+
+    async def aclose(self) -> None:
+        """Stop early; the backend work is aborted and its session ended."""
+        if not self._started:
+            self._engine.sessions.remove(self.session)
+            self._started = True
+        await self._generator.aclose()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_started", True):
+            self._engine.sessions.remove(self.session)
+
+
+class _Choices:
+    """Per-choice detokenization and finish tracking for one request (n choices)."""
+
+    def __init__(self, engine: AsyncEngine, session: Session, prepared: PreparedRequest) -> None:
+        cfg = prepared.config
+        self._session_id = session.id
+        self._prompt_tokens = len(prepared.prompt_token_ids)
+        self._config = cfg
+        self._detokenizers = [
+            IncrementalDetokenizer(
+                engine.tokenizer, prepared.prompt_token_ids, skip_special_tokens=cfg.skip_special_tokens,
+                stop=prepared.stop_strings, include_stop_str_in_output=cfg.include_stop_str_in_output,
+            )
+            for _ in range(cfg.n)
+        ]
+        self._counts = [0] * cfg.n
+        self._finished: list[str | None] = [None] * cfg.n
+        self._backend_done = [False] * cfg.n
+        self._cached = 0
+
+    @property
+    def all_finished(self) -> bool:
+        return all(self._finished)
+
+    @property
+    def backend_finished(self) -> bool:
+        return all(self._backend_done)
+
+    def update(self, out: BackendOutput) -> RequestOutput | None:
+        i = out.index
+        if not 0 <= i < len(self._finished):
+            raise BackendError(f"backend returned choice index {i} for a request with n={len(self._finished)}")
+        if out.finish_reason is not None:
+            self._backend_done[i] = True
+        if self._finished[i] is not None:
+            return None  # this choice already stopped on a stop string; drop the backend's tail
+        if out.finish_reason is FinishReason.ERROR:
+            raise BackendError("the backend failed this request")
+        self._counts[i] += len(out.token_ids)
+        self._cached = max(self._cached, out.num_cached_tokens)
+        return self._output(i, out)
+
+    def _output(self, i: int, out: BackendOutput) -> RequestOutput:
+        ids = list(out.token_ids)
+        stopped_on_token = out.finish_reason is FinishReason.STOP and out.stop_token_id is not None
+        text_ids = ids[:-1] if stopped_on_token and not self._config.include_stop_str_in_output else ids
+        delta = self._detokenizers[i].update(text_ids, final=out.finish_reason is not None)
+        finish, stop_reason = (out.finish_reason.value if out.finish_reason else None), out.stop_token_id
+        if delta.stop is not None:
+            finish, stop_reason = FinishReason.STOP.value, delta.stop
+        self._finished[i] = finish
+        return RequestOutput(
+            session_id=self._session_id, index=i, text=delta.text, token_ids=ids,
+            prompt_tokens=self._prompt_tokens, completion_tokens=self._counts[i], cached_tokens=self._cached,
+            finish_reason=finish, stop_reason=stop_reason if finish else None,
+            logprobs=list(out.logprobs) if out.logprobs is not None else None,
+        )
+
+    def abort_all(self) -> list[RequestOutput]:
+        self._backend_done = [True] * len(self._finished)
+        return self.finish_unfinished()
+
+    def finish_unfinished(self) -> list[RequestOutput]:
+        """Close choices the backend left open (it stopped on abort): finish_reason "abort"."""
+        outputs = []
+        for i, finished in enumerate(self._finished):
+            if finished is None:
+                self._finished[i] = FinishReason.ABORT.value
+                outputs.append(RequestOutput(
+                    session_id=self._session_id, index=i, text=self._detokenizers[i].update((), final=True).text,
+                    token_ids=[], prompt_tokens=self._prompt_tokens, completion_tokens=self._counts[i],
+                    cached_tokens=self._cached, finish_reason=FinishReason.ABORT.value,
+                ))
+        return outputs

@@ -1,0 +1,260 @@
+"""Pipeline: synchronous offline inference, streaming and multi-turn chat over AsyncEngine.
+
+The engine runs on a private event-loop thread; every public method is a plain blocking call. Chat is
+stateless at the engine: each turn sends the whole history, rebuilt from the ChatSession, and a turn is
+recorded only when it finished normally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from core.config import EngineConfig, GenerationConfig
+from core.engine import AsyncEngine
+from core.request import RequestOutput, reject_removed_keywords
+from core.response import Response, collect
+
+T = TypeVar("T")
+_DONE = object()
+FAILED_FINISH_REASONS = ("abort", "error")
+
+
+class _LoopThread:
+    """An asyncio loop on a daemon thread, with blocking helpers to run work on it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="core-pipeline-loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # KeyboardInterrupt in the caller: stop the work on the loop too
+            raise
+
+    def iterate(self, agen_factory: Callable[[], AsyncIterator[T]]) -> Iterator[T]:
+        """Drive an async iterator on the loop, yielding its items here; closing stops it there."""
+        items: queue.Queue[Any] = queue.Queue()
+
+        async def pump() -> None:
+            try:
+                async for item in agen_factory():
+                    items.put(item)
+            except BaseException as exc:  # handed to the consuming thread
+                items.put(exc)
+            finally:
+                items.put(_DONE)
+
+        future = asyncio.run_coroutine_threadsafe(pump(), self.loop)
+        finished = False
+        try:
+            while (item := items.get()) is not _DONE:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+            finished = True
+        finally:
+            if not finished:
+                # Stopped early: cancel the work on the loop and wait until its cleanup has run
+                # (the concurrent future reports "cancelled" before that, so wait for the marker).
+                future.cancel()
+                while items.get(timeout=60) is not _DONE:
+                    pass
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=30)
+        self.loop.close()
+
+
+@dataclass
+class ChatSession:
+    """A multi-turn conversation: its message history and the last response."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    response: Response | None = None
+
+    @property
+    def history(self) -> list[tuple[str, str]]:
+        """(user, assistant) pairs of the recorded turns."""
+        users = [m["content"] for m in self.messages if m["role"] == "user"]
+        bots = [m["content"] for m in self.messages if m["role"] == "assistant"]
+        return list(zip(users, bots, strict=False))
+
+
+class Pipeline:
+    """Blocking offline inference over an AsyncEngine running on its own thread."""
+
+    def __init__(self, engine: AsyncEngine | Callable[[], AsyncEngine]) -> None:
+        self._loop = _LoopThread()
+        try:
+            self.engine = engine if isinstance(engine, AsyncEngine) else self._loop.run(_build(engine))
+        except BaseException:
+            self._loop.stop()
+            raise
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Pipeline:
+        return cls(lambda: AsyncEngine.from_config(config))
+
+    # -- batch ----------------------------------------------------------------------------------------
+
+    def infer(self, prompts: Any, gen_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
+              *, use_tqdm: bool | None = None, **kwargs: Any) -> Response | list[Response]:
+        """Generate for one prompt (returns a Response) or a list of prompts (a list, in order).
+
+        A prompt is a string, a list of token ids, or a list of chat messages. `gen_config` is one
+        GenerationConfig for all prompts or one per prompt; generation fields may be keywords.
+        """
+        reject_removed_keywords("infer", kwargs)
+        batch, single = _as_batch(prompts)
+        configs = _configs_for(batch, gen_config, kwargs)
+        show = len(batch) > 1 if use_tqdm is None else use_tqdm
+        responses = self._loop.run(self._infer_all(batch, configs, show))
+        return responses[0] if single else responses
+
+    async def _infer_all(self, batch: list[Any], configs: list[GenerationConfig], show: bool) -> list[Response]:
+        streams = [self.engine.generate(p, c) for p, c in zip(batch, configs, strict=True)]
+        progress = _progress(len(streams), show)
+
+        async def run(i: int) -> Response:
+            response = await collect(streams[i], index=i)
+            progress.update(1)
+            return response
+
+        try:
+            return list(await asyncio.gather(*(run(i) for i in range(len(streams)))))
+        finally:
+            for stream in streams:
+                await stream.aclose()
+            progress.close()
+
+    def stream_infer(self, prompts: Any, gen_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
+                     **kwargs: Any) -> Iterator[tuple[int, RequestOutput]]:
+        """Stream outputs of every prompt as they come, each with its prompt's index."""
+        reject_removed_keywords("stream_infer", kwargs)
+        batch, _ = _as_batch(prompts)
+        configs = _configs_for(batch, gen_config, kwargs)
+        return self._loop.iterate(lambda: self._multiplex(batch, configs))
+
+    async def _multiplex(self, batch: list[Any], configs: list[GenerationConfig]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        streams = [self.engine.generate(p, c) for p, c in zip(batch, configs, strict=True)]
+        merged: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for output in streams[i]:
+                    await merged.put((i, output))
+            except BaseException as exc:
+                await merged.put(exc)
+            finally:
+                await merged.put(_DONE)
+
+        tasks = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await merged.get()
+                if item is _DONE:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for stream in streams:
+                await stream.aclose()
+
+    # -- chat -----------------------------------------------------------------------------------------
+
+    def chat(self, prompt: str | Mapping[str, Any], session: ChatSession | None = None,
+             gen_config: GenerationConfig | None = None, **kwargs: Any) -> ChatSession:
+        """One chat turn. The whole history is sent; the turn is recorded only if it succeeded."""
+        session = session if session is not None else ChatSession()
+        for _ in self.stream_chat(prompt, session, gen_config, **kwargs):
+            pass
+        return session
+
+    def stream_chat(self, prompt: str | Mapping[str, Any], session: ChatSession,
+                    gen_config: GenerationConfig | None = None, **kwargs: Any) -> Iterator[str]:
+        """One chat turn, yielding text deltas; the turn is recorded only if it finished normally."""
+        reject_removed_keywords("chat", kwargs)
+        user = {"role": "user", "content": prompt} if isinstance(prompt, str) else dict(prompt)
+        messages = [*session.messages, user]
+        config = _configs_for([messages], gen_config, kwargs)[0]
+        response = Response()
+        session.response = response
+        for output in self._loop.iterate(lambda: self.engine.generate(messages, config)):
+            response.add(output)
+            yield output.text
+        if response.finish_reason not in FAILED_FINISH_REASONS:
+            session.messages = [*messages, {"role": "assistant", "content": response.text}]
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the engine and its thread. Idempotent."""
+        if self._loop.loop.is_closed():
+            return
+        try:
+            self._loop.run(self.engine.close())
+        finally:
+            self._loop.stop()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+async def _build(factory: Callable[[], AsyncEngine]) -> AsyncEngine:
+    return factory()
+
+
+def _is_single(prompt: Any) -> bool:
+    if isinstance(prompt, str):
+        return True
+    return isinstance(prompt, Sequence) and bool(prompt) and all(isinstance(x, (int, Mapping)) for x in prompt)
+
+
+def _as_batch(prompts: Any) -> tuple[list[Any], bool]:
+    if _is_single(prompts):
+        return [prompts], True
+    if isinstance(prompts, Sequence) and prompts:
+        return list(prompts), False
+    raise ValueError("prompts must be a prompt (string, token ids, messages) or a non-empty list of prompts")
+
+
+def _configs_for(batch: list[Any], gen_config: Any, overrides: Mapping[str, Any]) -> list[GenerationConfig]:
+    if gen_config is None or isinstance(gen_config, GenerationConfig):
+        configs = [gen_config or GenerationConfig()] * len(batch)
+    else:
+        configs = list(gen_config)
+        if len(configs) != len(batch):
+            raise ValueError(f"gen_config has {len(configs)} entries for {len(batch)} prompts")
+    return [c.replace(**overrides) if overrides else c for c in configs]
+
+
+def _progress(total: int, show: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generating", unit="req", disable=not show)
+
+
+def pipeline(model: str | None = None, *, backend: str | None = None, **engine_options: Any) -> Pipeline:
+    """A Pipeline serving `model` (a HF folder or GGUF file; None = the default model)."""
+    return Pipeline.from_config(EngineConfig(model=model, backend=backend, **engine_options))

@@ -1,0 +1,177 @@
+"""What the engine returns per request, and how one request's inputs are prepared.
+
+`prepare_request` turns user inputs (a prompt string, token ids, or OpenAI-style messages) plus a
+GenerationConfig into token ids and limits the backend can run, raising clear request errors. The
+removed interactive-mode keywords are rejected here by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from core.backend import ModelInfo, Tokenizer, TokenLogprob
+from core.chat_template import ChatTemplate, validate_messages
+from core.config import GenerationConfig
+from core.errors import ContextTooLongError, InvalidRequestError
+
+REMOVED_KEYWORDS = ("sequence_start", "sequence_end", "step", "interactive")
+GENERATION_FIELDS = frozenset(f.name for f in fields(GenerationConfig))
+
+Inputs = str | Sequence[int] | Sequence[Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One step of one choice: new text and tokens since the previous output of that choice.
+
+    `completion_tokens` counts all tokens generated so far for this choice; `finish_reason` is set on
+    its last output ("stop", "length", "abort"); `stop_reason` is the stop string or stop token id.
+    """
+
+    session_id: str
+    index: int
+    text: str
+    token_ids: Sequence[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: Sequence[TokenLogprob] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request ready for the backend: prompt ids, resolved config and stopping rules."""
+
+    prompt_token_ids: tuple[int, ...]
+    config: GenerationConfig
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    stop_strings: tuple[str, ...]
+    multimodal: Any = None
+
+
+def reject_removed_keywords(function: str, kwargs: Mapping[str, Any]) -> None:
+    """TypeError naming any interactive-mode keyword, or any other unknown keyword."""
+    for name in kwargs:
+        if name in REMOVED_KEYWORDS:
+            raise TypeError(
+                f"{function}() got the removed keyword {name!r}: requests are stateless, so send the "
+                "whole conversation with every request (prefix caching makes the repeat cheap)"
+            )
+    unknown = [name for name in kwargs if name not in GENERATION_FIELDS]
+    if unknown:
+        raise TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r}")
+
+
+def merge_config(config: GenerationConfig | None, overrides: Mapping[str, Any]) -> GenerationConfig:
+    """`config` (or defaults) with keyword overrides applied and validated."""
+    if config is not None and not isinstance(config, GenerationConfig):
+        raise TypeError(f"config must be a GenerationConfig, got {type(config).__name__}")
+    base = config or GenerationConfig()
+    return base.replace(**overrides) if overrides else base
+
+
+class RequestPreparer:
+    """Tokenizes inputs and resolves limits against one model (shared by every request)."""
+
+    def __init__(self, model: ModelInfo, tokenizer: Tokenizer, template: ChatTemplate | None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.template = template
+        self.template_stop_ids, self.template_stop_strings = self._split_template_stops()
+
+    def _split_template_stops(self) -> tuple[frozenset[int], tuple[str, ...]]:
+        # An end-of-turn marker that is one token stops on the token; a longer one on its text.
+        ids, strings = set(), []
+        for text in self.template.stop_strings if self.template else ():
+            encoded = self.tokenizer.encode(text, add_special_tokens=False)
+            if len(encoded) == 1:
+                ids.add(encoded[0])
+            else:
+                strings.append(text)
+        return frozenset(ids), tuple(strings)
+
+    def render(self, messages: Any, *, add_generation_prompt: bool = True, tools: Any = None,
+               chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """The chat prompt text for `messages`."""
+        checked = validate_messages(messages)
+        if self.template is None:
+            raise InvalidRequestError(
+                f"model {self.model.name!r} has no chat template; send a prompt instead of messages, "
+                "or start the engine with --chat-template NAME|FILE",
+                param="messages",
+            )
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise InvalidRequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+        return self.template.render(checked, add_generation_prompt=add_generation_prompt, tools=tools,
+                                    **dict(chat_template_kwargs or {}))
+
+    def tokenize(self, inputs: Inputs, **render_options: Any) -> tuple[tuple[int, ...], bool]:
+        """Prompt token ids and whether the inputs were chat messages."""
+        if isinstance(inputs, str):
+            return tuple(self.tokenizer.encode(inputs, add_special_tokens=True)), False
+        if isinstance(inputs, Sequence) and inputs and all(isinstance(m, Mapping) for m in inputs):
+            text = self.render(inputs, **render_options)
+            add_special = self.template is not None and self.template.encode_with_special_tokens
+            return tuple(self.tokenizer.encode(text, add_special_tokens=add_special)), True
+        if isinstance(inputs, Sequence) and inputs and all(_is_token(t) for t in inputs):
+            self._check_token_ids(inputs)
+            return tuple(inputs), False
+        raise InvalidRequestError(
+            "the prompt must be a non-empty string, a list of token ids or a list of chat messages",
+            param="prompt",
+        )
+
+    def _check_token_ids(self, token_ids: Sequence[int]) -> None:
+        vocab = self.model.vocab_size
+        for t in token_ids:
+            if t < 0 or (vocab and t >= vocab):
+                raise InvalidRequestError(f"token id {t} is outside the vocabulary [0, {vocab})", param="prompt")
+
+    def prepare(self, inputs: Inputs, config: GenerationConfig, **render_options: Any) -> PreparedRequest:
+        """Everything the backend needs, or a clear request error."""
+        prompt, is_chat = self.tokenize(inputs, **render_options)
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty after tokenization", param="prompt")
+        max_new = self._max_new_tokens(len(prompt), config)
+        config = config.with_defaults(self.model.generation_defaults)
+        stop_ids = set(config.stop_token_ids)
+        if not config.ignore_eos:
+            stop_ids |= set(self.model.eos_token_ids) | self.template_stop_ids
+        strings = config.stop + (self.template_stop_strings if is_chat and not config.ignore_eos else ())
+        return PreparedRequest(prompt, config, max_new, frozenset(stop_ids), strings)
+
+    def _max_new_tokens(self, prompt_len: int, config: GenerationConfig) -> int:
+        window = self.model.max_model_len
+        if prompt_len >= window:
+            raise ContextTooLongError(
+                f"the prompt has {prompt_len} tokens but the model's context window is {window} tokens "
+                "and at least one token must be generated; shorten the prompt",
+                param="prompt",
+            )
+        room = window - prompt_len
+        if config.max_new_tokens is not None and config.max_new_tokens > room:
+            raise ContextTooLongError(
+                f"the context window is {window} tokens: the prompt has {prompt_len}, so max_new_tokens "
+                f"can be at most {room}, got {config.max_new_tokens}",
+                param="max_new_tokens",
+            )
+        if config.min_new_tokens > room:
+            raise ContextTooLongError(
+                f"min_new_tokens {config.min_new_tokens} does not fit the {room} tokens left in the "
+                "context window",
+                param="min_new_tokens",
+            )
+        return config.max_new_tokens if config.max_new_tokens is not None else room
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

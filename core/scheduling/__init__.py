@@ -1,0 +1,15 @@
+"""Pure-Python paged-KV scheduling: sequences, block manager, scheduler (no torch)."""
+
+from core.scheduling.block_manager import BlockManager, hash_block
+from core.scheduling.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from core.scheduling.sequence import Sequence, SequenceStatus
+
+__all__ = [
+    "BlockManager",
+    "ScheduledSequence",
+    "Scheduler",
+    "SchedulerOutput",
+    "Sequence",
+    "SequenceStatus",
+    "hash_block",
+]

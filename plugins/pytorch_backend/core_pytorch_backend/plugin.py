@@ -1,0 +1,26 @@
+"""Hook implementations of the pytorch backend: the backend itself and its built-in architectures.
+
+Everything is registered lazily ("module:attr" strings), so `core plugins` never imports torch.
+"""
+
+from __future__ import annotations
+
+from core import hookimpl
+from core_pytorch_backend.models import BUILTIN_ARCHITECTURES
+
+BACKEND_NAME = "pytorch"
+# Below the cuda backend (20): on a GPU machine with both installed, cuda is preferred.
+PRIORITY = 10
+
+
+@hookimpl
+def core_register_backends(register):
+    register(BACKEND_NAME, "core_pytorch_backend.backend:PytorchBackend", priority=PRIORITY,
+             description="paged KV cache, continuous batching, prefix caching; Triton kernels on CUDA, "
+                         "plain torch on the CPU")
+
+
+@hookimpl
+def core_register_model_architectures(register):
+    for architecture, target in BUILTIN_ARCHITECTURES.items():
+        register(architecture, target, backend=BACKEND_NAME)

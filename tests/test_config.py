@@ -1,0 +1,58 @@
+"""GenerationConfig and EngineConfig validation: every error names the field and the value."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.config import EngineConfig, GenerationConfig
+from core.errors import InvalidRequestError
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("n", 0), ("n", True), ("max_new_tokens", 0), ("min_new_tokens", -1), ("temperature", -1),
+     ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2),
+     ("repetition_penalty", 0), ("presence_penalty", 3), ("frequency_penalty", -2.5), ("seed", 2**63),
+     ("top_logprobs", 21), ("stop", [""]), ("stop", 5), ("stop_token_ids", [-1]), ("ignore_eos", "yes"),
+     ("logprobs", 1), ("logit_bias", {1: 200}), ("logit_bias", {-1: 1.0}), ("skip_special_tokens", None)],
+)
+def test_bad_values_name_the_field(field, value):
+    with pytest.raises(InvalidRequestError) as info:
+        GenerationConfig(**{field: value})
+    assert field.split()[0] in str(info.value) and isinstance(info.value, ValueError)
+    assert info.value.param.startswith(field.split("[")[0].split()[0])
+
+
+def test_cross_field_rules():
+    with pytest.raises(InvalidRequestError, match="min_new_tokens"):
+        GenerationConfig(max_new_tokens=2, min_new_tokens=3)
+    with pytest.raises(InvalidRequestError, match="top_logprobs needs logprobs"):
+        GenerationConfig(top_logprobs=3)
+
+
+def test_defaults_come_from_the_model_then_fallbacks():
+    config = GenerationConfig(top_p=0.5).with_defaults({"temperature": 0.7, "top_p": 0.9})
+    assert (config.temperature, config.top_p, config.top_k, config.repetition_penalty) == (0.7, 0.5, 0, 1.0)
+    assert GenerationConfig(temperature=0).with_defaults().is_greedy
+
+
+def test_stop_accepts_a_string_and_lists_become_tuples():
+    assert GenerationConfig(stop="END", stop_token_ids=[3]).stop == ("END",)
+    assert GenerationConfig(stop_token_ids=[3]).stop_token_ids == (3,)
+
+
+def test_from_dict_rejects_unknown_keys():
+    with pytest.raises(InvalidRequestError, match="'max_tokens'"):
+        GenerationConfig.from_dict({"max_tokens": 3})
+
+
+@pytest.mark.parametrize(("field", "value"), [("dtype", "int4"), ("block_size", 0), ("kv_cache_memory_gib", 0),
+                                              ("max_num_seqs", 0), ("kv_cache_memory_fraction", 1.5)])
+def test_engine_config_validation(field, value):
+    with pytest.raises(InvalidRequestError, match=field):
+        EngineConfig(**{field: value})
+
+
+def test_model_name():
+    assert EngineConfig(model="/models/SmolLM2/").model_name == "SmolLM2"
+    assert EngineConfig(model="x", served_model_name="alias").model_name == "alias"

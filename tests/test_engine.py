@@ -1,0 +1,153 @@
+"""AsyncEngine behaviour beyond the contract suite: failures, text, stops, templates, defaults."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from core.chat_template import ChatTemplate
+from core.config import GenerationConfig
+from core.engine import AsyncEngine
+from core.errors import BackendError, EngineUnavailableError, InvalidRequestError
+from core.response import collect
+from core.testing.fake import EOS, FakeBackend
+
+GREEDY = GenerationConfig(temperature=0.0, max_new_tokens=16)
+
+
+def script_of(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+async def run(engine: AsyncEngine, prompt="hi", config=GREEDY, **kwargs):
+    return await collect(engine.generate(prompt, config, **kwargs))
+
+
+async def test_backend_exception_aborts_once_and_ends_once():
+    backend = FakeBackend(fail_after=2)
+    engine = AsyncEngine(backend)
+    stream = engine.generate("hello", GREEDY)
+    with pytest.raises(BackendError, match="internal error") as info:
+        await collect(stream)
+    assert "injected" not in str(info.value)  # internals stay in the log
+    assert backend.count("abort", stream.session_id) == 1
+    assert backend.count("end", stream.session_id) == 1
+    assert len(engine.sessions) == 0 and backend.stats().kv_blocks_used == 0
+
+
+async def test_utf8_deltas_never_split_a_character():
+    text = "né😀 ok"
+    engine = AsyncEngine(FakeBackend(script=script_of(text)))
+    outputs = [o async for o in engine.generate("x", GREEDY)]
+    assert "".join(o.text for o in outputs) == text
+    assert all("\ufffd" not in o.text for o in outputs)
+    assert outputs[-1].finish_reason == "stop" and outputs[-1].stop_reason == EOS
+    assert outputs[-1].completion_tokens == len(text.encode()) + 1  # the eos token counts
+
+
+async def test_stop_string_across_tokens_is_not_emitted():
+    engine = AsyncEngine(FakeBackend(script=script_of("abc STOP def")))
+    response = await run(engine, config=GREEDY.replace(stop=("STOP",)))
+    assert response.text == "abc " and response.finish_reason == "stop"
+    assert response.choices[0].stop_reason == "STOP"
+    assert len(engine.sessions) == 0 and engine.stats().kv_blocks_used == 0
+
+
+async def test_include_stop_str_in_output_and_held_back_prefixes():
+    engine = AsyncEngine(FakeBackend(script=script_of("a ST b STOP")))
+    outputs = [o async for o in engine.generate("x", GREEDY.replace(stop=("STOP",), include_stop_str_in_output=True))]
+    assert "".join(o.text for o in outputs) == "a ST b STOP"
+
+
+async def test_stop_token_text_is_dropped_unless_asked():
+    engine = AsyncEngine(FakeBackend(script=script_of("ok")))
+    plain = await run(engine, config=GREEDY.replace(skip_special_tokens=False))
+    kept = await run(engine, config=GREEDY.replace(skip_special_tokens=False, include_stop_str_in_output=True))
+    assert plain.text == "ok" and kept.text == "ok<eos>"
+
+
+async def test_min_new_tokens_and_ignore_eos():
+    engine = AsyncEngine(FakeBackend(script=[EOS]))
+    assert (await run(engine, config=GREEDY.replace(min_new_tokens=3))).completion_tokens >= 3
+    response = await run(engine, config=GREEDY.replace(max_new_tokens=5, ignore_eos=True))
+    assert response.finish_reason == "length" and len(response.token_ids) == 5
+
+
+async def test_generation_fields_as_keywords_and_unknown_keyword(engine):
+    response = await run(engine, config=None, max_new_tokens=4, ignore_eos=True)
+    assert len(response.token_ids) == 4
+    with pytest.raises(TypeError, match="max_tokens"):
+        engine.generate("hi", max_tokens=4)
+
+
+async def test_model_generation_defaults_fill_unset_fields():
+    backend = FakeBackend()
+    backend.model_info = dataclasses.replace(backend.model_info, generation_defaults={"temperature": 0.3, "top_k": 5})
+    engine = AsyncEngine(backend)
+    stream = engine.generate("hi", GenerationConfig(top_k=9, max_new_tokens=1))
+    assert stream.prepared.config.temperature == 0.3 and stream.prepared.config.top_k == 9
+    assert stream.prepared.config.top_p == 1.0
+    await stream.aclose()
+    assert len(engine.sessions) == 0
+
+
+class BracketTemplate(ChatTemplate):
+    stop_strings = ("<eos>", "[end]")
+
+    def render(self, messages, *, add_generation_prompt=True, tools=None, **kwargs):
+        text = "".join(f"[{m['role']}]{m['content']}" for m in messages)
+        return text + ("[assistant]" if add_generation_prompt else "")
+
+
+async def test_chat_messages_render_through_the_template():
+    engine = AsyncEngine(FakeBackend(script=script_of("yes[end]more")), chat_template=BracketTemplate())
+    messages = [{"role": "user", "content": "hi"}]
+    assert engine.detokenize(engine.tokenize(messages)) == "[user]hi[assistant]"
+    response = await run(engine, messages)
+    assert response.text == "yes" and response.choices[0].stop_reason == "[end]"
+    assert engine.preparer.template_stop_ids == {EOS}
+
+
+async def test_messages_without_a_template_are_a_clear_error(engine):
+    with pytest.raises(InvalidRequestError, match="no chat template"):
+        engine.generate([{"role": "user", "content": "hi"}], GREEDY)
+    with pytest.raises(InvalidRequestError, match="role"):
+        engine.generate([{"role": "wizard", "content": "hi"}], GREEDY)
+
+
+async def test_token_ids_outside_the_vocabulary(engine):
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        engine.generate([1, 2, 999], GREEDY)
+
+
+async def test_unstarted_stream_leaks_no_session(engine):
+    stream = engine.generate("hi", GREEDY)
+    assert len(engine.sessions) == 1
+    del stream
+    assert len(engine.sessions) == 0
+
+
+async def test_closed_engine_refuses_requests(engine):
+    await engine.close()
+    with pytest.raises(EngineUnavailableError):
+        engine.generate("hi", GREEDY)
+
+
+async def test_logprobs_are_passed_through(engine):
+    response = await run(engine, config=GREEDY.replace(logprobs=True, top_logprobs=2, max_new_tokens=3))
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs) == 3 and all(len(lp.top) == 2 for lp in logprobs)
+
+
+async def test_n_choices_stop_independently():
+    def rule(context, choice):
+        return [ord("a"), ord("b")][choice] if len(context) < 6 else ord("S")
+
+    engine = AsyncEngine(FakeBackend(next_token=rule))
+    response = await run(engine, "x", GREEDY.replace(n=2, stop=("S",), max_new_tokens=10))
+    assert [c.text for c in response.choices] == ["aaaa", "bbbb"]
+    assert all(c.finish_reason == "stop" for c in response.choices)
+    await asyncio.sleep(0)
+    assert len(engine.sessions) == 0 and engine.stats().kv_blocks_used == 0
