@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from core_pytorch_backend import sampling
 from core_pytorch_backend.sampling import (
     SamplingBatch,

@@ -1,0 +1,99 @@
+"""What one forward step's attention needs to know about its flat batch of new tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's flat batch of new tokens, laid out sequence after sequence.
+
+    The tensors live on the model's device; the ``*_list`` copies let the CPU path (and any
+    Python-side bookkeeping) avoid ``.tolist()`` device syncs.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: block * block_size + offset of each new token; < 0 = skip
+    query_start_loc: torch.Tensor  # [B + 1] int32: cumulative new-token counts
+    seq_lens: torch.Tensor  # [B] int32: cached + new tokens of each sequence after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+    block_size: int
+    is_decode: bool  # every sequence brings exactly one new token
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_list)
+
+    @property
+    def context_lens_list(self) -> list[int]:
+        """Tokens already in the cache before this step, per sequence."""
+        return [s - q for s, q in zip(self.seq_lens_list, self.query_lens_list, strict=True)]
+
+    def positions(self) -> torch.Tensor:
+        """[T] int64 positions of the new tokens (context length + index in the chunk)."""
+        pos = [
+            c + i for c, q in zip(self.context_lens_list, self.query_lens_list, strict=True) for i in range(q)
+        ]
+        return torch.tensor(pos, dtype=torch.int64, device=self.slot_mapping.device)
+
+    def last_token_indices(self) -> torch.Tensor:
+        """[B] int64 index into the flat batch of each sequence's last new token."""
+        return (self.query_start_loc[1:] - 1).to(torch.int64)
+
+    @classmethod
+    def build(
+        cls,
+        num_computed: Sequence[int],
+        num_new: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """From per-sequence cached-token counts, new-token counts and block tables."""
+        if not (len(num_computed) == len(num_new) == len(block_tables)):
+            raise ValueError("num_computed, num_new and block_tables must have one entry per sequence")
+        seq_lens = [c + n for c, n in zip(num_computed, num_new, strict=True)]
+        slots = _slot_mapping(num_computed, num_new, block_tables, block_size)
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        table = torch.zeros((len(block_tables), max(max_blocks, 1)), dtype=torch.int32)
+        for i, row in enumerate(block_tables):
+            table[i, : len(row)] = torch.tensor(list(row), dtype=torch.int32)
+        starts = [0]
+        for n in num_new:
+            starts.append(starts[-1] + n)
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=table.to(device),
+            max_query_len=max(num_new, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            query_lens_list=list(num_new),
+            seq_lens_list=seq_lens,
+            block_size=block_size,
+            is_decode=all(n == 1 for n in num_new),
+        )
+
+
+def _slot_mapping(num_computed, num_new, block_tables, block_size) -> list[int]:
+    slots = []
+    for computed, new, table in zip(num_computed, num_new, block_tables, strict=True):
+        needed = -(-(computed + new) // block_size)
+        if len(table) < needed:
+            raise ValueError(
+                f"block table has {len(table)} blocks, {needed} needed for {computed + new} tokens"
+            )
+        for pos in range(computed, computed + new):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    return slots

@@ -1,0 +1,180 @@
+"""PytorchBackend: the Backend contract over the engine loop, for checkpoints on disk.
+
+Loading: a Hugging Face folder or a GGUF file (the default model when none is given), the model built
+from the architecture registry (built-ins plus third-party plugins). Sleep level 1 releases the KV cache
+and moves weights to host memory; level 2 releases both (weights are re-read from the checkpoint on
+wakeup).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import torch
+
+from core.backend import Backend, BackendOutput, BackendStats, EndResult, GenerateRequest, ModelInfo
+from core.config import EngineConfig
+from core.errors import BackendError, InvalidRequestError
+from core_pytorch_backend.engine_loop import EngineLoop
+from core_pytorch_backend.kernels import select_ops
+from core_pytorch_backend.layers.attention import bind_kv_caches
+from core_pytorch_backend.loader import LoadedModel, default_model_path, load_checkpoint
+from core_pytorch_backend.model_runner import ModelRunner, kv_cache_blocks
+from core_pytorch_backend.request_state import END_OF_STREAM, RequestState, sampling_params
+
+log = logging.getLogger(__name__)
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def architectures_for(backend_name: str) -> dict[str, Any]:
+    """Model classes registered for this backend through `core_register_model_architectures`."""
+    from core.plugins import get_plugins
+
+    return {name: entry.target for name, entry in get_plugins().model_architectures.in_scope(backend_name).items()}
+
+
+def resolve_device(requested: str | None) -> torch.device:
+    if requested:
+        return torch.device(requested)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class PytorchBackend(Backend):
+    """Paged KV cache, continuous batching, prefix caching and batched sampling in torch."""
+
+    name = "pytorch"
+
+    def __init__(self, config: EngineConfig, *, architectures: dict[str, Any] | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.source = str(config.model) if config.model else str(default_model_path())
+        self._architectures = architectures if architectures is not None else architectures_for(self.name)
+        loaded = self._load()
+        self.tokenizer = loaded.tokenizer
+        self.dtype = loaded.dtype
+        num_blocks = kv_cache_blocks(loaded.model, config.block_size, loaded.dtype, self.device,
+                                     config.kv_cache_memory_gib, config.kv_cache_memory_fraction)
+        max_len = self._max_model_len(loaded, num_blocks)
+        self.model_info = self._model_info(loaded, max_len)
+        runner = ModelRunner(loaded.model, block_size=config.block_size, num_blocks=num_blocks,
+                             device=self.device, dtype=loaded.dtype)
+        self.loop = EngineLoop(runner, max_model_len=max_len, max_num_seqs=config.max_num_seqs,
+                               max_num_batched_tokens=max(config.max_num_batched_tokens, 1),
+                               enable_prefix_caching=config.enable_prefix_caching)
+        self._asleep: set[str] = set()
+        self._weights_dropped = False
+        log.info("KV cache: %d blocks of %d tokens (%d tokens) on %s, %s", num_blocks, config.block_size,
+                 num_blocks * config.block_size, self.device, str(loaded.dtype).replace("torch.", ""))
+
+    # -- loading --------------------------------------------------------------------------------------
+
+    def _load(self) -> LoadedModel:
+        return load_checkpoint(self.source, dtype=self.config.dtype, device=self.device,
+                               architectures=self._architectures, ops=select_ops(self.device))
+
+    def _max_model_len(self, loaded: LoadedModel, num_blocks: int) -> int:
+        wanted = self.config.max_model_len or loaded.max_model_len
+        capacity = num_blocks * self.config.block_size
+        if wanted > capacity:
+            log.warning("max_model_len %d exceeds the KV cache (%d tokens); using %d", wanted, capacity, capacity)
+        return min(wanted, capacity)
+
+    def _model_info(self, loaded: LoadedModel, max_len: int) -> ModelInfo:
+        eos = loaded.generation_config.get("eos_token_id", getattr(loaded.hf_config, "eos_token_id", None))
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        if not eos_ids and getattr(loaded.tokenizer, "eos_token_id", None) is not None:
+            eos_ids = (loaded.tokenizer.eos_token_id,)
+        defaults = {k: loaded.generation_config[k] for k in GENERATION_DEFAULT_KEYS if k in loaded.generation_config}
+        if loaded.generation_config.get("do_sample") is False:
+            defaults["temperature"] = 0.0
+        return ModelInfo(
+            name=self.config.served_model_name or _display_name(self.source),
+            architecture=(getattr(loaded.hf_config, "architectures", None) or ["unknown"])[0],
+            max_model_len=max_len, eos_token_ids=eos_ids, chat_template=loaded.chat_template,
+            generation_defaults=defaults, dtype=str(loaded.dtype).replace("torch.", ""),
+            vocab_size=int(loaded.hf_config.vocab_size),
+        )
+
+    # -- the contract ---------------------------------------------------------------------------------
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[BackendOutput]:
+        return self._generate(request)
+
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[BackendOutput]:
+        if self._asleep:
+            raise BackendError("the backend is asleep; wake it up first")
+        state = RequestState(request, asyncio.get_running_loop(), asyncio.Queue(), sampling_params(request),
+                             self.model_info.max_model_len)
+        try:
+            await asyncio.wrap_future(self.loop.call(lambda: self.loop.add(state)))
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="prompt") from exc
+        finished = False
+        try:
+            while (item := await state.queue.get()) is not END_OF_STREAM:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+            finished = True
+        finally:
+            if not finished:
+                await asyncio.shield(asyncio.wrap_future(self.loop.call(lambda: self.loop.abort(request.session_id))))
+
+    async def abort(self, session_id: str) -> None:
+        await asyncio.wrap_future(self.loop.call(lambda: self.loop.abort(session_id)))
+
+    async def end(self, session_id: str) -> EndResult:
+        return await asyncio.wrap_future(self.loop.call(lambda: self.loop.end(session_id)))
+
+    async def sleep(self, level: int) -> None:
+        await asyncio.wrap_future(self.loop.call(lambda: self._sleep(level)))
+
+    async def wakeup(self, tags: Sequence[str]) -> None:
+        await asyncio.wrap_future(self.loop.call(lambda: self._wakeup(tags)))
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._asleep)
+
+    def stats(self) -> BackendStats:
+        return self.loop.stats(self.is_sleeping)
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.loop.stop)
+
+    # -- sleep (run on the loop thread) ----------------------------------------------------------------
+
+    def _sleep(self, level: int) -> None:
+        self.loop.abort_all()
+        runner = self.loop.runner
+        if runner.has_kv_cache:
+            runner.free_kv_cache()
+            self.loop.block_manager.reset()
+        if level == 2:
+            runner.model.to("meta")  # weights dropped; re-read from the checkpoint on wakeup
+        elif self.device.type != "cpu":
+            runner.model.to("cpu")  # level 1: weights kept in host memory
+        self._asleep = {"weights", "kv_cache"}
+        self._weights_dropped = level == 2
+
+    def _wakeup(self, tags: Sequence[str]) -> None:
+        runner = self.loop.runner
+        if "weights" in tags and "weights" in self._asleep:
+            if self._weights_dropped:
+                runner.model = self._load().model
+                if runner.kv_caches is not None:
+                    bind_kv_caches(runner.model, runner.kv_caches)
+            else:
+                runner.model.to(self.device)
+            self._asleep.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in self._asleep:
+            runner.allocate_kv_cache()
+            self._asleep.discard("kv_cache")
+
+
+def _display_name(source: str) -> str:
+    name = source.rstrip("/").rsplit("/", 1)[-1]
+    return name[:-5] if name.endswith(".gguf") else name

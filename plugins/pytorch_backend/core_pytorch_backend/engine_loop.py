@@ -1,0 +1,239 @@
+"""The engine loop: a thread that runs scheduler step -> model runner -> sampler -> outputs.
+
+All scheduler and model state is touched by this thread only; the asyncio side submits commands
+(add, abort, end, sleep, wakeup) through a queue and awaits their results, so the server's event loop
+never blocks on a forward pass. Commands run between steps.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from core.backend import BackendStats, EndResult, FinishReason
+from core.errors import BackendError
+from core.scheduling import BlockManager, Scheduler, Sequence
+from core_pytorch_backend.model_runner import ModelRunner
+from core_pytorch_backend.request_state import END_OF_STREAM, RequestState
+from core_pytorch_backend.sampling import SamplingBatch, SamplingRow, sample
+
+log = logging.getLogger(__name__)
+IDLE_WAIT_SECONDS = 0.5
+
+
+class EngineLoop:
+    """Owns the scheduler and the model runner; see the module docstring."""
+
+    def __init__(self, runner: ModelRunner, *, max_model_len: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, enable_prefix_caching: bool) -> None:
+        self.runner = runner
+        self.max_model_len = max_model_len
+        self.block_manager = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max(max_num_batched_tokens, 1))
+        self.requests: dict[str, RequestState] = {}  # in flight
+        self.known: set[str] = set()  # generated for and not yet ended
+        self._by_seq: dict[str, tuple[RequestState, int]] = {}
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.SimpleQueue()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="core-pytorch-engine", daemon=True)
+        self._thread.start()
+
+    # -- called from other threads --------------------------------------------------------------------
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn` on the loop thread between steps; the future holds its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._stopping:
+            future.set_exception(BackendError("the backend is closed"))
+        else:
+            self._commands.put((fn, future))
+        return future
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.call(self._shutdown).result(timeout=60)
+            self._thread.join(timeout=60)
+
+    def stats(self, is_sleeping: bool) -> BackendStats:
+        bm = self.block_manager
+        return BackendStats(
+            running=self.scheduler.num_running, waiting=self.scheduler.num_waiting, sessions=len(self.known),
+            kv_blocks_total=self.runner.num_blocks, kv_blocks_used=bm.num_used_blocks,
+            block_size=self.runner.block_size, prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits, is_sleeping=is_sleeping,
+        )
+
+    # -- the thread -----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_commands(block=not self.scheduler.has_unfinished)
+            if self._stopping or not self.scheduler.has_unfinished:
+                continue
+            try:
+                self._step()
+            except Exception as exc:  # fail the affected requests; the loop keeps serving
+                log.exception("engine step failed")
+                self._fail_all(exc)
+
+    def _drain_commands(self, block: bool) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get(timeout=IDLE_WAIT_SECONDS) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+    def _shutdown(self) -> None:
+        for state in list(self.requests.values()):
+            self._finish_request(state, FinishReason.ABORT)
+        self._stopping = True
+
+    # -- commands -------------------------------------------------------------------------------------
+
+    def add(self, state: RequestState) -> None:
+        sid = state.session_id
+        if sid in self.requests:
+            raise BackendError(f"session {sid!r} is already generating")
+        seq = Sequence(f"{sid}#0", state.request.prompt_token_ids)
+        self.scheduler.add(seq)  # ValueError if it can never fit
+        state.sequences[0] = seq
+        state.open_choices = set(range(state.n))
+        self.requests[sid] = state
+        self.known.add(sid)
+        self._by_seq[seq.seq_id] = (state, 0)
+
+    def abort(self, session_id: str) -> None:
+        state = self.requests.get(session_id)
+        if state is not None:
+            self._finish_request(state, FinishReason.ABORT)
+
+    def end(self, session_id: str) -> EndResult:
+        self.abort(session_id)
+        if session_id in self.known:
+            self.known.discard(session_id)
+            return EndResult.ENDED
+        return EndResult.NOT_FOUND
+
+    def abort_all(self) -> None:
+        for state in list(self.requests.values()):
+            self._finish_request(state, FinishReason.ABORT)
+
+    # -- one step -------------------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        out = self.scheduler.schedule()
+        for seq in out.too_long:
+            self._close_sequence(seq, FinishReason.LENGTH)
+        self.runner.copy_blocks(out.block_copies)
+        if not out.scheduled:
+            return
+        if not self.runner.has_kv_cache:
+            self._fail_all(BackendError("the KV cache is released (the backend is asleep); wake it up"))
+            return
+        inputs = self.runner.prepare(out.scheduled)
+        logits = self.runner.execute(inputs)
+        sampling = [s.seq for s in inputs.sampling]
+        rows, owners = self._sampling_rows(sampling)
+        result = sample(logits.index_select(0, torch.tensor(owners, device=logits.device)),
+                        SamplingBatch.from_rows(rows, device=logits.device)) if rows else None
+        first = {}
+        for row, seq in enumerate(sampling):
+            first[seq.seq_id] = result.token_ids[self._first_row(owners, row)]
+        self.scheduler.update(out, first)
+        if result is not None:
+            self._emit(sampling, owners, result)
+
+    def _sampling_rows(self, sampling: list[Sequence]) -> tuple[list[SamplingRow], list[int]]:
+        """One row per sampled token; a first sample of an n>1 request gets n rows of its logits."""
+        rows, owners = [], []
+        for i, seq in enumerate(sampling):
+            state, index = self._by_seq[seq.seq_id]
+            choices = range(state.n) if state.n > 1 and not state.forked else (index,)
+            for choice in choices:
+                rows.append(SamplingRow(state.params, seq.prompt_token_ids, seq.output_token_ids,
+                                        state.generator(choice, self.runner.device), state.banned(seq)))
+                owners.append(i)
+        return rows, owners
+
+    @staticmethod
+    def _first_row(owners: list[int], row: int) -> int:
+        return owners.index(row)
+
+    def _emit(self, sampling: list[Sequence], owners: list[int], result: Any) -> None:
+        for position, seq in enumerate(sampling):
+            state, index = self._by_seq.get(seq.seq_id, (None, None))
+            if state is None or state.session_id not in self.requests:
+                continue
+            rows = [r for r, owner in enumerate(owners) if owner == position]
+            if len(rows) > 1:
+                self._fork(state, seq, [result.token_ids[r] for r in rows[1:]])
+            for choice, r in zip((index, *range(1, len(rows))), rows, strict=True):
+                self._deliver(state, choice, result.token_ids[r], result.logprobs[r])
+
+    def _fork(self, state: RequestState, parent: Sequence, tokens: list[int]) -> None:
+        """n > 1: children share the prompt's blocks; each starts from its own first token."""
+        state.forked = True
+        for choice, token in enumerate(tokens, start=1):
+            child = parent.fork(f"{state.session_id}#{choice}")
+            child.token_ids[-1] = token
+            self.scheduler.fork(parent, child)
+            state.sequences[choice] = child
+            self._by_seq[child.seq_id] = (state, choice)
+
+    def _deliver(self, state: RequestState, choice: int, token: int, logprobs: Any) -> None:
+        seq = state.sequences[choice]
+        finish = state.finish_reason(seq, token)
+        state.send(state.output(choice, token, finish, logprobs))
+        if finish is not None:
+            self._close_sequence(seq, finish, notify=False)
+
+    # -- finishing ------------------------------------------------------------------------------------
+
+    def _close_sequence(self, seq: Sequence, reason: FinishReason, notify: bool = True) -> None:
+        state, choice = self._by_seq.pop(seq.seq_id, (None, None))
+        if not seq.is_finished:
+            self.scheduler.finish(seq)
+        if state is None:
+            return
+        if notify:
+            state.close_choice(choice, reason)
+        else:
+            state.open_choices.discard(choice)
+        if not state.open_choices and (state.forked or state.n == 1):
+            self._drop_request(state)
+
+    def _finish_request(self, state: RequestState, reason: FinishReason) -> None:
+        for seq in list(state.sequences.values()):
+            if seq.seq_id in self._by_seq:
+                self._close_sequence(seq, reason)
+        for choice in sorted(state.open_choices):  # choices never forked yet
+            state.close_choice(choice, reason)
+        self._drop_request(state)
+
+    def _drop_request(self, state: RequestState) -> None:
+        if self.requests.get(state.session_id) is state:
+            del self.requests[state.session_id]
+            for seq in state.sequences.values():
+                self._by_seq.pop(seq.seq_id, None)
+                if self.scheduler.get(seq.seq_id) is not None:
+                    self.scheduler.abort(seq.seq_id)
+            state.send(END_OF_STREAM)
+
+    def _fail_all(self, exc: Exception) -> None:
+        error = exc if isinstance(exc, BackendError) else BackendError(f"engine step failed ({type(exc).__name__})")
+        for state in list(self.requests.values()):
+            state.send(error)
+            self._finish_request(state, FinishReason.ERROR)

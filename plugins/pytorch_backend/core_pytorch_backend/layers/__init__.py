@@ -1,0 +1,35 @@
+"""Building blocks of the pytorch backend's models; each receives the ops namespace it runs on."""
+
+from .activation import SiluAndMul, get_act_and_mul
+from .attention import (
+    Attention,
+    allocate_kv_caches,
+    attention_layers,
+    bind_kv_caches,
+    kv_cache_shape,
+    unbind_kv_caches,
+)
+from .embedding import LMHead, VocabEmbedding
+from .linear import Linear, MergedLinear, QKVLinear
+from .norm import RMSNorm
+from .rotary import RotaryEmbedding, get_rope, rope_parameters
+
+__all__ = [
+    "Attention",
+    "LMHead",
+    "Linear",
+    "MergedLinear",
+    "QKVLinear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SiluAndMul",
+    "VocabEmbedding",
+    "allocate_kv_caches",
+    "attention_layers",
+    "bind_kv_caches",
+    "get_act_and_mul",
+    "get_rope",
+    "kv_cache_shape",
+    "rope_parameters",
+    "unbind_kv_caches",
+]

