@@ -1,0 +1,86 @@
+"""Anthropic-compatible routes: POST /v1/messages (whole or streamed) and /v1/messages/count_tokens."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from core.errors import CoreError
+from core.request import RequestOutput
+from core.server import anthropic_protocol as ap
+from core.server.errors import Protocol, core_error_body, renamed_params
+from core.server.serving import (
+    EventStreamResponse,
+    check_model,
+    collect_all,
+    guarded_events,
+    parse_body,
+    start_requests,
+    state_of,
+    until_disconnected,
+    user_request_id,
+)
+from core.server.sse import sse_event
+
+router = APIRouter()
+
+
+def anthropic_error_event(exc: CoreError) -> str:
+    """The `error` event that ends a stream that failed midway."""
+    return sse_event("error", core_error_body(Protocol.ANTHROPIC, exc))
+
+
+@router.post("/v1/messages")
+async def messages(request: Request) -> Response:
+    """Anthropic Messages: one assistant turn for the conversation."""
+    state = state_of(request)
+    req = await parse_body(request, ap.MessagesRequest)
+    check_model(state, req.model)
+    rid = user_request_id(request, None)
+    with renamed_params(ap.PARAM_NAMES):
+        config = ap.generation_config(req)
+        [stream] = await start_requests(state.engine, [ap.to_chat_messages(req)], config, [rid], tools=req.tools)
+    message_id = f"msg_{rid or uuid.uuid4().hex}"
+    source = state.metrics.track(stream)
+    if req.stream:
+        events = _message_events(message_id, state.model_name, len(stream.prompt_token_ids), source,
+                                 req.stop_sequences)
+        return EventStreamResponse(guarded_events(events, anthropic_error_event, None),
+                                   headers={"X-Request-Id": message_id})
+    [result] = await until_disconnected(request, collect_all([source]))
+    return JSONResponse(ap.message_response(message_id, state.model_name, result, req.stop_sequences),
+                        headers={"X-Request-Id": message_id})
+
+
+async def _message_events(message_id: str, model: str, input_tokens: int, source: AsyncIterator[RequestOutput],
+                          stop_sequences: list[str] | None) -> AsyncIterator[str]:
+    yield sse_event("message_start", ap.message_start(message_id, model, input_tokens))
+    yield sse_event("content_block_start", {"type": "content_block_start", "index": 0,
+                                            "content_block": {"type": "text", "text": ""}})
+    last: RequestOutput | None = None
+    async for out in source:
+        if out.text:
+            yield sse_event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                    "delta": {"type": "text_delta", "text": out.text}})
+        last = out
+    yield sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    reason, sequence = ap.stop_reason(last.finish_reason if last else None, last.stop_reason if last else None,
+                                      stop_sequences)
+    delta: dict[str, Any] = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                             "usage": {"output_tokens": last.completion_tokens if last else 0}}
+    yield sse_event("message_delta", delta)
+    yield sse_event("message_stop", {"type": "message_stop"})
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request) -> dict[str, int]:
+    """Prompt tokens the conversation would take, as /v1/messages renders it."""
+    state = state_of(request)
+    req = await parse_body(request, ap.CountTokensRequest)
+    check_model(state, req.model)
+    ids = state.engine.tokenize(ap.to_chat_messages(req), tools=req.tools)
+    return {"input_tokens": len(ids)}

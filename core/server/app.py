@@ -1,0 +1,72 @@
+"""The FastAPI app factory: routers, error handlers and the API-key gate over one AsyncEngine."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from core import __version__
+from core.engine import AsyncEngine
+from core.server import admin, anthropic, openai
+from core.server.errors import error_body, install_error_handlers, protocol_for_path
+from core.server.metrics import Metrics
+from core.server.postprocess import make_postprocessor_factory
+from core.server.serving import ClientDisconnected, ServerState
+
+OPEN_PATHS = frozenset({"/health"})
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; nobody receives it
+
+
+class ApiKeyMiddleware:
+    """Every route but /health needs `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY`.
+
+    A plain ASGI middleware (not BaseHTTPMiddleware) so streaming and disconnect detection are untouched.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    def _authorized(self, scope: Scope) -> bool:
+        headers = dict(scope.get("headers") or ())
+        bearer = headers.get(b"authorization", b"")
+        candidates = [bearer[7:].strip() if bearer[:7].lower() == b"bearer " else b"", headers.get(b"x-api-key", b"")]
+        return any(c and hmac.compare_digest(c, self._key) for c in candidates)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        from fastapi.responses import JSONResponse
+
+        body = error_body(protocol_for_path(scope["path"]), 401, "invalid or missing API key", code="invalid_api_key")
+        await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+
+
+async def _on_client_disconnected(request: Request, exc: Exception) -> Response:
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+def build_app(engine: AsyncEngine, *, api_key: str | None = None, reasoning_parser: str | None = None,
+              tool_call_parser: str | None = None, metrics: Metrics | None = None, **fastapi_options: Any) -> FastAPI:
+    """An app serving `engine` over the OpenAI, Anthropic and admin routes.
+
+    :param api_key: when set, required on every route except /health.
+    :param reasoning_parser: name of a registered reasoning parser (not wired yet: naming one fails).
+    :param tool_call_parser: name of a registered tool-call parser (not wired yet: naming one fails).
+    """
+    app = FastAPI(title="core", version=__version__, **fastapi_options)
+    app.state.core = ServerState(engine=engine, metrics=metrics or Metrics(),
+                                 postprocessors=make_postprocessor_factory(reasoning_parser, tool_call_parser),
+                                 api_key=api_key)
+    install_error_handlers(app)
+    app.add_exception_handler(ClientDisconnected, _on_client_disconnected)
+    for router in (openai.router, anthropic.router, admin.router):
+        app.include_router(router)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app

@@ -1,0 +1,153 @@
+"""One place that turns errors into each protocol's error body.
+
+Every failure a client can cause (a CoreError from the engine or the config, a malformed body, a wrong
+type) becomes a 4xx in the protocol of the route it hit: OpenAI's `{"error": {message, type, param,
+code}}` or Anthropic's `{"type": "error", "error": {type, message}}`. Anything unexpected becomes a
+generic 500 whose body carries no internals; the traceback goes to the log.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from core.errors import CoreError, ErrorCode, InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+ANTHROPIC_PREFIX = "/v1/messages"
+GENERIC_500 = "The server had an internal error while processing the request; see the server log."
+
+OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                405: "invalid_request_error", 409: "conflict_error", 500: "internal_error",
+                503: "service_unavailable_error"}
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                   405: "invalid_request_error", 409: "invalid_request_error", 500: "api_error",
+                   503: "overloaded_error"}
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+class Protocol(enum.Enum):
+    """The error dialect of a route."""
+
+    OPENAI = "openai"
+    ANTHROPIC = "anthropic"
+
+
+def protocol_for_path(path: str) -> Protocol:
+    """Anthropic routes live under /v1/messages; every other route speaks OpenAI's error shape."""
+    return Protocol.ANTHROPIC if path.startswith(ANTHROPIC_PREFIX) else Protocol.OPENAI
+
+
+def openai_error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body."""
+    kind = OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body."""
+    kind = ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body(protocol: Protocol, status: int, message: str, *, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """The error body of `protocol`."""
+    if protocol is Protocol.ANTHROPIC:
+        return anthropic_error(status, message)
+    return openai_error(status, message, param=param, code=code)
+
+
+def core_error_body(protocol: Protocol, exc: CoreError) -> dict[str, Any]:
+    """The body for a CoreError: its message, its `param`, its code's name."""
+    message = exc.message if exc.code is not ErrorCode.INTERNAL else GENERIC_500
+    return error_body(protocol, exc.http_status, message, param=exc.param, code=exc.code.type_name)
+
+
+def error_response(protocol: Protocol, exc: CoreError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """A JSON response for a CoreError."""
+    return JSONResponse(core_error_body(protocol, exc), status_code=exc.http_status, headers=headers)
+
+
+# -- validation errors -----------------------------------------------------------------------------
+
+
+def _is_type_tag(part: Any) -> bool:
+    # pydantic names the union member that failed inside `loc`; users know only the field names.
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or part.startswith("function"))
+
+
+def param_of(loc: tuple[Any, ...] | list[Any]) -> str | None:
+    """A dotted field path (messages.0.role) from a pydantic error location, without union tags."""
+    parts = [str(p) for p in loc if not _is_type_tag(p) and p != "body"]
+    return ".".join(parts) or None
+
+
+def validation_to_core_error(errors: list[Mapping[str, Any]]) -> InvalidRequestError:
+    """The first pydantic error as an InvalidRequestError naming its field."""
+    if not errors:
+        return InvalidRequestError("the request body is invalid")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return InvalidRequestError(f"the request body is not valid JSON ({first.get('msg')})", param="body")
+    if first.get("type") == "model_type" or not first.get("loc"):
+        return InvalidRequestError("the request body must be a JSON object", param="body")
+    param = param_of(first.get("loc", ()))
+    return InvalidRequestError(f"{param}: {first.get('msg')}", param=param)
+
+
+@contextmanager
+def renamed_params(names: Mapping[str, str]) -> Iterator[None]:
+    """Report engine field names (max_new_tokens) as the protocol's own names (max_tokens)."""
+    try:
+        yield
+    except CoreError as exc:
+        if exc.param in names:
+            for engine_name, protocol_name in names.items():
+                exc.message = exc.message.replace(engine_name, protocol_name)
+            exc.param = names[exc.param]
+        raise
+
+
+# -- handlers --------------------------------------------------------------------------------------
+
+
+async def _on_core_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, CoreError)
+    return error_response(protocol_for_path(request.url.path), exc)
+
+
+async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+    errors = exc.errors() if isinstance(exc, (RequestValidationError, ValidationError)) else []
+    return error_response(protocol_for_path(request.url.path), validation_to_core_error(list(errors)))
+
+
+async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    body = error_body(protocol_for_path(request.url.path), exc.status_code, str(exc.detail))
+    return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return JSONResponse(error_body(protocol_for_path(request.url.path), 500, GENERIC_500, code="internal"),
+                        status_code=500)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error through this module so no input produces a stack trace."""
+    app.add_exception_handler(CoreError, _on_core_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(ValidationError, _on_validation_error)
+    app.add_exception_handler(HTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)

@@ -1,0 +1,139 @@
+"""Prometheus metrics: request latencies and token counters kept here, engine gauges read per scrape.
+
+The text exposition format is small enough to write directly (no prometheus_client dependency). Names
+follow vLLM's (`vllm:` becomes `core:`), so existing dashboards need only a prefix change.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from core.backend import BackendStats
+from core.engine import RequestStream
+from core.request import RequestOutput
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0)
+PREFIX = "core:"
+
+
+@dataclass
+class Histogram:
+    """Cumulative-bucket histogram (Prometheus semantics)."""
+
+    buckets: Sequence[float]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        for i in range(bisect.bisect_left(self.buckets, value), len(self.buckets)):
+            self.counts[i] += 1
+        self.total += value
+        self.count += 1
+
+    def render(self, name: str, help_text: str) -> list[str]:
+        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        lines += [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts, strict=True)]
+        lines += [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.total}", f"{name}_count {self.count}"]
+        return lines
+
+
+@dataclass
+class Metrics:
+    """Server-side counters; engine gauges come from BackendStats at scrape time."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests: dict[str, int] = field(default_factory=dict)
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+
+    def finish(self, reason: str, prompt_tokens: int, generation_tokens: int, started: float) -> None:
+        """Count one finished request (any outcome: stop, length, abort, error)."""
+        self.requests[reason] = self.requests.get(reason, 0) + 1
+        self.prompt_tokens += prompt_tokens
+        self.generation_tokens += generation_tokens
+        self.e2e.observe(time.perf_counter() - started)
+
+    async def track(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """Yield the stream's outputs while timing them; always closes the stream (freeing its blocks)."""
+        started = last = time.perf_counter()
+        counts: dict[int, int] = {}
+        reasons: dict[int, str] = {}
+        first = True
+        try:
+            async for output in stream:
+                now = time.perf_counter()
+                if output.token_ids:
+                    (self.ttft if first else self.itl).observe(now - (started if first else last))
+                    first, last = False, now
+                counts[output.index] = output.completion_tokens
+                if output.finish_reason:
+                    reasons[output.index] = output.finish_reason
+                yield output
+        except Exception:
+            reasons.setdefault(0, "error")
+            raise  # cancellation and early close fall through to "abort"
+        finally:
+            await stream.aclose()
+            reason = reasons.get(0, "abort")
+            self.finish(reason, len(stream.prompt_token_ids), sum(counts.values()), started)
+
+    def render(self, stats: BackendStats, model_name: str) -> str:
+        """The whole scrape in Prometheus text format."""
+        lines: list[str] = []
+        gauges = (
+            ("num_requests_running", stats.running, "Requests in the running batch."),
+            ("num_requests_waiting", stats.waiting, "Requests waiting to be scheduled."),
+            ("kv_cache_usage_perc", stats.kv_cache_usage, "Fraction of KV-cache blocks in use (0-1)."),
+            ("kv_cache_used_blocks", stats.kv_blocks_used, "KV-cache blocks in use."),
+            ("kv_cache_total_blocks", stats.kv_blocks_total, "KV-cache blocks in total."),
+            ("is_sleeping", int(stats.is_sleeping), "1 while the engine is asleep."),
+        )
+        for name, value, help_text in gauges:
+            lines += _sample(PREFIX + name, "gauge", help_text, value)
+        counters = (
+            ("prefix_cache_queries_total", stats.prefix_cache_queries, "Prompt tokens looked up in the prefix cache."),
+            ("prefix_cache_hits_total", stats.prefix_cache_hits, "Prompt tokens found in the prefix cache."),
+            ("prompt_tokens_total", self.prompt_tokens, "Prompt tokens of finished requests."),
+            ("generation_tokens_total", self.generation_tokens, "Generated tokens of finished requests."),
+        )
+        for name, value, help_text in counters:
+            lines += _sample(PREFIX + name, "counter", help_text, value)
+        lines += [f"# HELP {PREFIX}requests_total Finished requests by finish reason.",
+                  f"# TYPE {PREFIX}requests_total counter"]
+        lines += [f'{PREFIX}requests_total{{finished_reason="{r}"}} {n}' for r, n in sorted(self.requests.items())]
+        lines += self.ttft.render(PREFIX + "time_to_first_token_seconds", "Time to the first generated token.")
+        lines += self.itl.render(PREFIX + "inter_token_latency_seconds", "Time between generated outputs.")
+        lines += self.e2e.render(PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token.")
+        lines += [f"# HELP {PREFIX}model_info The served model.", f"# TYPE {PREFIX}model_info gauge"]
+        lines.append(f'{PREFIX}model_info{{model_name="{_escape(model_name)}"}} 1')
+        return "\n".join(lines) + "\n"
+
+
+def _sample(name: str, kind: str, help_text: str, value: float) -> list[str]:
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sample name (with labels) -> value; for tests and quick checks."""
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples

@@ -1,0 +1,193 @@
+"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions.
+
+Routes are thin: parse and check the body, translate it (openai_translate), start engine requests, and
+either stream SSE chunks or collect whole responses while watching for the client leaving.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from core.errors import CoreError
+from core.request import RequestOutput
+from core.response import Response as EngineResponse
+from core.server import openai_translate as tr
+from core.server.errors import Protocol, core_error_body, renamed_params
+from core.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from core.server.postprocess import ChatPostprocessor
+from core.server.serving import (
+    EventStreamResponse,
+    ServerState,
+    check_model,
+    collect_all,
+    guarded_events,
+    merge,
+    parse_body,
+    session_ids,
+    start_requests,
+    state_of,
+    until_disconnected,
+    user_request_id,
+)
+from core.server.sse import DONE, sse_data
+
+router = APIRouter()
+STARTED = int(time.time())
+
+
+def openai_error_event(exc: CoreError) -> str:
+    """The SSE event that reports an error in the middle of a stream."""
+    return sse_data(core_error_body(Protocol.OPENAI, exc))
+
+
+def _stream(events: AsyncIterator[str], request_id: str) -> EventStreamResponse:
+    return EventStreamResponse(guarded_events(events, openai_error_event, DONE), headers={"X-Request-Id": request_id})
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    """The one model this server serves."""
+    state = state_of(request)
+    card = {"id": state.model_name, "object": "model", "created": STARTED, "owned_by": "core",
+            "root": state.model_name, "max_model_len": state.engine.model_info.max_model_len}
+    return {"object": "list", "data": [card]}
+
+
+# -- chat ------------------------------------------------------------------------------------------
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    """Chat completion over the model's chat template (streamed as SSE when `stream` is true)."""
+    state = state_of(request)
+    req = await parse_body(request, ChatCompletionRequest)
+    check_model(state, req.model)
+    rid = user_request_id(request, req.request_id)
+    with renamed_params(tr.chat_param_names(req)):
+        config = tr.chat_generation_config(req)
+        tools = tr.check_tool_choice(req)
+        tr.check_response_format(req)
+        [stream] = await start_requests(
+            state.engine, [req.messages], config, [rid], tools=tools,
+            chat_template_kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt)
+    response_id = f"chatcmpl-{rid or uuid.uuid4().hex}"
+    source, post = state.metrics.track(stream), state.postprocessors()
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _stream(_chat_events(state, response_id, source, post, include_usage), response_id)
+    [result] = await until_disconnected(request, collect_all([source]))
+    return JSONResponse(chat_response(state, response_id, result, post), headers={"X-Request-Id": response_id})
+
+
+def chat_response(state: ServerState, response_id: str, result: EngineResponse,
+                  post: ChatPostprocessor) -> dict[str, Any]:
+    """A whole `chat.completion` object."""
+    choices = []
+    for c in result.choices:
+        parts = post.final(c.text)
+        choices.append({"index": c.index, "message": parts.as_message(),
+                        "logprobs": tr.chat_logprobs(c.logprobs, state.engine.detokenize),
+                        "finish_reason": tr.finish_reason(c.finish_reason, tool_calls=bool(parts.tool_calls)),
+                        "stop_reason": c.stop_reason})
+    return {"id": response_id, "object": "chat.completion", "created": int(time.time()),
+            "model": state.model_name, "choices": choices,
+            "usage": tr.usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens)}
+
+
+async def _chat_events(state: ServerState, response_id: str, source: AsyncIterator[RequestOutput],
+                       post: ChatPostprocessor, include_usage: bool) -> AsyncIterator[str]:
+    created, model = int(time.time()), state.model_name
+    started: set[int] = set()
+    totals = _Totals()
+    async for out in source:
+        if out.index not in started:
+            started.add(out.index)
+            role = tr.chat_delta_choice(out.index, {"role": "assistant", "content": ""})
+            yield sse_data(tr.chat_chunk(response_id, created, model, [role]))
+        delta = post.delta(out.index, out.text).as_delta()
+        finish = tr.finish_reason(out.finish_reason)
+        logprobs = tr.chat_logprobs(out.logprobs, state.engine.detokenize)
+        if delta or finish or logprobs:
+            choice = tr.chat_delta_choice(out.index, delta, finish, logprobs)
+            yield sse_data(tr.chat_chunk(response_id, created, model, [choice]))
+        totals.add(0, out)
+    if include_usage:
+        yield sse_data(tr.chat_chunk(response_id, created, model, [], totals.usage()))
+
+
+class _Totals:
+    """Token counts of a streamed response: prompt tokens per request, completion tokens per choice."""
+
+    def __init__(self) -> None:
+        self.prompt: dict[int, int] = {}
+        self.cached: dict[int, int] = {}
+        self.completion: dict[tuple[int, int], int] = {}
+
+    def add(self, request_index: int, out: RequestOutput) -> None:
+        self.prompt[request_index] = out.prompt_tokens
+        self.cached[request_index] = out.cached_tokens
+        self.completion[request_index, out.index] = out.completion_tokens
+
+    def usage(self) -> dict[str, Any]:
+        return tr.usage(sum(self.prompt.values()), sum(self.completion.values()), sum(self.cached.values()))
+
+
+# -- completions -----------------------------------------------------------------------------------
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    """Text completion; a list prompt runs one independent request per item."""
+    state = state_of(request)
+    req = await parse_body(request, CompletionRequest)
+    check_model(state, req.model)
+    rid = user_request_id(request, req.request_id)
+    with renamed_params(tr.COMPLETION_PARAM_NAMES):
+        config = tr.completion_generation_config(req)
+        prompts = tr.completion_prompts(req.prompt)
+        streams = await start_requests(state.engine, prompts, config, session_ids(rid, len(prompts)))
+    response_id = f"cmpl-{rid or uuid.uuid4().hex}"
+    sources = [state.metrics.track(s) for s in streams]
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _stream(_completion_events(state, response_id, sources, config.n, include_usage), response_id)
+    results = await until_disconnected(request, collect_all(sources))
+    return JSONResponse(completion_response(state, response_id, results, config.n),
+                        headers={"X-Request-Id": response_id})
+
+
+def completion_response(state: ServerState, response_id: str, results: Sequence[EngineResponse],
+                        n: int) -> dict[str, Any]:
+    """A whole `text_completion` object; choice index = prompt index * n + choice index."""
+    choices = [
+        tr.completion_choice(r.index * n + c.index, c.text, tr.finish_reason(c.finish_reason),
+                             tr.completion_logprobs(c.logprobs, state.engine.detokenize))
+        for r in results for c in r.choices
+    ]
+    prompt = sum(r.prompt_tokens for r in results)
+    return {"id": response_id, "object": "text_completion", "created": int(time.time()),
+            "model": state.model_name, "choices": choices,
+            "usage": tr.usage(prompt, sum(r.completion_tokens for r in results),
+                              sum(r.cached_tokens for r in results))}
+
+
+async def _completion_events(state: ServerState, response_id: str, sources: Sequence[AsyncIterator[RequestOutput]],
+                             n: int, include_usage: bool) -> AsyncIterator[str]:
+    created, model = int(time.time()), state.model_name
+    offsets: dict[int, int] = {}
+    totals = _Totals()
+    async for i, out in merge(sources):
+        index = i * n + out.index
+        logprobs = tr.completion_logprobs(out.logprobs, state.engine.detokenize, offsets.get(index, 0))
+        offsets[index] = offsets.get(index, 0) + len(out.text)
+        choice = tr.completion_choice(index, out.text, tr.finish_reason(out.finish_reason), logprobs)
+        yield sse_data(tr.completion_chunk(response_id, created, model, [choice]))
+        totals.add(i, out)
+    if include_usage:
+        yield sse_data(tr.completion_chunk(response_id, created, model, [], totals.usage()))

@@ -1,0 +1,198 @@
+"""Pure translations between OpenAI's wire format and the engine: requests in, responses out.
+
+Nothing here touches the network or the engine, so each rule is unit-tested on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from core.backend import TokenLogprob
+from core.config import GenerationConfig
+from core.errors import InvalidRequestError, UnsupportedError
+from core.server.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+Decode = Callable[[Sequence[int]], str]
+
+# Request fields copied to GenerationConfig under another name (or the same one) when sent.
+_RENAMED = {"min_tokens": "min_new_tokens"}
+_COPIED = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+           "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+           "include_stop_str_in_output")
+
+
+def check_stream_options(req: SamplingFields) -> None:
+    """stream_options only makes sense for a streamed response."""
+    if req.stream_options is not None and not req.stream:
+        raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+
+
+def logit_bias_by_id(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if bias is None:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias") from None
+
+
+def _sent_fields(req: SamplingFields) -> dict[str, Any]:
+    """Generation fields the client sent (None means not sent, so model defaults apply)."""
+    fields: dict[str, Any] = {name: getattr(req, name) for name in _COPIED if getattr(req, name) is not None}
+    fields.update({new: getattr(req, old) for old, new in _RENAMED.items() if getattr(req, old) is not None})
+    if req.stop is not None:
+        fields["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+    if req.logit_bias is not None:
+        fields["logit_bias"] = logit_bias_by_id(req.logit_bias)
+    return fields
+
+
+def chat_max_tokens_field(req: ChatCompletionRequest) -> str:
+    """The field that sets the token limit: max_completion_tokens wins over the deprecated max_tokens."""
+    return "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+
+
+def chat_param_names(req: ChatCompletionRequest) -> dict[str, str]:
+    """Engine field -> the chat request's own field name, for error messages."""
+    return {"max_new_tokens": chat_max_tokens_field(req), "min_new_tokens": "min_tokens"}
+
+
+COMPLETION_PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
+
+
+def chat_generation_config(req: ChatCompletionRequest) -> GenerationConfig:
+    """GenerationConfig for a chat request; raises InvalidRequestError naming the engine field."""
+    check_stream_options(req)
+    fields = _sent_fields(req)
+    limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if limit is not None:
+        fields["max_new_tokens"] = limit
+    if req.logprobs is not None:
+        fields["logprobs"] = req.logprobs
+    if req.top_logprobs is not None:
+        fields["top_logprobs"] = req.top_logprobs
+    return GenerationConfig(**fields)
+
+
+def completion_generation_config(req: CompletionRequest) -> GenerationConfig:
+    """GenerationConfig for a text-completion request (logprobs is the number of alternatives)."""
+    check_stream_options(req)
+    if req.echo:
+        raise UnsupportedError("echo is not supported", param="echo")
+    if req.suffix:
+        raise UnsupportedError("suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise UnsupportedError("best_of is not supported (use n)", param="best_of")
+    fields = _sent_fields(req)
+    if req.max_tokens is not None:
+        fields["max_new_tokens"] = req.max_tokens
+    if req.logprobs is not None:
+        fields["logprobs"], fields["top_logprobs"] = True, req.logprobs
+    return GenerationConfig(**fields)
+
+
+def check_tool_choice(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools to render into the prompt; "none" hides them. Forced choices need a parser (later)."""
+    if req.tool_choice in (None, "auto"):
+        return req.tools
+    if req.tool_choice == "none":
+        return None
+    raise UnsupportedError('tool_choice must be "auto" or "none" on this server', param="tool_choice")
+
+
+def check_response_format(req: ChatCompletionRequest) -> None:
+    """Only plain text output: structured output is not implemented yet."""
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise UnsupportedError("response_format other than text is not supported", param="response_format")
+
+
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The independent prompts of a completion request: a string or token list is one."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+# -- responses -------------------------------------------------------------------------------------
+
+
+def finish_reason(reason: str | None, *, tool_calls: bool = False) -> str | None:
+    """The engine's finish reason as OpenAI's; "abort" stays "abort" (as in vLLM)."""
+    if reason == "stop" and tool_calls:
+        return "tool_calls"
+    return reason
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _token_entry(token_id: int, logprob: float, decode: Decode) -> dict[str, Any]:
+    text = decode([token_id])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob] | None, decode: Decode) -> dict[str, Any] | None:
+    """Chat's `logprobs: {"content": [...]}` with top_logprobs alternatives per token."""
+    if entries is None:
+        return None
+    return {"content": [
+        {**_token_entry(e.token_id, e.logprob, decode),
+         "top_logprobs": [_token_entry(t, lp, decode) for t, lp in e.top]}
+        for e in entries
+    ]}
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob] | None, decode: Decode,
+                        offset: int = 0) -> dict[str, Any] | None:
+    """Text completion's legacy logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    if entries is None:
+        return None
+    tokens = [decode([e.token_id]) for e in entries]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{decode([t]): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+
+
+def chat_chunk(response_id: str, created: int, model: str, choices: list[dict[str, Any]],
+               usage_: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One `chat.completion.chunk`."""
+    chunk = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": choices}
+    if usage_ is not None:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def chat_delta_choice(index: int, delta: dict[str, Any], finish: str | None = None,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice of a chat chunk."""
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+def completion_chunk(response_id: str, created: int, model: str, choices: list[dict[str, Any]],
+                     usage_: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed `text_completion` object."""
+    chunk = {"id": response_id, "object": "text_completion", "created": created, "model": model,
+             "choices": choices}
+    if usage_ is not None:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def completion_choice(index: int, text: str, finish: str | None = None,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice of a text completion (whole or streamed)."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}

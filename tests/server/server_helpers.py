@@ -1,0 +1,47 @@
+"""Small helpers shared by the server tests."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+from core.server.metrics import parse_metrics
+
+MESSAGES = [{"role": "user", "content": "Say something."}]
+
+
+def metrics(http: httpx.Client) -> dict[str, float]:
+    response = http.get("/metrics")
+    assert response.status_code == 200
+    return parse_metrics(response.text)
+
+
+def wait_idle(http: httpx.Client, timeout: float = 10.0) -> dict[str, float]:
+    """Poll /metrics until no request runs and no KV block is used (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sample = metrics(http)
+        if sample["core:num_requests_running"] == 0 and sample["core:kv_cache_used_blocks"] == 0:
+            return sample
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server did not become idle: {sample}")
+        time.sleep(0.05)
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    if param is not None:
+        assert error["param"] == param, error
+    assert "Traceback" not in error["message"]
+    return error
+
+
+def assert_anthropic_error(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+    return body["error"]

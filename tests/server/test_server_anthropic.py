@@ -1,0 +1,56 @@
+"""Anthropic Messages: whole and streamed responses, stop reasons, count_tokens."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from server_helpers import MESSAGES
+
+from core.server.sse import parse_sse
+
+BODY = {"max_tokens": 8, "temperature": 0.0, "messages": MESSAGES, "system": "Be brief."}
+EVENTS = ["message_start", "content_block_start", "content_block_delta", "content_block_stop", "message_delta",
+          "message_stop"]
+
+
+def test_non_stream_message(http: httpx.Client, model: str):
+    response = http.post("/v1/messages", json={**BODY, "model": model, "metadata": {"user_id": "u1"}})
+    assert response.status_code == 200, response.text
+    message = response.json()
+    assert message["type"] == "message" and message["role"] == "assistant" and message["model"] == model
+    assert message["content"][0]["type"] == "text" and message["content"][0]["text"]
+    assert message["stop_reason"] == "max_tokens" and message["stop_sequence"] is None
+    assert message["usage"]["output_tokens"] == 8
+    count = http.post("/v1/messages/count_tokens", json={"messages": MESSAGES, "system": "Be brief."}).json()
+    assert message["usage"]["input_tokens"] == count["input_tokens"] > 0
+
+
+def test_stream_event_sequence_matches_the_whole_message(http: httpx.Client):
+    whole = http.post("/v1/messages", json=BODY).json()
+    response = http.post("/v1/messages", json={**BODY, "stream": True})
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = [(name, json.loads(data)) for name, data in parse_sse(response.text)]
+    names = [name for name, _ in events]
+    collapsed = [n for i, n in enumerate(names) if i == 0 or n != names[i - 1]]
+    assert collapsed == EVENTS
+    assert all(data["type"] == name for name, data in events)
+    text = "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta")
+    assert text == whole["content"][0]["text"]
+    delta = next(d for n, d in events if n == "message_delta")
+    assert delta["delta"]["stop_reason"] == "max_tokens" and delta["usage"]["output_tokens"] == 8
+    assert events[0][1]["message"]["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
+
+
+def test_stop_sequences_report_stop_sequence(http: httpx.Client):
+    text = http.post("/v1/messages", json=BODY).json()["content"][0]["text"]
+    sequence = text[2:4]
+    message = http.post("/v1/messages", json={**BODY, "stop_sequences": [sequence]}).json()
+    assert message["stop_reason"] == "stop_sequence" and message["stop_sequence"] == sequence
+    assert text.startswith(message["content"][0]["text"]) and sequence not in message["content"][0]["text"]
+
+
+def test_system_as_blocks_equals_system_as_string(http: httpx.Client):
+    blocks = {**BODY, "system": [{"type": "text", "text": "Be brief."}],
+              "messages": [{"role": "user", "content": [{"type": "text", "text": MESSAGES[0]["content"]}]}]}
+    assert http.post("/v1/messages", json=blocks).json()["content"] == http.post("/v1/messages", json=BODY).json()["content"]

@@ -1,0 +1,160 @@
+"""OpenAI routes through the official client: texts, usage, n, streaming, logprobs, request ids."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+from server_helpers import MESSAGES, assert_openai_error, wait_idle
+
+GREEDY = {"temperature": 0.0, "max_tokens": 12}
+
+
+def stream_text(client: openai.OpenAI, model: str, **kwargs) -> tuple[str, list]:
+    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, stream=True, **kwargs))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI, model: str):
+    models = client.models.list().data
+    assert [m.id for m in models] == [model]
+
+
+def test_chat_stream_and_non_stream_greedy_texts_are_equal(client: openai.OpenAI, model: str):
+    whole = client.chat.completions.create(model=model, messages=MESSAGES, **GREEDY)
+    text, chunks = stream_text(client, model, **GREEDY)
+    assert whole.choices[0].message.content == text and text
+    assert whole.choices[0].message.role == "assistant"
+    assert chunks[0].choices[0].delta.role == "assistant"  # the first delta carries the role
+    assert all(c.choices[0].delta.role is None for c in chunks[1:])
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason == "length"
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completion_stream_and_non_stream_are_equal(client: openai.OpenAI, model: str):
+    whole = client.completions.create(model=model, prompt="Once upon a time", **GREEDY)
+    chunks = list(client.completions.create(model=model, prompt="Once upon a time", stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+
+
+def test_usage_counts_are_exact(client: openai.OpenAI, model: str, http: httpx.Client):
+    prompt_ids = http.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    whole = client.chat.completions.create(model=model, messages=MESSAGES, **GREEDY)
+    assert whole.usage.prompt_tokens == len(prompt_ids)
+    assert whole.usage.completion_tokens == GREEDY["max_tokens"]
+    assert whole.usage.total_tokens == len(prompt_ids) + GREEDY["max_tokens"]
+    assert whole.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_include_usage_adds_a_final_chunk_with_empty_choices(client: openai.OpenAI, model: str):
+    whole = client.chat.completions.create(model=model, messages=MESSAGES, **GREEDY)
+    _, chunks = stream_text(client, model, stream_options={"include_usage": True}, **GREEDY)
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_n_with_seed_gives_indexed_choices(client: openai.OpenAI, model: str, server):
+    response = client.chat.completions.create(model=model, messages=MESSAGES, n=3, seed=7, max_tokens=6)
+    assert sorted(c.index for c in response.choices) == [0, 1, 2]
+    assert response.usage.completion_tokens == sum(6 for _ in range(3))
+    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, n=3, seed=7, max_tokens=6,
+                                                 stream=True))
+    streamed = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i)
+                for i in range(3)}
+    assert streamed == {c.index: c.message.content for c in response.choices}
+    if server.spec.is_fake:
+        assert len(set(streamed.values())) == 3
+
+
+def test_chat_logprobs_shapes(client: openai.OpenAI, model: str):
+    response = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, logprobs=True,
+                                              top_logprobs=2)
+    content = response.choices[0].logprobs.content
+    assert len(content) == 4
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, logprobs=True,
+                                                 top_logprobs=2, stream=True))
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+
+
+def test_completion_logprobs_shapes(client: openai.OpenAI, model: str):
+    response = client.completions.create(model=model, prompt="abc", max_tokens=3, logprobs=2)
+    lp = response.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 3
+    assert all(len(alternatives) <= 2 for alternatives in lp.top_logprobs)
+
+
+def test_list_prompt_runs_independent_requests(client: openai.OpenAI, model: str):
+    single = [client.completions.create(model=model, prompt=p, **GREEDY).choices[0].text for p in ("ab", "cd")]
+    batch = client.completions.create(model=model, prompt=["ab", "cd"], **GREEDY)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == single
+    chunks = list(client.completions.create(model=model, prompt=["ab", "cd"], stream=True, **GREEDY))
+    assert ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in (0, 1)] == single
+
+
+def test_token_id_prompts(client: openai.OpenAI, model: str, http: httpx.Client):
+    ids = http.post("/tokenize", json={"prompt": "hello"}).json()["tokens"]
+    by_text = client.completions.create(model=model, prompt="hello", **GREEDY)
+    by_ids = client.completions.create(model=model, prompt=ids, **GREEDY)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+    two = client.completions.create(model=model, prompt=[ids, ids], **GREEDY)
+    assert [c.text for c in two.choices] == [by_text.choices[0].text] * 2
+
+
+def test_stop_string_ends_the_text(client: openai.OpenAI, model: str):
+    text = client.completions.create(model=model, prompt="xyz", **GREEDY).choices[0].text
+    stop = text[3:5]
+    stopped = client.completions.create(model=model, prompt="xyz", stop=[stop], **GREEDY).choices[0]
+    assert stopped.finish_reason == "stop" and stop not in stopped.text and text.startswith(stopped.text)
+
+
+def test_tools_reach_the_chat_template(client: openai.OpenAI, model: str, server):
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    plain = client.chat.completions.create(model=model, messages=MESSAGES, **GREEDY)
+    with_tools = client.chat.completions.create(model=model, messages=MESSAGES, tools=tools, **GREEDY)
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens
+    hidden = client.chat.completions.create(model=model, messages=MESSAGES, tools=tools, tool_choice="none", **GREEDY)
+    assert hidden.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_request_id_header_is_the_session_and_duplicates_conflict(server, http: httpx.Client):
+    body = {"messages": MESSAGES, "max_tokens": 400, "stream": True}
+    headers = {"X-Request-Id": "dup-1"}
+    started, release = threading.Event(), threading.Event()
+
+    def first() -> None:  # holds its stream open until the second request was answered
+        with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+            for _ in response.iter_lines():
+                started.set()
+                release.wait(10)
+                break
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert started.wait(10)
+        second = http.post("/v1/chat/completions", json={**body, "stream": False}, headers=headers)
+        assert_openai_error(second, 409)
+    finally:
+        release.set()
+        thread.join(10)
+    wait_idle(http)  # the first request was aborted when its client left
+    ok = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "request_id": "dup-1"})
+    assert ok.status_code == 200 and ok.json()["id"] == "chatcmpl-dup-1"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_unset_sampling_fields_are_not_defaulted_by_the_server(client: openai.OpenAI, model: str, stream: bool):
+    # Nothing but messages: the model's generation_config applies (the engine does that); it must work.
+    response = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3, stream=stream)
+    if stream:
+        assert sum(1 for c in response if c.choices and c.choices[0].delta.content) >= 1
+    else:
+        assert response.usage.completion_tokens == 3

@@ -1,0 +1,97 @@
+"""Every bad input is a 4xx in the route's own protocol, naming the field; nothing is ever a 500."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from server_helpers import MESSAGES, assert_anthropic_error, assert_openai_error
+
+CHAT = {"messages": MESSAGES, "max_tokens": 4}
+COMPLETION = {"prompt": "hello", "max_tokens": 4}
+
+CHAT_ERRORS = [
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"temperature": -1}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"seed": 2**63}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"n": 100000}, "n"),
+    ({"n": "3"}, "n"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"stream": "yes"}, "stream"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"top_p": 0}, "top_p"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"stop": [""]}, "stop"),
+    ({"min_tokens": 10, "max_tokens": 2}, "min_tokens"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"max_tokens": 100000}, "max_tokens"),
+]
+
+COMPLETION_ERRORS = [
+    ({"logprobs": 21}, "logprobs"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"seed": 2**64}, "seed"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": "x" * 600}, "prompt"),
+    ({"stream_options": {"include_usage": True}, "stream": False}, "stream_options"),
+    ({"echo": True}, "echo"),
+]
+
+
+@pytest.mark.parametrize(("change", "param"), CHAT_ERRORS, ids=[p for _, p in CHAT_ERRORS])
+def test_chat_validation_names_the_field(http: httpx.Client, change: dict, param: str):
+    assert_openai_error(http.post("/v1/chat/completions", json={**CHAT, **change}), 400, param)
+
+
+@pytest.mark.parametrize(("change", "param"), COMPLETION_ERRORS, ids=[p for _, p in COMPLETION_ERRORS])
+def test_completion_validation_names_the_field(http: httpx.Client, change: dict, param: str):
+    assert_openai_error(http.post("/v1/completions", json={**COMPLETION, **change}), 400, param)
+
+
+def test_prompt_longer_than_the_context_window_says_so(http: httpx.Client):
+    error = assert_openai_error(http.post("/v1/completions", json={"prompt": "x" * 600}), 400, "prompt")
+    assert "context window" in error["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize", "/abort"])
+@pytest.mark.parametrize("body", [b"{bad json", b"[1, 2]", b"", b"null", b"\xff\xfe", b'{"prompt": {"a": 1}}'])
+def test_malformed_bodies_are_400_not_500(http: httpx.Client, path: str, body: bytes):
+    response = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert_openai_error(response, 400)
+
+
+def test_unknown_model_is_404(http: httpx.Client):
+    error = assert_openai_error(http.post("/v1/chat/completions", json={**CHAT, "model": "nope"}), 404, "model")
+    assert "nope" in error["message"]
+    assert_anthropic_error(http.post("/v1/messages", json={"model": "nope", "max_tokens": 4, "messages": MESSAGES}), 404)
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ({"messages": MESSAGES}, "max_tokens"),
+    ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
+    ({"messages": MESSAGES, "max_tokens": "4"}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 4}, "text"),
+    ({"messages": [{"role": "system", "content": "x"}], "max_tokens": 4}, "role"),
+    ({"messages": MESSAGES, "max_tokens": 4, "temperature": -2}, "temperature"),
+])
+def test_anthropic_validation_errors_use_its_shape(http: httpx.Client, body: dict, needle: str):
+    error = assert_anthropic_error(http.post("/v1/messages", json=body), 400)
+    assert error["type"] == "invalid_request_error" and needle in error["message"]
+
+
+def test_unknown_route_and_method_keep_the_protocol_shape(http: httpx.Client):
+    assert_openai_error(http.get("/v1/nothing-here"), 404)
+    assert_openai_error(http.get("/v1/chat/completions"), 405)
+    assert_anthropic_error(http.get("/v1/messages"), 405)
+
+
+def test_the_server_keeps_serving_after_bad_input(http: httpx.Client):
+    assert http.post("/v1/completions", json=COMPLETION).status_code == 200
