@@ -17,6 +17,7 @@ from core.config import GenerationConfig
 from core.errors import ContextTooLongError, InvalidRequestError
 
 REMOVED_KEYWORDS = ("sequence_start", "sequence_end", "step", "interactive")
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
 GENERATION_FIELDS = frozenset(f.name for f in fields(GenerationConfig))
 
 Inputs = str | Sequence[int] | Sequence[Mapping[str, Any]]
@@ -111,6 +112,10 @@ class RequestPreparer:
             )
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
             raise InvalidRequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+        reserved = sorted(set(chat_template_kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {reserved[0]!r}; it is a request field",
+                                      param="chat_template_kwargs")
         return self.template.render(checked, add_generation_prompt=add_generation_prompt, tools=tools,
                                     **dict(chat_template_kwargs or {}))
 

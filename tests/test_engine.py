@@ -151,3 +151,9 @@ async def test_n_choices_stop_independently():
     assert all(c.finish_reason == "stop" for c in response.choices)
     await asyncio.sleep(0)
     assert len(engine.sessions) == 0 and engine.stats().kv_blocks_used == 0
+
+
+async def test_chat_template_kwargs_cannot_override_request_fields():
+    engine = AsyncEngine(FakeBackend(), chat_template=BracketTemplate())
+    with pytest.raises(InvalidRequestError, match="'tools'"):
+        engine.generate([{"role": "user", "content": "hi"}], GREEDY, chat_template_kwargs={"tools": []})
