@@ -1,0 +1,383 @@
+"""Images in requests: safe media intake, and the VisionProcessor contract that plugins implement.
+
+A request's images travel in three steps:
+
+1. `extract_images(messages)` finds OpenAI ``image_url`` parts and Anthropic ``image`` blocks, replaces
+   each with the ``{"type": "image"}`` part that Hugging Face chat templates expect, and returns the
+   sources in order.
+2. `load_images(sources, policy)` fetches and decodes them under a `MediaPolicy` (safe by default: no
+   remote domains, no local files, bounded bytes, pixels, count and fetch time). Every violation is an
+   `InvalidRequestError` naming the field, never a server error.
+3. The `VisionProcessor` registered for the model's architecture (hook
+   ``core_register_vision_processors``) turns the prompt and images into `MultiModalInputs` (expanded
+   token ids, placeholder ranges, content hashes) and, on the backend's request, into per-image
+   embeddings. A processor never knows which backend runs it.
+
+torch and PIL are imported lazily, inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import os
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from core.errors import InvalidRequestError, UnsupportedError
+
+if TYPE_CHECKING:
+    import torch
+    from PIL.Image import Image
+
+    from core.plugins import PluginHost
+
+Message = Mapping[str, Any]
+DOMAINS_FLAG = "--allowed-media-domains"
+LOCAL_PATH_FLAG = "--allowed-local-media-path"
+
+
+# ---------------------------------------------------------------------------------------------------
+# What a vision processor produces
+# ---------------------------------------------------------------------------------------------------
+
+
+class PlaceholderRange(NamedTuple):
+    """Where one image sits in the prompt: positions ``start .. start + length - 1``.
+
+    The range spans the image's expanded placeholder; the embedding rows go to the positions inside it
+    that hold the image token (all of them except in families such as Idefics3, whose tiles are
+    separated by row/column marker tokens).
+    """
+
+    start: int
+    length: int
+
+
+@dataclass
+class MultiModalInputs:
+    """A prompt with its images, ready for a backend.
+
+    :param prompt_token_ids: token ids with image placeholders expanded as the model's own processor
+        expands them.
+    :param image_token_id: the placeholder token that embedding rows replace.
+    :param placeholder_ranges: one range per image, in prompt order.
+    :param image_hashes: per-image sha256 of pixel bytes, size and mode: backends fold them into
+        prefix-cache keys, so the same image hits the cache and a different one does not.
+    :param tensors: the processor's tensors (pixel_values, image_grid_thw, ...) that `encode` consumes.
+    :param mrope_positions: Qwen2-VL style 3D positions, shape (3, len(prompt_token_ids)), or None.
+    :param mrope_position_delta: for decode, position = seq_len + delta on all three axes.
+    :param bidirectional_image_attention: image tokens of one image attend to each other (Gemma 3).
+    """
+
+    prompt_token_ids: list[int]
+    image_token_id: int
+    placeholder_ranges: list[PlaceholderRange] = field(default_factory=list)
+    image_hashes: list[str] = field(default_factory=list)
+    tensors: dict[str, Any] = field(default_factory=dict)
+    mrope_positions: Any | None = None
+    mrope_position_delta: int | None = None
+    bidirectional_image_attention: bool = False
+
+    def embedding_positions(self, image: int) -> list[int]:
+        """Prompt positions that receive image `image`'s embedding rows, in row order."""
+        start, length = self.placeholder_ranges[image]
+        ids = self.prompt_token_ids
+        return [p for p in range(start, start + length) if ids[p] == self.image_token_id]
+
+    def decode_position(self, position: int) -> int:
+        """The rotary position of the token at sequence index `position` (>= prompt length)."""
+        return position + (self.mrope_position_delta or 0)
+
+
+class VisionProcessor(ABC):
+    """Turns prompts with images into `MultiModalInputs` and images into embeddings.
+
+    Registered per architecture through ``core_register_vision_processors``; constructed with the
+    checkpoint folder. Implementations must be backend-agnostic: `encode` returns plain tensors.
+    """
+
+    #: Whether the language model needs `MultiModalInputs.mrope_positions` (Qwen2-VL family).
+    uses_mrope: bool = False
+    #: Whether image tokens attend to each other bidirectionally (Gemma 3).
+    bidirectional_image_attention: bool = False
+
+    @abstractmethod
+    def preprocess(self, prompt: str | Sequence[Message], images: Sequence[Image]) -> MultiModalInputs:
+        """Expand placeholders and prepare pixel tensors.
+
+        :param prompt: prompt text already holding the model's image placeholders, or chat messages
+            whose image parts are ``{"type": "image"}`` (as `extract_images` leaves them), rendered
+            with the model's own chat template.
+        :param images: decoded images, in prompt order.
+        """
+
+    @abstractmethod
+    def encode(self, inputs: MultiModalInputs) -> list[torch.Tensor]:
+        """Run the vision encoder and projector: one ``[num_placeholder_tokens, hidden]`` tensor per
+        image, ready to replace the image-token embeddings at `inputs.embedding_positions(i)`."""
+
+
+def merge_image_embeddings(
+    inputs_embeds: torch.Tensor, inputs: MultiModalInputs, image_embeds: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """Scatter per-image embeddings into a prompt's ``[seq_len, hidden]`` token embeddings (a copy)."""
+    import torch
+
+    merged = inputs_embeds.clone()
+    for i, embeds in enumerate(image_embeds):
+        positions = torch.tensor(inputs.embedding_positions(i), device=merged.device)
+        if len(positions) != embeds.shape[0]:
+            raise ValueError(f"image {i} has {embeds.shape[0]} embedding rows for {len(positions)} placeholders")
+        merged[positions] = embeds.to(merged.dtype)
+    return merged
+
+
+def get_vision_processor(plugins: PluginHost, architecture: str, model_path: str) -> VisionProcessor:
+    """The vision processor a plugin registered for `architecture`, built for `model_path`."""
+    entry = plugins.vision_processors.find(architecture)
+    if entry is None:
+        known = ", ".join(plugins.vision_processors.names()) or "none (install core-vl-models)"
+        raise UnsupportedError(f"no vision processor for architecture {architecture!r}; known: {known}")
+    return entry.load()(model_path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Media intake
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    """Where images may come from and how large they may be. The defaults refuse all remote domains
+    and all local files; data URIs and base64 blocks are always accepted within the limits."""
+
+    allowed_media_domains: tuple[str, ...] = ()
+    allowed_local_media_path: str | None = None
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 40_000_000
+    max_images_per_request: int = 16
+    fetch_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """One image reference found in a request and the request field it came from."""
+
+    source: str | Mapping[str, Any]
+    field: str
+
+
+def extract_images(messages: Sequence[Message]) -> tuple[list[dict[str, Any]], list[ImageSource]]:
+    """Replace image parts with ``{"type": "image"}`` and return the new messages and image sources.
+
+    Understands OpenAI ``{"type": "image_url", "image_url": {"url": ...}}`` parts, Anthropic
+    ``{"type": "image", "source": {...}}`` blocks and Hugging Face ``{"type": "image", "url"|"image": ...}``.
+    """
+    out: list[dict[str, Any]] = []
+    sources: list[ImageSource] = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, (list, tuple)):
+            parts = []
+            for j, part in enumerate(content):
+                found = _image_part_source(part, f"messages[{i}].content[{j}]")
+                if found is not None:
+                    sources.append(found)
+                parts.append({"type": "image"} if found is not None else part)
+            message = {**message, "content": parts}
+        out.append(dict(message))
+    return out, sources
+
+
+def _image_part_source(part: Any, where: str) -> ImageSource | None:
+    if not isinstance(part, Mapping):
+        return None
+    kind = part.get("type")
+    if kind == "image_url":
+        ref = part.get("image_url")
+        url = ref.get("url") if isinstance(ref, Mapping) else ref
+        return ImageSource(_require_str(url, f"{where}.image_url.url"), f"{where}.image_url.url")
+    if kind == "image" and isinstance(part.get("source"), Mapping):
+        return ImageSource(part["source"], f"{where}.source")
+    if kind == "image" and isinstance(part.get("url") or part.get("image"), str):
+        key = "url" if part.get("url") else "image"
+        return ImageSource(part[key], f"{where}.{key}")
+    return None
+
+
+def _require_str(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"{where} must be a non-empty string", param=where)
+    return value
+
+
+def load_images(sources: Sequence[ImageSource], policy: MediaPolicy) -> list[Image]:
+    """Load every image of a request under `policy` (the count limit included)."""
+    if len(sources) > policy.max_images_per_request:
+        raise InvalidRequestError(
+            f"the request has {len(sources)} images; at most {policy.max_images_per_request} are allowed",
+            param="messages",
+        )
+    return [load_image(s.source, policy, where=s.field) for s in sources]
+
+
+def load_image(source: str | Mapping[str, Any], policy: MediaPolicy, *, where: str = "image") -> Image:
+    """Fetch and decode one image: an http(s) URL, a data URI, a local path or file:// URL, or an
+    Anthropic source block (``{"type": "base64", "media_type", "data"}`` or ``{"type": "url", "url"}``)."""
+    if isinstance(source, Mapping):
+        return _load_anthropic_source(source, policy, where)
+    source = _require_str(source, where)
+    scheme = urllib.parse.urlsplit(source).scheme.lower()
+    if scheme == "data":
+        return decode_image(_decode_data_uri(source, where), policy, where)
+    if scheme in ("http", "https"):
+        return decode_image(_fetch(source, policy, where), policy, where)
+    if scheme in ("file", ""):
+        return decode_image(_read_local(source, policy, where), policy, where)
+    raise InvalidRequestError(f"{where}: unsupported URL scheme {scheme!r}; use http(s), data or file",
+                              param=where)
+
+
+def _load_anthropic_source(source: Mapping[str, Any], policy: MediaPolicy, where: str) -> Image:
+    kind = source.get("type")
+    if kind == "base64":
+        data = _b64decode(_require_str(source.get("data"), f"{where}.data"), f"{where}.data")
+        return decode_image(data, policy, f"{where}.data")
+    if kind == "url":
+        return load_image(_require_str(source.get("url"), f"{where}.url"), policy, where=f"{where}.url")
+    raise InvalidRequestError(f"{where}.type must be 'base64' or 'url', got {kind!r}", param=f"{where}.type")
+
+
+def _b64decode(text: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidRequestError(f"{where} is not valid base64: {exc}", param=where) from exc
+
+
+def _decode_data_uri(uri: str, where: str) -> bytes:
+    header, comma, payload = uri.partition(",")
+    if not comma or not header.lower().startswith("data:"):
+        raise InvalidRequestError(f"{where} is not a valid data URI (expected data:<type>;base64,<data>)",
+                                  param=where)
+    if not header.lower().endswith(";base64"):
+        raise InvalidRequestError(f"{where}: only base64 data URIs are supported", param=where)
+    return _b64decode(payload.strip(), where)
+
+
+def _fetch(url: str, policy: MediaPolicy, where: str) -> bytes:
+    _check_domain(url, policy, where)
+    opener = urllib.request.build_opener(_AllowListRedirects(policy, where))
+    deadline = time.monotonic() + policy.fetch_timeout_s
+    try:
+        with opener.open(url, timeout=policy.fetch_timeout_s) as response:
+            chunks, size = [], 0
+            while chunk := response.read(64 * 1024):
+                size += len(chunk)
+                _check_bytes(size, policy, where)
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+                chunks.append(chunk)
+    except InvalidRequestError:
+        raise
+    except (TimeoutError, urllib.error.URLError) as exc:
+        if isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError):
+            raise InvalidRequestError(f"{where}: fetching the image took longer than {policy.fetch_timeout_s} s",
+                                      param=where) from exc
+        raise InvalidRequestError(f"{where}: the image could not be fetched: {exc}", param=where) from exc
+    except (OSError, ValueError) as exc:
+        raise InvalidRequestError(f"{where}: the image could not be fetched: {exc}", param=where) from exc
+    return b"".join(chunks)
+
+
+def _check_domain(url: str, policy: MediaPolicy, where: str) -> None:
+    host = (urllib.parse.urlsplit(url).hostname or "").lower().rstrip(".")
+    allowed = [d.lower().lstrip(".").rstrip(".") for d in policy.allowed_media_domains]
+    if not any(host == d or host.endswith("." + d) for d in allowed):
+        raise InvalidRequestError(
+            f"{where}: fetching images from {host or url!r} is not allowed; the server allows "
+            f"{', '.join(allowed) or 'no domains'} (start it with {DOMAINS_FLAG} {host or 'DOMAIN'} to allow it)",
+            param=where,
+        )
+
+
+class _AllowListRedirects(urllib.request.HTTPRedirectHandler):
+    """Follow a redirect only to an allowed domain (else the allow-list is one redirect away)."""
+
+    def __init__(self, policy: MediaPolicy, where: str) -> None:
+        self.policy, self.where = policy, where
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        _check_domain(newurl, self.policy, self.where)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _read_local(source: str, policy: MediaPolicy, where: str) -> bytes:
+    if policy.allowed_local_media_path is None:
+        raise InvalidRequestError(
+            f"{where}: local image files are not allowed (start the server with {LOCAL_PATH_FLAG} DIR "
+            "to allow files under DIR)", param=where)
+    path = urllib.request.url2pathname(urllib.parse.urlsplit(source).path) if source.startswith("file:") else source
+    root = os.path.realpath(policy.allowed_local_media_path)
+    real = os.path.realpath(os.path.join(root, path))  # follows symlinks and resolves `..`
+    if os.path.commonpath([root, real]) != root:
+        raise InvalidRequestError(f"{where}: {path!r} is outside the allowed media directory", param=where)
+    try:
+        size = os.path.getsize(real)
+        _check_bytes(size, policy, where)
+        with open(real, "rb") as f:
+            return f.read(policy.max_image_bytes + 1)
+    except OSError as exc:
+        raise InvalidRequestError(f"{where}: cannot read {path!r}: {exc.strerror}", param=where) from exc
+
+
+def _check_bytes(size: int, policy: MediaPolicy, where: str) -> None:
+    if size > policy.max_image_bytes:
+        raise InvalidRequestError(
+            f"{where}: the image is larger than {policy.max_image_bytes} bytes", param=where)
+
+
+def decode_image(data: bytes, policy: MediaPolicy, where: str = "image") -> Image:
+    """Decode image bytes fully, refusing oversize, decompression-bomb and truncated images."""
+    import warnings
+
+    from PIL import Image, UnidentifiedImageError
+
+    _check_bytes(len(data), policy, where)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            width, height = image.size
+            if width * height > policy.max_image_pixels:
+                raise InvalidRequestError(
+                    f"{where}: the image has {width}x{height} pixels; at most {policy.max_image_pixels} "
+                    "are allowed", param=where)
+            image.load()
+    except InvalidRequestError:
+        raise
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as exc:
+        raise InvalidRequestError(f"{where}: the image cannot be decoded ({exc})", param=where) from exc
+    return image
+
+
+def image_hash(image: Image) -> str:
+    """sha256 of an image's pixel bytes, size and mode: equal images hash equal, whatever the file."""
+    digest = hashlib.sha256(f"{image.mode}:{image.size[0]}x{image.size[1]}:".encode())
+    digest.update(image.tobytes())
+    return digest.hexdigest()
+
+
+def prepare_chat(processor: VisionProcessor, messages: Sequence[Message], policy: MediaPolicy) -> MultiModalInputs:
+    """Chat messages with image parts -> MultiModalInputs: extract, load under `policy`, preprocess."""
+    rendered, sources = extract_images(messages)
+    return processor.preprocess(rendered, load_images(sources, policy))

@@ -1,0 +1,1 @@
+"""Vision processors for core, one module per model family over a shared Hugging Face base."""
