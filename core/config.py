@@ -8,7 +8,7 @@ value, so the same check serves Python callers (an exception naming the argument
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,8 +227,3 @@ class EngineConfig:
         if self.model is None:
             return "default"
         return self.model.rstrip("/").rsplit("/", 1)[-1]
-
-
-def as_tuple(values: Sequence[Any] | None) -> tuple[Any, ...]:
-    """A tuple from an optional sequence (None -> empty)."""
-    return tuple(values) if values else ()

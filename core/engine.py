@@ -83,6 +83,11 @@ class AsyncEngine:
         return bool(self._asleep)
 
     @property
+    def is_closed(self) -> bool:
+        """True once `close` ran: the engine serves nothing any more."""
+        return self._closed
+
+    @property
     def asleep_tags(self) -> frozenset[str]:
         return frozenset(self._asleep)
 

@@ -112,9 +112,7 @@ def test_hook_core_make_chat_template(host, tmp_path):
     assert own.tag == "TAG1" and resolve_chat_template(host, str(path), model, None).tag == "TAG2"
 
 
-@pytest.mark.parametrize(("hook", "registry"), [("core_register_reasoning_parsers", "reasoning_parsers"),
-                                                 ("core_register_tool_call_parsers", "tool_call_parsers")])
-def test_parser_registration(host, hook, registry):
+def check_parser_registration(host, hook, registry):
     plugin = type("Plugin", (), {hook: hookimpl(lambda self, register: register("p", object, architectures=("A",)))})
     host.register(plugin())
     entry = getattr(host, registry).get("p")
@@ -122,11 +120,11 @@ def test_parser_registration(host, hook, registry):
 
 
 def test_hook_core_register_reasoning_parsers(host):
-    test_parser_registration(host, "core_register_reasoning_parsers", "reasoning_parsers")
+    check_parser_registration(host, "core_register_reasoning_parsers", "reasoning_parsers")
 
 
 def test_hook_core_register_tool_call_parsers(host):
-    test_parser_registration(host, "core_register_tool_call_parsers", "tool_call_parsers")
+    check_parser_registration(host, "core_register_tool_call_parsers", "tool_call_parsers")
 
 
 def test_hook_core_register_vision_processors(host):

@@ -21,7 +21,7 @@ PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 def engine_alive(engine: AsyncEngine) -> bool:
     """False once the engine is shut down or its backend cannot report stats (it died)."""
-    if getattr(engine, "_closed", False):  # AsyncEngine has no public "closed" flag yet
+    if engine.is_closed:
         return False
     try:
         engine.stats()

@@ -166,14 +166,18 @@ def completion_logprobs(entries: Sequence[TokenLogprob] | None, decode: Decode,
             "top_logprobs": [{decode([t]): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
 
 
-def chat_chunk(response_id: str, created: int, model: str, choices: list[dict[str, Any]],
-               usage_: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One `chat.completion.chunk`."""
-    chunk = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": choices}
+def _chunk(kind: str, response_id: str, created: int, model: str, choices: list[dict[str, Any]],
+           usage_: dict[str, Any] | None) -> dict[str, Any]:
+    chunk = {"id": response_id, "object": kind, "created": created, "model": model, "choices": choices}
     if usage_ is not None:
         chunk["usage"] = usage_
     return chunk
+
+
+def chat_chunk(response_id: str, created: int, model: str, choices: list[dict[str, Any]],
+               usage_: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One `chat.completion.chunk`."""
+    return _chunk("chat.completion.chunk", response_id, created, model, choices, usage_)
 
 
 def chat_delta_choice(index: int, delta: dict[str, Any], finish: str | None = None,
@@ -185,11 +189,7 @@ def chat_delta_choice(index: int, delta: dict[str, Any], finish: str | None = No
 def completion_chunk(response_id: str, created: int, model: str, choices: list[dict[str, Any]],
                      usage_: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed `text_completion` object."""
-    chunk = {"id": response_id, "object": "text_completion", "created": created, "model": model,
-             "choices": choices}
-    if usage_ is not None:
-        chunk["usage"] = usage_
-    return chunk
+    return _chunk("text_completion", response_id, created, model, choices, usage_)
 
 
 def completion_choice(index: int, text: str, finish: str | None = None,

@@ -47,9 +47,11 @@ class SpyBackend(Backend):
         self.model_info = inner.model_info
         self.tokenizer = inner.tokenizer
         self.calls: Counter[tuple[str, str]] = Counter()
+        self.requests: list[GenerateRequest] = []
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[BackendOutput]:
         self.calls["generate", request.session_id] += 1
+        self.requests.append(request)
         return self.inner.generate(request)
 
     async def abort(self, session_id: str) -> None:
@@ -127,10 +129,12 @@ class BackendContractTests:
         assert together[0].token_ids == alone.token_ids
         assert together[1].token_ids == (await self._run(engine, other)).token_ids
 
-    async def test_full_context_matters(self, engine, prompt_token_ids):
+    async def test_every_request_carries_its_whole_context(self, engine, spy, prompt_token_ids):
         full = await self._run(engine, prompt_token_ids)
         again = await self._run(engine, prompt_token_ids[-3:])
         assert full.prompt_tokens == len(prompt_token_ids) and again.prompt_tokens == 3
+        assert [list(r.prompt_token_ids) for r in spy.requests] == [prompt_token_ids, prompt_token_ids[-3:]]
+        assert all(r.max_new_tokens == GREEDY.max_new_tokens for r in spy.requests)
 
     @pytest.mark.parametrize("keyword", REMOVED_KEYWORDS)
     async def test_removed_keywords_are_rejected(self, engine, prompt_token_ids, keyword):

@@ -146,38 +146,36 @@ class EngineLoop:
         inputs = self.runner.prepare(out.scheduled)
         logits = self.runner.execute(inputs)
         sampling = [s.seq for s in inputs.sampling]
-        rows, owners = self._sampling_rows(sampling)
-        result = sample(logits.index_select(0, torch.tensor(owners, device=logits.device)),
-                        SamplingBatch.from_rows(rows, device=logits.device)) if rows else None
-        first = {}
-        for row, seq in enumerate(sampling):
-            first[seq.seq_id] = result.token_ids[self._first_row(owners, row)]
-        self.scheduler.update(out, first)
-        if result is not None:
-            self._emit(sampling, owners, result)
+        if not sampling:
+            self.scheduler.update(out, {})
+            return
+        rows, groups = self._sampling_rows(sampling)
+        if len(rows) != len(sampling):  # a first sample of an n > 1 request reads its logits n times
+            owners = [i for i, group in enumerate(groups) for _ in group]
+            logits = logits.index_select(0, torch.tensor(owners, device=logits.device))
+        result = sample(logits, SamplingBatch.from_rows(rows, device=logits.device))
+        self.scheduler.update(out, {seq.seq_id: result.token_ids[g[0]] for seq, g in zip(sampling, groups, strict=True)})
+        self._emit(sampling, groups, result)
 
-    def _sampling_rows(self, sampling: list[Sequence]) -> tuple[list[SamplingRow], list[int]]:
-        """One row per sampled token; a first sample of an n>1 request gets n rows of its logits."""
-        rows, owners = [], []
-        for i, seq in enumerate(sampling):
+    def _sampling_rows(self, sampling: list[Sequence]) -> tuple[list[SamplingRow], list[list[int]]]:
+        """Sampler rows, and which rows belong to each sequence (n rows for an n > 1 request's first
+        sample, one otherwise)."""
+        rows: list[SamplingRow] = []
+        groups: list[list[int]] = []
+        for seq in sampling:
             state, index = self._by_seq[seq.seq_id]
             choices = range(state.n) if state.n > 1 and not state.forked else (index,)
+            groups.append(list(range(len(rows), len(rows) + len(choices))))
             for choice in choices:
                 rows.append(SamplingRow(state.params, seq.prompt_token_ids, seq.output_token_ids,
                                         state.generator(choice, self.runner.device), state.banned(seq)))
-                owners.append(i)
-        return rows, owners
+        return rows, groups
 
-    @staticmethod
-    def _first_row(owners: list[int], row: int) -> int:
-        return owners.index(row)
-
-    def _emit(self, sampling: list[Sequence], owners: list[int], result: Any) -> None:
-        for position, seq in enumerate(sampling):
+    def _emit(self, sampling: list[Sequence], groups: list[list[int]], result: Any) -> None:
+        for seq, rows in zip(sampling, groups, strict=True):
             state, index = self._by_seq.get(seq.seq_id, (None, None))
             if state is None or state.session_id not in self.requests:
                 continue
-            rows = [r for r, owner in enumerate(owners) if owner == position]
             if len(rows) > 1:
                 self._fork(state, seq, [result.token_ids[r] for r in rows[1:]])
             for choice, r in zip((index, *range(1, len(rows))), rows, strict=True):
