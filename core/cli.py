@@ -39,12 +39,36 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
 
 
+def add_media_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where request images may come from (vision-language models), and their limits."""
+    from core.multimodal import DOMAINS_FLAG, LOCAL_PATH_FLAG, MediaPolicy
+
+    g = parser.add_argument_group("images (vision-language models)")
+    g.add_argument(DOMAINS_FLAG, dest="allowed_media_domains", nargs="+", metavar="DOMAIN", default=[],
+                   help="domains (and their subdomains) that http(s) image URLs may name; default: none")
+    g.add_argument(LOCAL_PATH_FLAG, dest="allowed_local_media_path", metavar="DIR",
+                   help="allow local image files (paths, file:// URLs) under DIR; default: none")
+    g.add_argument("--max-images-per-request", type=int, default=MediaPolicy.max_images_per_request)
+    g.add_argument("--max-image-bytes", type=int, default=MediaPolicy.max_image_bytes,
+                   help="largest encoded image, in bytes")
+    g.add_argument("--max-image-pixels", type=int, default=MediaPolicy.max_image_pixels,
+                   help="largest decoded image, width x height")
+    g.add_argument("--media-fetch-timeout", dest="fetch_timeout_s", type=float,
+                   default=MediaPolicy.fetch_timeout_s, metavar="SECONDS", help="time limit of one image fetch")
+
+
+MEDIA_FLAGS = ("allowed_media_domains", "allowed_local_media_path", "max_images_per_request", "max_image_bytes",
+               "max_image_pixels", "fetch_timeout_s")
+
+
 def engine_config(args: argparse.Namespace) -> Any:
     from core.config import EngineConfig
+    from core.multimodal import MediaPolicy
 
     options = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name, None) is not None}
+    media = MediaPolicy(**{name: getattr(args, name) for name in MEDIA_FLAGS if hasattr(args, name)})
     return EngineConfig(model=getattr(args, "model", None), enable_prefix_caching=not args.no_prefix_caching,
-                        enforce_eager=args.enforce_eager, **options)
+                        enforce_eager=args.enforce_eager, media=media, **options)
 
 
 # -- plugins ---------------------------------------------------------------------------------------
@@ -161,9 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require this key (also read from CORE_API_KEY)")
-    p.add_argument("--reasoning-parser", help="a registered reasoning parser")
-    p.add_argument("--tool-call-parser", help="a registered tool-call parser")
+    p.add_argument("--reasoning-parser", metavar="NAME",
+                   help="a registered reasoning parser, or 'none' (default: chosen by the model's architecture "
+                        "and chat template when exactly one fits)")
+    p.add_argument("--tool-call-parser", metavar="NAME",
+                   help="a registered tool-call parser, or 'none' (default: chosen like --reasoning-parser); "
+                        "used for requests that send tools")
     add_engine_arguments(p)
+    add_media_arguments(p)
     p.set_defaults(run=cmd_serve)
 
     for name, help_text, run in (("generate", "generate a reply to one prompt", cmd_generate),
@@ -182,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plugins", help="list installed plugins, their hooks and what they register")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(run=cmd_plugins)
+    from core.bench.commands import add_bench_parser  # light: httpx and torch load only when a bench runs
+
+    add_bench_parser(sub, add_engine_arguments)
     _add_plugin_commands(sub)
     return parser
 

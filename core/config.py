@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.errors import InvalidRequestError
+from core.multimodal import MediaPolicy
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TOP_LOGPROBS = 20
@@ -186,6 +187,7 @@ class EngineConfig:
     :param kv_cache_memory_gib: absolute KV-cache budget; None uses kv_cache_memory_fraction on GPUs
         and a fixed default on the CPU.
     :param backend_options: options only a particular backend understands (documented by it).
+    :param media: where request images may come from and how large they may be (vision models).
     """
 
     model: str | None = None
@@ -204,6 +206,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     backend_options: Mapping[str, Any] = field(default_factory=dict)
+    media: MediaPolicy = field(default_factory=MediaPolicy)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -218,6 +221,8 @@ class EngineConfig:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enforce_eager", self.enforce_eager)
+        if not isinstance(self.media, MediaPolicy):
+            raise _fail("media", self.media, "a core.multimodal.MediaPolicy")
 
     @property
     def model_name(self) -> str:

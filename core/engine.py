@@ -9,6 +9,8 @@ session exactly once and removes the Session.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
@@ -32,6 +34,7 @@ from core.errors import (
     EngineUnavailableError,
     InvalidRequestError,
 )
+from core.multimodal import MediaPolicy, VisionProcessor, find_vision_processor
 from core.request import (
     Inputs,
     PreparedRequest,
@@ -49,11 +52,15 @@ class AsyncEngine:
     """The asynchronous engine: every request carries its full context; nothing is kept between them."""
 
     def __init__(self, backend: Backend, *, chat_template: ChatTemplate | None = None,
-                 model_name: str | None = None) -> None:
+                 model_name: str | None = None, vision: VisionProcessor | None = None,
+                 media_policy: MediaPolicy | None = None) -> None:
         self.backend = backend
         self.model_name = model_name or backend.model_info.name
-        self.preparer = RequestPreparer(backend.model_info, backend.tokenizer, chat_template)
+        self.preparer = RequestPreparer(backend.model_info, backend.tokenizer, chat_template, vision, media_policy)
         self.sessions = SessionManager(backend)
+        self.vision = vision
+        # One thread runs the vision encoder, off the event loop, once per request with images.
+        self._vision_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._asleep: set[str] = set()
         self._closed = False
 
@@ -66,7 +73,9 @@ class AsyncEngine:
         plugins = plugins or get_plugins()
         backend = select_backend(plugins, config.backend).load()(config)
         template = resolve_chat_template(plugins, config.chat_template, backend.model_info, backend.tokenizer)
-        return cls(backend, chat_template=template, model_name=config.served_model_name)
+        vision = find_vision_processor(plugins, backend.model_info.architecture, config.model)
+        return cls(backend, chat_template=template, model_name=config.served_model_name, vision=vision,
+                   media_policy=config.media)
 
     # -- properties ---------------------------------------------------------------------------------
 
@@ -132,13 +141,16 @@ class AsyncEngine:
         choices = _Choices(self, session, prepared)
         backend_stream: AsyncIterator[BackendOutput] | None = None
         try:
+            request = self._backend_request(session, prepared)
+            if prepared.multimodal is not None:
+                request = await self._with_image_embeddings(request)
             if self.sessions.is_stale(session) or session.state is SessionState.ABORTED:
                 for output in choices.abort_all():  # never reaches the backend
                     yield output
                 return
             self._check_gate()
             session.reached_backend, session.state = True, SessionState.RUNNING
-            backend_stream = self.backend.generate(self._backend_request(session, prepared))
+            backend_stream = self.backend.generate(request)
             async for backend_output in backend_stream:
                 output = choices.update(backend_output)
                 if output is not None:
@@ -162,6 +174,17 @@ class AsyncEngine:
             max_new_tokens=prepared.max_new_tokens, stop_token_ids=prepared.stop_token_ids,
             multimodal=prepared.multimodal,
         )
+
+    async def _with_image_embeddings(self, request: GenerateRequest) -> GenerateRequest:
+        """`request` with its images encoded by the vision processor (on the vision thread)."""
+        inputs = request.multimodal
+        if self.vision is None or inputs is None:
+            raise BackendError("a request with images reached an engine without a vision processor")
+        if self._vision_executor is None:
+            self._vision_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-vision")
+        loop = asyncio.get_running_loop()
+        embeds = await loop.run_in_executor(self._vision_executor, self.vision.encode, inputs)
+        return dataclasses.replace(request, multimodal=dataclasses.replace(inputs, image_embeds=embeds))
 
     async def _release(self, session: Session, backend_stream: AsyncIterator[BackendOutput] | None, *,
                        needs_abort: bool) -> None:
@@ -228,6 +251,8 @@ class AsyncEngine:
         self._closed = True
         await self.sessions.stop_all()
         await self.backend.close()
+        if self._vision_executor is not None:
+            self._vision_executor.shutdown(wait=False, cancel_futures=True)
 
 
 class RequestStream:

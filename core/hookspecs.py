@@ -92,8 +92,10 @@ def core_make_chat_template(source: str, tokenizer: Tokenizer | None) -> ChatTem
 def core_register_reasoning_parsers(register: Register) -> None:
     """Register reasoning parsers that split model text into reasoning and content.
 
-    :param register: ``register(name, factory, *, architectures=())``: ``factory(tokenizer) ->
-        ReasoningParser``; ``architectures`` for automatic choice when unambiguous.
+    :param register: ``register(name, factory, *, architectures=(), chat_template_contains=())``:
+        ``factory(tokenizer) -> ReasoningParser``. When ``--reasoning-parser`` is not given, the server
+        picks the one parser whose ``architectures`` include the model's and all of whose
+        ``chat_template_contains`` strings occur in its chat template (none when several fit).
     :returns: nothing.
     """
 
@@ -102,8 +104,9 @@ def core_register_reasoning_parsers(register: Register) -> None:
 def core_register_tool_call_parsers(register: Register) -> None:
     """Register tool-call parsers that turn model text into structured tool calls.
 
-    :param register: ``register(name, factory, *, architectures=())``: ``factory(tokenizer) ->
-        ToolCallParser``; ``architectures`` for automatic choice when unambiguous.
+    :param register: ``register(name, factory, *, architectures=(), chat_template_contains=())``:
+        ``factory(tokenizer) -> ToolCallParser``; chosen automatically like reasoning parsers (see
+        ``core_register_reasoning_parsers``), and then used only for requests that send tools.
     :returns: nothing.
     """
 
@@ -142,13 +145,14 @@ def core_register_commands(register: Register) -> None:
 
 # Options each registration hook's ``register`` accepts beyond ``override``; the scope key (if any)
 # namespaces names, so two backends may both implement "LlamaForCausalLM".
+_PARSER_OPTIONS = frozenset({"architectures", "chat_template_contains"})
 REGISTRATION_HOOKS: dict[str, tuple[str, frozenset[str], str]] = {
     # hook name: (kind, allowed options, scope option)
     "core_register_backends": ("backend", frozenset({"priority", "available", "description"}), ""),
     "core_register_model_architectures": ("model architecture", frozenset(), "backend"),
     "core_register_chat_templates": ("chat template", frozenset({"architectures"}), ""),
-    "core_register_reasoning_parsers": ("reasoning parser", frozenset({"architectures"}), ""),
-    "core_register_tool_call_parsers": ("tool-call parser", frozenset({"architectures"}), ""),
+    "core_register_reasoning_parsers": ("reasoning parser", _PARSER_OPTIONS, ""),
+    "core_register_tool_call_parsers": ("tool-call parser", _PARSER_OPTIONS, ""),
     "core_register_vision_processors": ("vision processor", frozenset(), ""),
     "core_register_commands": ("command", frozenset({"help", "configure"}), ""),
 }

@@ -76,6 +76,8 @@ class MultiModalInputs:
     :param mrope_positions: Qwen2-VL style 3D positions, shape (3, len(prompt_token_ids)), or None.
     :param mrope_position_delta: for decode, position = seq_len + delta on all three axes.
     :param bidirectional_image_attention: image tokens of one image attend to each other (Gemma 3).
+    :param image_embeds: one ``[num_placeholder_tokens, hidden]`` tensor per image, from
+        `VisionProcessor.encode`; the engine fills it (once per request) before the backend sees it.
     """
 
     prompt_token_ids: list[int]
@@ -86,6 +88,7 @@ class MultiModalInputs:
     mrope_positions: Any | None = None
     mrope_position_delta: int | None = None
     bidirectional_image_attention: bool = False
+    image_embeds: list[Any] | None = None
 
     def embedding_positions(self, image: int) -> list[int]:
         """Prompt positions that receive image `image`'s embedding rows, in row order."""
@@ -150,6 +153,26 @@ def get_vision_processor(plugins: PluginHost, architecture: str, model_path: str
     return entry.load()(model_path)
 
 
+def find_vision_processor(plugins: PluginHost, architecture: str, model_path: str | None) -> VisionProcessor | None:
+    """The vision processor for a served checkpoint, or None for a text-only model (no processor
+    registered for its architecture, or no checkpoint folder to build one from)."""
+    if model_path is None or plugins.vision_processors.find(architecture) is None:
+        return None
+    if not os.path.isdir(model_path):
+        return None  # a GGUF file: no processor configuration to read
+    return get_vision_processor(plugins, architecture, model_path)
+
+
+def image_prompt_messages(text: str, images: Any) -> list[dict[str, Any]]:
+    """One user message with `images` (one image or a list: PIL images, URLs, paths) then `text`:
+    what a ``(prompt, image)`` pair means to the Pipeline."""
+    pictures = list(images) if isinstance(images, (list, tuple)) else [images]
+    if not pictures:
+        raise InvalidRequestError("a (prompt, images) pair needs at least one image", param="images")
+    parts: list[dict[str, Any]] = [{"type": "image", "image": p} for p in pictures]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Media intake
 # ---------------------------------------------------------------------------------------------------
@@ -167,12 +190,31 @@ class MediaPolicy:
     max_images_per_request: int = 16
     fetch_timeout_s: float = 10.0
 
+    def __post_init__(self) -> None:
+        domains = self.allowed_media_domains
+        if isinstance(domains, str) or not all(isinstance(d, str) and d.strip(".") for d in domains):
+            raise InvalidRequestError(f"allowed_media_domains must be a list of domain names, got {domains!r}",
+                                      param="allowed_media_domains")
+        object.__setattr__(self, "allowed_media_domains", tuple(domains))
+        path = self.allowed_local_media_path
+        if path is not None and not os.path.isdir(path):
+            raise InvalidRequestError(f"allowed_local_media_path {path!r} is not a directory",
+                                      param="allowed_local_media_path")
+        for name in ("max_image_bytes", "max_image_pixels", "max_images_per_request"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param=name)
+        if isinstance(self.fetch_timeout_s, bool) or not isinstance(self.fetch_timeout_s, (int, float)) \
+                or not self.fetch_timeout_s > 0:
+            raise InvalidRequestError(f"fetch_timeout_s must be a positive number, got {self.fetch_timeout_s!r}",
+                                      param="fetch_timeout_s")
+
 
 @dataclass(frozen=True)
 class ImageSource:
     """One image reference found in a request and the request field it came from."""
 
-    source: str | Mapping[str, Any]
+    source: str | Mapping[str, Any] | Image
     field: str
 
 
@@ -211,7 +253,14 @@ def _image_part_source(part: Any, where: str) -> ImageSource | None:
     if kind == "image" and isinstance(part.get("url") or part.get("image"), str):
         key = "url" if part.get("url") else "image"
         return ImageSource(part[key], f"{where}.{key}")
+    if kind == "image" and _is_pil_image(part.get("image")):
+        return ImageSource(part["image"], f"{where}.image")
     return None
+
+
+def _is_pil_image(value: Any) -> bool:
+    """A decoded PIL image (only Python callers can pass one; PIL is not imported to check)."""
+    return hasattr(value, "getdata") and hasattr(value, "size") and hasattr(value, "mode")
 
 
 def _require_str(value: Any, where: str) -> str:
@@ -230,11 +279,14 @@ def load_images(sources: Sequence[ImageSource], policy: MediaPolicy) -> list[Ima
     return [load_image(s.source, policy, where=s.field) for s in sources]
 
 
-def load_image(source: str | Mapping[str, Any], policy: MediaPolicy, *, where: str = "image") -> Image:
-    """Fetch and decode one image: an http(s) URL, a data URI, a local path or file:// URL, or an
-    Anthropic source block (``{"type": "base64", "media_type", "data"}`` or ``{"type": "url", "url"}``)."""
+def load_image(source: str | Mapping[str, Any] | Image, policy: MediaPolicy, *, where: str = "image") -> Image:
+    """Fetch and decode one image: an http(s) URL, a data URI, a local path or file:// URL, an already
+    decoded PIL image (Python callers), or an Anthropic source block (``{"type": "base64", "media_type", "data"}`` or ``{"type": "url", "url"}``)."""
     if isinstance(source, Mapping):
         return _load_anthropic_source(source, policy, where)
+    if _is_pil_image(source):
+        _check_pixels(*source.size, policy, where)
+        return source
     source = _require_str(source, where)
     scheme = urllib.parse.urlsplit(source).scheme.lower()
     if scheme == "data":
@@ -346,6 +398,13 @@ def _check_bytes(size: int, policy: MediaPolicy, where: str) -> None:
             f"{where}: the image is larger than {policy.max_image_bytes} bytes", param=where)
 
 
+def _check_pixels(width: int, height: int, policy: MediaPolicy, where: str) -> None:
+    if width * height > policy.max_image_pixels:
+        raise InvalidRequestError(
+            f"{where}: the image has {width}x{height} pixels; at most {policy.max_image_pixels} are allowed",
+            param=where)
+
+
 def decode_image(data: bytes, policy: MediaPolicy, where: str = "image") -> Image:
     """Decode image bytes fully, refusing oversize, decompression-bomb and truncated images."""
     import warnings
@@ -357,11 +416,7 @@ def decode_image(data: bytes, policy: MediaPolicy, where: str = "image") -> Imag
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
-            width, height = image.size
-            if width * height > policy.max_image_pixels:
-                raise InvalidRequestError(
-                    f"{where}: the image has {width}x{height} pixels; at most {policy.max_image_pixels} "
-                    "are allowed", param=where)
+            _check_pixels(*image.size, policy, where)
             image.load()
     except InvalidRequestError:
         raise

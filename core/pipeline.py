@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from core.config import EngineConfig, GenerationConfig
 from core.engine import AsyncEngine
+from core.multimodal import image_prompt_messages
 from core.request import RequestOutput, reject_removed_keywords
 from core.response import Response, collect
 
@@ -113,7 +114,8 @@ class Pipeline:
               *, use_tqdm: bool | None = None, **kwargs: Any) -> Response | list[Response]:
         """Generate for one prompt (returns a Response) or a list of prompts (a list, in order).
 
-        A prompt is a string, a list of token ids, or a list of chat messages. `gen_config` is one
+        A prompt is a string, a list of token ids, a list of chat messages (whose content may hold
+        image parts), or a ``(text, image_or_images)`` pair for a vision model. `gen_config` is one
         GenerationConfig for all prompts or one per prompt; generation fields may be keywords.
         """
         reject_removed_keywords("infer", kwargs)
@@ -124,7 +126,7 @@ class Pipeline:
         return responses[0] if single else responses
 
     async def _infer_all(self, batch: list[Any], configs: list[GenerationConfig], show: bool) -> list[Response]:
-        streams = [self.engine.generate(p, c) for p, c in zip(batch, configs, strict=True)]
+        streams = [self.engine.generate(_engine_inputs(p), c) for p, c in zip(batch, configs, strict=True)]
         progress = _progress(len(streams), show)
 
         async def run(i: int) -> Response:
@@ -148,7 +150,7 @@ class Pipeline:
         return self._loop.iterate(lambda: self._multiplex(batch, configs))
 
     async def _multiplex(self, batch: list[Any], configs: list[GenerationConfig]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        streams = [self.engine.generate(p, c) for p, c in zip(batch, configs, strict=True)]
+        streams = [self.engine.generate(_engine_inputs(p), c) for p, c in zip(batch, configs, strict=True)]
         merged: asyncio.Queue[Any] = asyncio.Queue()
 
         async def pump(i: int) -> None:
@@ -180,19 +182,26 @@ class Pipeline:
 
     # -- chat -----------------------------------------------------------------------------------------
 
-    def chat(self, prompt: str | Mapping[str, Any], session: ChatSession | None = None,
+    def chat(self, prompt: str | Mapping[str, Any] | tuple[str, Any], session: ChatSession | None = None,
              gen_config: GenerationConfig | None = None, **kwargs: Any) -> ChatSession:
-        """One chat turn. The whole history is sent; the turn is recorded only if it succeeded."""
+        """One chat turn. The whole history is sent; the turn is recorded only if it succeeded.
+
+        `prompt` is the user's text, a whole user message (its content may hold image parts), or a
+        ``(text, image_or_images)`` pair; earlier turns keep their images.
+        """
         session = session if session is not None else ChatSession()
         for _ in self.stream_chat(prompt, session, gen_config, **kwargs):
             pass
         return session
 
-    def stream_chat(self, prompt: str | Mapping[str, Any], session: ChatSession,
+    def stream_chat(self, prompt: str | Mapping[str, Any] | tuple[str, Any], session: ChatSession,
                     gen_config: GenerationConfig | None = None, **kwargs: Any) -> Iterator[str]:
         """One chat turn, yielding text deltas; the turn is recorded only if it finished normally."""
         reject_removed_keywords("chat", kwargs)
-        user = {"role": "user", "content": prompt} if isinstance(prompt, str) else dict(prompt)
+        if _is_image_prompt(prompt):
+            [user] = _engine_inputs(prompt)
+        else:
+            user = {"role": "user", "content": prompt} if isinstance(prompt, str) else dict(prompt)
         messages = [*session.messages, user]
         config = _configs_for([messages], gen_config, kwargs)[0]
         response = Response()
@@ -225,8 +234,34 @@ async def _build(factory: Callable[[], AsyncEngine]) -> AsyncEngine:
     return factory()
 
 
+def _is_image_prompt(prompt: Any) -> bool:
+    """A ``(text, image_or_images)`` pair. Batches are lists, so a tuple of two is never a batch."""
+    return isinstance(prompt, tuple) and len(prompt) == 2 and isinstance(prompt[0], str)
+
+
+def _engine_inputs(prompt: Any) -> Any:
+    """What the engine takes for one prompt: a ``(text, images)`` pair becomes one user message whose
+    images come first; local paths are read here (the caller's own files, not a server's)."""
+    if not _is_image_prompt(prompt):
+        return prompt
+    text, images = prompt
+    pictures = list(images) if isinstance(images, (list, tuple)) else [images]
+    return image_prompt_messages(text, [_open_local(p) for p in pictures])
+
+
+def _open_local(image: Any) -> Any:
+    if not isinstance(image, str) or "://" in image or image.startswith("data:"):
+        return image
+    from PIL import Image
+
+    path = image[len("file:"):] if image.startswith("file:") else image
+    with Image.open(path) as opened:
+        opened.load()
+        return opened.copy()
+
+
 def _is_single(prompt: Any) -> bool:
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) or _is_image_prompt(prompt):
         return True
     return isinstance(prompt, Sequence) and bool(prompt) and all(isinstance(x, (int, Mapping)) for x in prompt)
 

@@ -15,6 +15,14 @@ from core.backend import ModelInfo, Tokenizer, TokenLogprob
 from core.chat_template import ChatTemplate, validate_messages
 from core.config import GenerationConfig
 from core.errors import ContextTooLongError, InvalidRequestError
+from core.multimodal import (
+    ImageSource,
+    MediaPolicy,
+    MultiModalInputs,
+    VisionProcessor,
+    extract_images,
+    load_images,
+)
 
 REMOVED_KEYWORDS = ("sequence_start", "sequence_end", "step", "interactive")
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
@@ -56,7 +64,7 @@ class PreparedRequest:
     max_new_tokens: int
     stop_token_ids: frozenset[int]
     stop_strings: tuple[str, ...]
-    multimodal: Any = None
+    multimodal: MultiModalInputs | None = None
 
 
 def reject_removed_keywords(function: str, kwargs: Mapping[str, Any]) -> None:
@@ -81,12 +89,21 @@ def merge_config(config: GenerationConfig | None, overrides: Mapping[str, Any]) 
 
 
 class RequestPreparer:
-    """Tokenizes inputs and resolves limits against one model (shared by every request)."""
+    """Tokenizes inputs and resolves limits against one model (shared by every request).
 
-    def __init__(self, model: ModelInfo, tokenizer: Tokenizer, template: ChatTemplate | None) -> None:
+    Chat messages with images (OpenAI ``image_url`` parts, Anthropic ``image`` blocks) are rendered by
+    the chat template, their images loaded under `media_policy` and handed with the text to the
+    model's vision processor, whose expanded token ids become the prompt (so usage counts image
+    tokens). A model without a vision processor refuses images with a request error.
+    """
+
+    def __init__(self, model: ModelInfo, tokenizer: Tokenizer, template: ChatTemplate | None,
+                 vision: VisionProcessor | None = None, media_policy: MediaPolicy | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.template = template
+        self.vision = vision
+        self.media_policy = media_policy or MediaPolicy()
         self.template_stop_ids, self.template_stop_strings = self._split_template_stops()
 
     def _split_template_stops(self) -> tuple[frozenset[int], tuple[str, ...]]:
@@ -120,20 +137,38 @@ class RequestPreparer:
                                     **dict(chat_template_kwargs or {}))
 
     def tokenize(self, inputs: Inputs, **render_options: Any) -> tuple[tuple[int, ...], bool]:
-        """Prompt token ids and whether the inputs were chat messages."""
+        """Prompt token ids (image placeholders expanded) and whether the inputs were chat messages."""
+        ids, is_chat, _ = self.encode(inputs, **render_options)
+        return ids, is_chat
+
+    def encode(self, inputs: Inputs, **render_options: Any) -> tuple[tuple[int, ...], bool, MultiModalInputs | None]:
+        """Prompt token ids, whether the inputs were chat messages, and their images' inputs (or None)."""
         if isinstance(inputs, str):
-            return tuple(self.tokenizer.encode(inputs, add_special_tokens=True)), False
+            return tuple(self.tokenizer.encode(inputs, add_special_tokens=True)), False, None
         if isinstance(inputs, Sequence) and inputs and all(isinstance(m, Mapping) for m in inputs):
+            rendered, sources = extract_images(validate_messages(inputs))
+            if sources:
+                multimodal = self._multimodal(rendered, sources, render_options)
+                return tuple(multimodal.prompt_token_ids), True, multimodal
             text = self.render(inputs, **render_options)
             add_special = self.template is not None and self.template.encode_with_special_tokens
-            return tuple(self.tokenizer.encode(text, add_special_tokens=add_special)), True
+            return tuple(self.tokenizer.encode(text, add_special_tokens=add_special)), True, None
         if isinstance(inputs, Sequence) and inputs and all(_is_token(t) for t in inputs):
             self._check_token_ids(inputs)
-            return tuple(inputs), False
+            return tuple(inputs), False, None
         raise InvalidRequestError(
             "the prompt must be a non-empty string, a list of token ids or a list of chat messages",
             param="prompt",
         )
+
+    def _multimodal(self, rendered: list[dict[str, Any]], sources: list[ImageSource],
+                    render_options: Mapping[str, Any]) -> MultiModalInputs:
+        if self.vision is None:
+            raise InvalidRequestError(
+                f"{sources[0].field} is an image, but model {self.model.name!r} ({self.model.architecture}) "
+                "is a text-only model and does not accept images", param=sources[0].field)
+        images = load_images(sources, self.media_policy)
+        return self.vision.preprocess(self.render(rendered, **render_options), images)
 
     def _check_token_ids(self, token_ids: Sequence[int]) -> None:
         vocab = self.model.vocab_size
@@ -143,16 +178,25 @@ class RequestPreparer:
 
     def prepare(self, inputs: Inputs, config: GenerationConfig, **render_options: Any) -> PreparedRequest:
         """Everything the backend needs, or a clear request error."""
-        prompt, is_chat = self.tokenize(inputs, **render_options)
+        prompt, is_chat, multimodal = self.encode(inputs, **render_options)
         if not prompt:
             raise InvalidRequestError("the prompt is empty after tokenization", param="prompt")
         max_new = self._max_new_tokens(len(prompt), config)
+        self._check_logit_bias(config)
         config = config.with_defaults(self.model.generation_defaults)
         stop_ids = set(config.stop_token_ids)
         if not config.ignore_eos:
             stop_ids |= set(self.model.eos_token_ids) | self.template_stop_ids
         strings = config.stop + (self.template_stop_strings if is_chat and not config.ignore_eos else ())
-        return PreparedRequest(prompt, config, max_new, frozenset(stop_ids), strings)
+        return PreparedRequest(prompt, config, max_new, frozenset(stop_ids), strings, multimodal)
+
+    def _check_logit_bias(self, config: GenerationConfig) -> None:
+        # A backend would fail the whole batch step on an id outside its vocabulary.
+        vocab = self.model.vocab_size
+        outside = [t for t in config.logit_bias if vocab and t >= vocab]
+        if outside:
+            raise InvalidRequestError(f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab})",
+                                      param="logit_bias")
 
     def _max_new_tokens(self, prompt_len: int, config: GenerationConfig) -> int:
         window = self.model.max_model_len

@@ -15,6 +15,22 @@ def _arrival(seq: Sequence) -> int:
     return seq.arrival_order
 
 
+def fit_chunk(seq: Sequence, start: int, n: int) -> int:
+    """How many of the ``n`` tokens from ``start`` the chunk may take so it ends outside ``seq``'s atomic spans.
+
+    A chunk that would end inside a span stops at the span's start; if it
+    starts inside that span (after a prefix-cache hit), it cannot be cut, and
+    0 means "not this step": the budget left is short of the span's end.
+    """
+    end = start + n
+    for span_start, span_end in seq.atomic_spans:
+        if span_start < end < span_end:
+            return max(span_start - start, 0)
+        if span_start >= end:
+            break
+    return n
+
+
 @dataclass
 class ScheduledSequence:
     """A chunk of ``num_new_tokens`` tokens of ``seq`` to run this step.
@@ -73,6 +89,17 @@ class Scheduler:
     Engine loop: ``out = schedule()``; run the model on ``out.scheduled``;
     sample one token for each chunk whose ``samples`` is true;
     ``update(out, {seq_id: token})``; then ``finish`` the sequences that stop.
+
+    A chunk never ends strictly inside one of its sequence's
+    ``atomic_spans`` (:func:`fit_chunk`): it stops at the span's start, or,
+    when it starts inside the span, it runs to the span's end or waits for a
+    step with enough budget.  A chunk can start inside a span only after a
+    prefix-cache hit (or a fork) ended there, and that is sound: a cached
+    block is keyed on the span's content (``cache_keys``) and its KV was
+    computed by a chunk that held the whole span, so it is exactly what this
+    sequence would compute; the tokens left of the span are then computed
+    together and see the cached ones.  ``add`` refuses a span longer than
+    ``max_num_batched_tokens``, so every span fits one step.
     """
 
     def __init__(
@@ -119,6 +146,12 @@ class Scheduler:
             raise ValueError(
                 f"sequence {seq.seq_id!r}: its {seq.num_tokens} tokens can never fit in the KV cache "
                 f"({bm.num_blocks} blocks of {bm.block_size} tokens)"
+            )
+        longest = max((end - start for start, end in seq.atomic_spans), default=0)
+        if longest > self.max_num_batched_tokens:
+            raise ValueError(
+                f"sequence {seq.seq_id!r}: a span of {longest} tokens that must be computed in one step "
+                f"(e.g. an image) exceeds max_num_batched_tokens={self.max_num_batched_tokens}; raise it"
             )
         seq.status = SequenceStatus.WAITING
         self._seqs[seq.seq_id] = seq
@@ -179,8 +212,9 @@ class Scheduler:
             if self._exceeds_cache(seq):
                 self._cap(seq, out)
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n <= 0:  # nothing sampled for it yet; nothing to compute
+            start = seq.num_computed_tokens
+            n = fit_chunk(seq, start, min(seq.num_tokens - start, budget))
+            if n <= 0:  # nothing sampled for it yet, or its span waits for a fuller budget
                 i += 1
                 continue
             while not bm.allocate(seq, n):
@@ -203,8 +237,9 @@ class Scheduler:
                 self._cap(seq, out)
                 continue
             cached = bm.match_prefix(seq)
-            n = min(seq.num_tokens - len(cached) * bm.block_size, budget)
-            if not bm.allocate(seq, n, cached):
+            start = len(cached) * bm.block_size
+            n = fit_chunk(seq, start, min(seq.num_tokens - start, budget))
+            if n <= 0 or not bm.allocate(seq, n, cached):
                 break  # FCFS: nobody overtakes the head of the queue
             waiting.popleft()
             seq.status = SequenceStatus.RUNNING

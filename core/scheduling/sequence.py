@@ -5,12 +5,14 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Hashable, Iterable
+from typing import Any
 
 # Process-wide arrival counter: preemption picks the most recently arrived
 # running sequence, so arrival order must be total and never repeat.
 _arrival_counter = itertools.count()
 
 CacheKeySpan = tuple[int, int, Hashable]
+AtomicSpan = tuple[int, int]
 
 
 class SequenceStatus(enum.Enum):
@@ -40,6 +42,16 @@ class Sequence:
     :class:`~core.scheduling.block_manager.BlockManager`: the content hashes of
     the sequence's full blocks (computed once, valid for as long as tokens are
     only appended) and how many of its blocks were offered to the prefix cache.
+
+    ``multimodal`` is an opaque payload of the backend (e.g. image embeddings
+    and their positions).  It lives as long as the sequence, so a preempted
+    sequence recomputes with it, and forks share it.
+
+    ``atomic_spans`` are sorted, disjoint ``[start, end)`` prompt ranges that
+    one forward chunk must compute whole: the tokens of a Gemma 3 image attend
+    to each other both ways, so a chunk that stopped inside one would compute
+    its first tokens without seeing the rest.  The scheduler never ends a
+    chunk strictly inside a span (see ``Scheduler``).
     """
 
     def __init__(
@@ -48,6 +60,8 @@ class Sequence:
         prompt_token_ids: Iterable[int],
         cache_keys: Iterable[CacheKeySpan] = (),
         arrival_order: int | None = None,
+        multimodal: Any = None,
+        atomic_spans: Iterable[AtomicSpan] = (),
     ) -> None:
         self.seq_id = seq_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
@@ -67,6 +81,8 @@ class Sequence:
                 raise ValueError(f"sequence {seq_id!r}: bad cache_keys span [{start}, {end})")
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
+        self.multimodal = multimodal
+        self.atomic_spans = _checked_atomic_spans(seq_id, atomic_spans, len(self.prompt_token_ids))
 
     @property
     def num_tokens(self) -> int:
@@ -104,7 +120,8 @@ class Sequence:
         share the parent's computed KV.  The copy arrives now (it is preempted
         before its parent).
         """
-        child = Sequence(seq_id, self.prompt_token_ids, self.cache_keys)
+        child = Sequence(seq_id, self.prompt_token_ids, self.cache_keys, multimodal=self.multimodal,
+                         atomic_spans=self.atomic_spans)
         child.token_ids = list(self.token_ids)
         child.num_cached_tokens = self.num_cached_tokens
         # Same tokens, same content hashes: no need to hash them again.
@@ -116,3 +133,17 @@ class Sequence:
             f"Sequence({self.seq_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
         )
+
+
+def _checked_atomic_spans(seq_id: str, spans: Iterable[AtomicSpan], prompt_len: int) -> tuple[AtomicSpan, ...]:
+    """``spans`` as a sorted tuple; ValueError unless each is a non-empty prompt range, disjoint from the rest."""
+    checked = tuple(sorted((int(start), int(end)) for start, end in spans))
+    previous_end = 0
+    for start, end in checked:
+        if not previous_end <= start < end <= prompt_len:
+            raise ValueError(
+                f"sequence {seq_id!r}: atomic_spans must be disjoint, non-empty ranges inside the "
+                f"{prompt_len}-token prompt, got {list(checked)}"
+            )
+        previous_end = end
+    return checked

@@ -12,7 +12,9 @@ from fastapi.responses import JSONResponse, Response
 from core.errors import CoreError
 from core.request import RequestOutput
 from core.server import anthropic_protocol as ap
+from core.server.anthropic_stream import ContentBlockEvents
 from core.server.errors import Protocol, core_error_body, renamed_params
+from core.server.postprocess import ChatPostprocessor
 from core.server.serving import (
     EventStreamResponse,
     check_model,
@@ -43,33 +45,38 @@ async def messages(request: Request) -> Response:
     rid = user_request_id(request, None)
     with renamed_params(ap.PARAM_NAMES):
         config = ap.generation_config(req)
-        [stream] = await start_requests(state.engine, [ap.to_chat_messages(req)], config, [rid], tools=req.tools)
+        tools, template_kwargs = ap.chat_tools(req), ap.chat_template_kwargs(req)
+        [stream] = await start_requests(state.engine, [ap.to_chat_messages(req)], config, [rid], tools=tools,
+                                        chat_template_kwargs=template_kwargs)
     message_id = f"msg_{rid or uuid.uuid4().hex}"
+    post = state.postprocessors.for_request(stream.prompt_token_ids, tools, template_kwargs)
     source = state.metrics.track(stream)
     if req.stream:
-        events = _message_events(message_id, state.model_name, len(stream.prompt_token_ids), source,
+        events = _message_events(message_id, state.model_name, len(stream.prompt_token_ids), source, post,
                                  req.stop_sequences)
         return EventStreamResponse(guarded_events(events, anthropic_error_event, None),
                                    headers={"X-Request-Id": message_id})
     [result] = await until_disconnected(request, collect_all([source]))
-    return JSONResponse(ap.message_response(message_id, state.model_name, result, req.stop_sequences),
+    parts = post.final(result.text)
+    return JSONResponse(ap.message_response(message_id, state.model_name, result, req.stop_sequences, parts),
                         headers={"X-Request-Id": message_id})
 
 
 async def _message_events(message_id: str, model: str, input_tokens: int, source: AsyncIterator[RequestOutput],
-                          stop_sequences: list[str] | None) -> AsyncIterator[str]:
+                          post: ChatPostprocessor, stop_sequences: list[str] | None) -> AsyncIterator[str]:
     yield sse_event("message_start", ap.message_start(message_id, model, input_tokens))
-    yield sse_event("content_block_start", {"type": "content_block_start", "index": 0,
-                                            "content_block": {"type": "text", "text": ""}})
+    blocks = ContentBlockEvents()
+    for name, payload in blocks.open_text() if post.is_plain else ():
+        yield sse_event(name, payload)
     last: RequestOutput | None = None
     async for out in source:
-        if out.text:
-            yield sse_event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                    "delta": {"type": "text_delta", "text": out.text}})
+        for name, payload in blocks.events(post.delta(0, out.text, finished=out.finish_reason is not None)):
+            yield sse_event(name, payload)
         last = out
-    yield sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    for name, payload in blocks.finish():
+        yield sse_event(name, payload)
     reason, sequence = ap.stop_reason(last.finish_reason if last else None, last.stop_reason if last else None,
-                                      stop_sequences)
+                                      stop_sequences, post.called_tools(0))
     delta: dict[str, Any] = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                              "usage": {"output_tokens": last.completion_tokens if last else 0}}
     yield sse_event("message_delta", delta)
@@ -82,5 +89,6 @@ async def count_tokens(request: Request) -> dict[str, int]:
     state = state_of(request)
     req = await parse_body(request, ap.CountTokensRequest)
     check_model(state, req.model)
-    ids = state.engine.tokenize(ap.to_chat_messages(req), tools=req.tools)
+    ids = state.engine.tokenize(ap.to_chat_messages(req), tools=ap.chat_tools(req),
+                                chat_template_kwargs=ap.chat_template_kwargs(req))
     return {"input_tokens": len(ids)}

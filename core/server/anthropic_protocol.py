@@ -2,25 +2,36 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from core.config import GenerationConfig
-from core.errors import UnsupportedError
+from core.errors import InvalidRequestError, UnsupportedError
+from core.parsers import ToolCall
 from core.response import Response
+from core.server.postprocess import ChatMessageParts
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 # Anthropic has no "aborted": like vLLM, anything else reads as end_turn.
 PARAM_NAMES = {"max_new_tokens": "max_tokens", "stop": "stop_sequences"}
 
 
-class TextBlock(BaseModel):
-    """A content block; only text is supported."""
+class ContentBlock(BaseModel):
+    """A content block: text, thinking, tool_use (assistant turns) or tool_result (user turns)."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     type: str
     text: str | None = None
+    thinking: str | None = None
+    signature: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: str | list[ContentBlock] | None = None
+    is_error: bool | None = None
 
 
 class AnthropicMessage(BaseModel):
@@ -28,7 +39,17 @@ class AnthropicMessage(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
+    content: str | list[ContentBlock]
+
+
+class AnthropicTool(BaseModel):
+    """A client tool: its name, description and the JSON schema of its input."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: str | None = None
 
 
 class MessagesRequest(BaseModel):
@@ -38,14 +59,16 @@ class MessagesRequest(BaseModel):
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
     max_tokens: int
-    system: str | list[TextBlock] | None = None
+    system: str | list[ContentBlock] | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
 
 
 class CountTokensRequest(BaseModel):
@@ -54,29 +77,114 @@ class CountTokensRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
-    system: str | list[TextBlock] | None = None
-    tools: list[dict[str, Any]] | None = None
+    system: str | list[ContentBlock] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
 
 
-def block_text(content: str | list[TextBlock], param: str) -> str:
-    """The text of a string or of text blocks; other block types are not supported yet."""
-    if isinstance(content, str):
-        return content
+def block_text(content: str | list[ContentBlock] | None, param: str) -> str:
+    """The text of a string or of text blocks (a system prompt, a tool result)."""
+    if content is None or isinstance(content, str):
+        return content or ""
     for i, block in enumerate(content):
         if block.type != "text" or block.text is None:
-            raise UnsupportedError(f"{param}[{i}]: only text content blocks are supported, got {block.type!r}",
+            raise UnsupportedError(f"{param}[{i}]: only text content blocks are supported here, got {block.type!r}",
                                    param=f"{param}.{i}")
     return "".join(block.text or "" for block in content)
 
 
+def _unsupported_block(block: ContentBlock, role: str, param: str) -> UnsupportedError:
+    allowed = "text, tool_use and thinking" if role == "assistant" else "text, image and tool_result"
+    return UnsupportedError(f"{param}: {role} content blocks of type {block.type!r} are not supported "
+                            f"(only {allowed})", param=param)
+
+
+def _user_messages(blocks: list[ContentBlock], param: str) -> list[dict[str, Any]]:
+    """Tool results become role "tool" messages (in order), then the text is one user message (with its
+    image blocks, when it has any, as content parts that the engine's media intake loads)."""
+    messages, texts, parts = [], [], []
+    for i, block in enumerate(blocks):
+        if block.type == "text" and block.text is not None:
+            texts.append(block.text)
+            parts.append({"type": "text", "text": block.text})
+        elif block.type == "image":
+            parts.append(block.model_dump(exclude_none=True))
+        elif block.type == "tool_result" and block.tool_use_id:
+            messages.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                             "content": block_text(block.content, f"{param}.{i}.content")})
+        else:
+            raise _unsupported_block(block, "user", f"{param}.{i}")
+    if len(parts) > len(texts):  # images
+        return [*messages, {"role": "user", "content": parts}]
+    return messages + ([{"role": "user", "content": "".join(texts)}] if texts or not messages else [])
+
+
+def _assistant_message(blocks: list[ContentBlock], param: str) -> dict[str, Any]:
+    """Text, thinking (as reasoning_content) and tool_use blocks (as OpenAI tool_calls) of one turn."""
+    texts, thinking, calls = [], [], []
+    for i, block in enumerate(blocks):
+        if block.type == "text" and block.text is not None:
+            texts.append(block.text)
+        elif block.type == "thinking" and block.thinking is not None:
+            thinking.append(block.thinking)
+        elif block.type == "tool_use" and block.id and block.name:
+            arguments = json.dumps(block.input or {}, ensure_ascii=False)
+            calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
+        else:
+            raise _unsupported_block(block, "assistant", f"{param}.{i}")
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
+    if thinking:
+        message["reasoning_content"] = "".join(thinking)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
 def to_chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
-    """OpenAI-style messages for the chat template: the system prompt first, then the turns."""
-    messages = []
+    """OpenAI-style messages for the chat template: the system prompt first, then the turns; tool_use
+    blocks become tool_calls and tool_result blocks role "tool" messages, as the templates expect."""
+    messages: list[dict[str, Any]] = []
     if req.system is not None:
         messages.append({"role": "system", "content": block_text(req.system, "system")})
     for i, message in enumerate(req.messages):
-        messages.append({"role": message.role, "content": block_text(message.content, f"messages.{i}.content")})
+        param = f"messages.{i}.content"
+        if isinstance(message.content, str):
+            messages.append({"role": message.role, "content": message.content})
+        elif message.role == "assistant":
+            messages.append(_assistant_message(message.content, param))
+        else:
+            messages.extend(_user_messages(message.content, param))
     return messages
+
+
+def chat_tools(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]] | None:
+    """The request's tools as OpenAI function tools (what templates render); None when tool_choice is none."""
+    kind = (req.tool_choice or {}).get("type", "auto")
+    if kind == "none":
+        return None
+    if kind != "auto":
+        raise UnsupportedError(f'tool_choice type {kind!r} is not supported (only "auto" and "none")',
+                               param="tool_choice")
+    tools = []
+    for i, tool in enumerate(req.tools or ()):
+        if tool.type not in (None, "custom"):
+            raise UnsupportedError(f"tools[{i}]: server tools ({tool.type!r}) are not supported", param=f"tools.{i}")
+        function = {"name": tool.name, "parameters": tool.input_schema}
+        if tool.description is not None:
+            function["description"] = tool.description
+        tools.append({"type": "function", "function": function})
+    return tools or None
+
+
+def chat_template_kwargs(req: MessagesRequest | CountTokensRequest) -> dict[str, Any] | None:
+    """`thinking: {"type": "enabled" | "disabled"}` as the templates' enable_thinking switch."""
+    if req.thinking is None:
+        return None
+    kind = req.thinking.get("type")
+    if kind not in ("enabled", "disabled"):
+        raise InvalidRequestError(f'thinking.type must be "enabled" or "disabled", got {kind!r}', param="thinking.type")
+    return {"enable_thinking": kind == "enabled"}
 
 
 def generation_config(req: MessagesRequest) -> GenerationConfig:
@@ -90,10 +198,14 @@ def generation_config(req: MessagesRequest) -> GenerationConfig:
     return GenerationConfig(**fields)
 
 
-def stop_reason(finish_reason: str | None, stop: str | int | None, stop_sequences: list[str] | None) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence): a user stop sequence reads as stop_sequence, not end_turn."""
+def stop_reason(finish_reason: str | None, stop: str | int | None, stop_sequences: list[str] | None,
+                tool_use: bool = False) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence): a user stop sequence reads as stop_sequence, not end_turn; a turn
+    that ended by itself after a tool call reads as tool_use."""
     if finish_reason == "stop" and isinstance(stop, str) and stop in (stop_sequences or ()):
         return "stop_sequence", stop
+    if finish_reason == "stop" and tool_use:
+        return "tool_use", None
     return STOP_REASONS.get(finish_reason or "", "end_turn"), None
 
 
@@ -102,12 +214,30 @@ def usage(input_tokens: int, output_tokens: int, cached: int = 0) -> dict[str, i
     return {"input_tokens": input_tokens, "output_tokens": output_tokens, "cache_read_input_tokens": cached}
 
 
-def message_response(message_id: str, model: str, result: Response, stop_sequences: list[str] | None) -> dict[str, Any]:
-    """A whole `message` object."""
+def tool_use_block(call: ToolCall) -> dict[str, Any]:
+    """A whole `tool_use` content block."""
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": call.input()}
+
+
+def content_blocks(parts: ChatMessageParts) -> list[dict[str, Any]]:
+    """thinking, text and tool_use blocks of a whole response (one empty text block when it has none)."""
+    blocks: list[dict[str, Any]] = []
+    if parts.reasoning_content:
+        blocks.append({"type": "thinking", "thinking": parts.reasoning_content, "signature": ""})
+    if parts.content:
+        blocks.append({"type": "text", "text": parts.content})
+    blocks += [tool_use_block(call) for call in parts.tool_calls]
+    return blocks or [{"type": "text", "text": ""}]
+
+
+def message_response(message_id: str, model: str, result: Response, stop_sequences: list[str] | None,
+                     parts: ChatMessageParts | None = None) -> dict[str, Any]:
+    """A whole `message` object; `parts` is the parsed response text (default: all of it is text)."""
     choice = result.choices[0]
-    reason, sequence = stop_reason(choice.finish_reason, choice.stop_reason, stop_sequences)
+    parts = parts or ChatMessageParts(content=choice.text)
+    reason, sequence = stop_reason(choice.finish_reason, choice.stop_reason, stop_sequences, bool(parts.tool_calls))
     return {"id": message_id, "type": "message", "role": "assistant", "model": model,
-            "content": [{"type": "text", "text": choice.text}], "stop_reason": reason, "stop_sequence": sequence,
+            "content": content_blocks(parts), "stop_reason": reason, "stop_sequence": sequence,
             "usage": usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens)}
 
 

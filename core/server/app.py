@@ -14,7 +14,7 @@ from core.engine import AsyncEngine
 from core.server import admin, anthropic, openai
 from core.server.errors import error_body, install_error_handlers, protocol_for_path
 from core.server.metrics import Metrics
-from core.server.postprocess import make_postprocessor_factory
+from core.server.postprocess import Postprocessors
 from core.server.serving import ClientDisconnected, ServerState
 
 OPEN_PATHS = frozenset({"/health"})
@@ -52,16 +52,24 @@ async def _on_client_disconnected(request: Request, exc: Exception) -> Response:
 
 
 def build_app(engine: AsyncEngine, *, api_key: str | None = None, reasoning_parser: str | None = None,
-              tool_call_parser: str | None = None, metrics: Metrics | None = None, **fastapi_options: Any) -> FastAPI:
+              tool_call_parser: str | None = None, metrics: Metrics | None = None, plugins: Any = None,
+              **fastapi_options: Any) -> FastAPI:
     """An app serving `engine` over the OpenAI, Anthropic and admin routes.
 
     :param api_key: when set, required on every route except /health.
-    :param reasoning_parser: name of a registered reasoning parser (not wired yet: naming one fails).
-    :param tool_call_parser: name of a registered tool-call parser (not wired yet: naming one fails).
+    :param reasoning_parser: name of a registered reasoning parser; "none" for no reasoning parsing; None
+        for the automatic choice by the model's architecture and chat template.
+    :param tool_call_parser: the same for tool-call parsers (used for requests that send tools).
+    :param plugins: the PluginHost whose parsers are used (default: the process-wide one).
+    :raises PluginError: when a parser name is not registered.
     """
+    if plugins is None:
+        from core.plugins import get_plugins
+
+        plugins = get_plugins()
+    postprocessors = Postprocessors.choose(plugins, engine, reasoning_parser, tool_call_parser)
     app = FastAPI(title="core", version=__version__, **fastapi_options)
-    app.state.core = ServerState(engine=engine, metrics=metrics or Metrics(),
-                                 postprocessors=make_postprocessor_factory(reasoning_parser, tool_call_parser),
+    app.state.core = ServerState(engine=engine, metrics=metrics or Metrics(), postprocessors=postprocessors,
                                  api_key=api_key)
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _on_client_disconnected)

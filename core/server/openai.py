@@ -77,7 +77,8 @@ async def chat_completions(request: Request) -> Response:
             state.engine, [req.messages], config, [rid], tools=tools,
             chat_template_kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt)
     response_id = f"chatcmpl-{rid or uuid.uuid4().hex}"
-    source, post = state.metrics.track(stream), state.postprocessors()
+    post = state.postprocessors.for_request(stream.prompt_token_ids, tools, req.chat_template_kwargs)
+    source = state.metrics.track(stream)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _stream(_chat_events(state, response_id, source, post, include_usage), response_id)
@@ -91,7 +92,7 @@ def chat_response(state: ServerState, response_id: str, result: EngineResponse,
     choices = []
     for c in result.choices:
         parts = post.final(c.text)
-        choices.append({"index": c.index, "message": parts.as_message(),
+        choices.append({"index": c.index, "message": tr.chat_message(parts),
                         "logprobs": tr.chat_logprobs(c.logprobs, state.engine.detokenize),
                         "finish_reason": tr.finish_reason(c.finish_reason, tool_calls=bool(parts.tool_calls)),
                         "stop_reason": c.stop_reason})
@@ -110,11 +111,14 @@ async def _chat_events(state: ServerState, response_id: str, source: AsyncIterat
             started.add(out.index)
             role = tr.chat_delta_choice(out.index, {"role": "assistant", "content": ""})
             yield sse_data(tr.chat_chunk(response_id, created, model, [role]))
-        delta = post.delta(out.index, out.text).as_delta()
-        finish = tr.finish_reason(out.finish_reason)
+        deltas = tr.chat_deltas(post.delta(out.index, out.text, finished=out.finish_reason is not None))
+        finish = tr.finish_reason(out.finish_reason, tool_calls=post.called_tools(out.index))
         logprobs = tr.chat_logprobs(out.logprobs, state.engine.detokenize)
-        if delta or finish or logprobs:
-            choice = tr.chat_delta_choice(out.index, delta, finish, logprobs)
+        for delta in deltas[:-1]:
+            yield sse_data(tr.chat_chunk(response_id, created, model, [tr.chat_delta_choice(out.index, delta)]))
+        last = deltas[-1] if deltas else {}
+        if last or finish or logprobs:
+            choice = tr.chat_delta_choice(out.index, last, finish, logprobs)
             yield sse_data(tr.chat_chunk(response_id, created, model, [choice]))
         totals.add(0, out)
     if include_usage:

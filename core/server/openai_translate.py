@@ -11,7 +11,9 @@ from typing import Any
 from core.backend import TokenLogprob
 from core.config import GenerationConfig
 from core.errors import InvalidRequestError, UnsupportedError
+from core.parsers import ToolCall
 from core.server.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from core.server.postprocess import ChatMessageParts, StreamPiece
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -172,6 +174,45 @@ def _chunk(kind: str, response_id: str, created: int, model: str, choices: list[
     if usage_ is not None:
         chunk["usage"] = usage_
     return chunk
+
+
+def tool_call_object(call: ToolCall) -> dict[str, Any]:
+    """One entry of `message.tool_calls`."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def chat_message(parts: ChatMessageParts) -> dict[str, Any]:
+    """The assistant message of a whole response: content, reasoning_content and tool_calls when present."""
+    message: dict[str, Any] = {"role": "assistant", "content": parts.content}
+    if parts.reasoning_content is not None:
+        message["reasoning_content"] = parts.reasoning_content
+    if parts.tool_calls:
+        message["tool_calls"] = [tool_call_object(call) for call in parts.tool_calls]
+    return message
+
+
+def _piece_delta(piece: StreamPiece) -> dict[str, Any]:
+    if piece.kind == "tool_call":
+        call = {"index": piece.index, "id": piece.id, "type": "function",
+                "function": {"name": piece.name, "arguments": ""}}
+        return {"tool_calls": [call]}
+    if piece.kind == "arguments":
+        return {"tool_calls": [{"index": piece.index, "function": {"arguments": piece.text}}]}
+    return {"reasoning_content" if piece.kind == "reasoning" else "content": piece.text}
+
+
+def chat_deltas(pieces: Sequence[StreamPiece]) -> list[dict[str, Any]]:
+    """The `delta` objects of streamed pieces, one chunk each, in order: a tool call's name comes in its
+    own chunk (with its id and type), then its arguments; adjacent text of one kind shares a chunk."""
+    deltas: list[dict[str, Any]] = []
+    for piece in pieces:
+        delta = _piece_delta(piece)
+        key = next(iter(delta))
+        if deltas and key in ("content", "reasoning_content") and list(deltas[-1]) == [key]:
+            deltas[-1][key] += delta[key]
+        else:
+            deltas.append(delta)
+    return deltas
 
 
 def chat_chunk(response_id: str, created: int, model: str, choices: list[dict[str, Any]],

@@ -1,69 +1,198 @@
-"""The one seam where a chat response's text is post-processed (reasoning and tool-call parsing).
+"""The one seam where a chat response's text is post-processed: reasoning and tool-call parsing.
 
-Today every response passes through unchanged. The parsers (core/parsers.py: ReasoningParser,
-ToolCallParser, registered through `core_register_reasoning_parsers` / `core_register_tool_call_parsers`)
-plug in here: `make_postprocessor` builds one ChatPostprocessor per request from the names given to
-`core serve --reasoning-parser/--tool-call-parser`, and the chat routes call `final` on a whole
-response or `delta` on each streamed piece. Nothing else in the server looks at the text.
+`Postprocessors.choose` picks the parsers once, at start-up: the ones `core serve --reasoning-parser /
+--tool-call-parser` name, else the ones registered for the model's architecture and chat template (see
+core.parsers.automatic_entry); "none" turns either off. Per request, `for_request` makes a
+ChatPostprocessor that keeps one pair of parsers per choice: text goes through the reasoning parser first
+and only its content reaches the tool-call parser, which runs only for requests that send tools. The routes
+call `final` on a whole response or `delta` on each streamed piece, and map the protocol-neutral result
+(ChatMessageParts, StreamPiece) onto their wire format. Nothing else in the server looks at the text.
+
+A parser that raises (a bug, never malformed model output, which parsers return as content) is logged and
+its choice falls back to plain text, so a response never fails because of parsing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from core.errors import UnsupportedError
+from core.parsers import (
+    ParseContext,
+    ReasoningDelta,
+    ReasoningParser,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallParser,
+    parser_entry,
+)
+
+if TYPE_CHECKING:
+    from core.engine import AsyncEngine
+    from core.plugins import PluginHost
+    from core.registry import Entry
+
+log = logging.getLogger(__name__)
+PieceKind = Literal["reasoning", "content", "tool_call", "arguments"]
 
 
 @dataclass
 class ChatMessageParts:
-    """What a chat message's text splits into."""
+    """What a whole response's text splits into."""
 
     content: str | None
     reasoning_content: str | None = None
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
-    def as_message(self) -> dict[str, Any]:
-        """The assistant message of a non-streamed response."""
-        message: dict[str, Any] = {"role": "assistant", "content": self.content}
-        if self.reasoning_content is not None:
-            message["reasoning_content"] = self.reasoning_content
-        if self.tool_calls:
-            message["tool_calls"] = self.tool_calls
-        return message
 
-    def as_delta(self) -> dict[str, Any]:
-        """The `delta` of a streamed chunk (only the parts present)."""
-        delta: dict[str, Any] = {}
-        if self.content:
-            delta["content"] = self.content
-        if self.reasoning_content:
-            delta["reasoning_content"] = self.reasoning_content
-        if self.tool_calls:
-            delta["tool_calls"] = self.tool_calls
-        return delta
+@dataclass(frozen=True)
+class StreamPiece:
+    """One piece of a streamed response, in order: reasoning or content text, the start of tool call
+    `index` (with `id` and `name`), or a piece of that call's `arguments` JSON text."""
+
+    kind: PieceKind
+    text: str = ""
+    index: int = 0
+    id: str | None = None
+    name: str | None = None
+
+
+class _ChoiceParsers:
+    """The parsers of one choice of one response (parsers keep state, so one pair per choice)."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None) -> None:
+        self.reasoning, self.tools = reasoning, tools
+        self.called_tools = False
+        self.broken = False
+
+    def feed(self, text: str, finished: bool) -> list[StreamPiece]:
+        split = self.reasoning.feed(text) if self.reasoning else ReasoningDelta(content=text)
+        if finished and self.reasoning:
+            rest = self.reasoning.flush()
+            split = ReasoningDelta(split.reasoning + rest.reasoning, split.content + rest.content)
+        pieces = [StreamPiece("reasoning", split.reasoning)] if split.reasoning else []
+        if self.tools is None:
+            return pieces + ([StreamPiece("content", split.content)] if split.content else [])
+        for delta in (self.tools.feed(split.content), self.tools.flush() if finished else ToolCallDelta()):
+            pieces += self._tool_pieces(delta)
+        return pieces
+
+    def _tool_pieces(self, delta: ToolCallDelta) -> list[StreamPiece]:
+        pieces = [StreamPiece("content", delta.content)] if delta.content else []
+        for fragment in delta.tool_calls:
+            if fragment.name is not None:
+                self.called_tools = True
+                pieces.append(StreamPiece("tool_call", index=fragment.index, id=fragment.id, name=fragment.name))
+            if fragment.arguments:
+                pieces.append(StreamPiece("arguments", fragment.arguments, index=fragment.index))
+        return pieces
 
 
 class ChatPostprocessor:
-    """Pass-through: the whole text is content. Parser-backed subclasses override both methods."""
+    """Splits the responses of one request; without parsers every text is plain content.
+
+    :param reasoning: makes a started reasoning parser (one per choice), or None.
+    :param tools: makes a started tool-call parser (one per choice), or None.
+    """
+
+    def __init__(self, reasoning: Callable[[], ReasoningParser] | None = None,
+                 tools: Callable[[], ToolCallParser] | None = None) -> None:
+        self._reasoning, self._tools = reasoning, tools
+        self._choices: dict[int, _ChoiceParsers] = {}
+
+    @property
+    def is_plain(self) -> bool:
+        """Whether every text is plain content (no parser is used for this request)."""
+        return self._reasoning is None and self._tools is None
 
     def final(self, text: str) -> ChatMessageParts:
         """Split a whole response."""
-        return ChatMessageParts(content=text)
+        try:
+            reasoning, content = self._reasoning().split(text) if self._reasoning else (None, text)
+            parsed = self._tools().parse(content) if self._tools else None
+        except Exception:
+            log.exception("a response parser failed; the response is returned as plain content")
+            return ChatMessageParts(content=text)
+        if parsed is None or not parsed.tool_calls:
+            return ChatMessageParts(content, reasoning)
+        return ChatMessageParts(parsed.content or None, reasoning, list(parsed.tool_calls))
 
-    def delta(self, choice: int, text: str) -> ChatMessageParts:
-        """Split the next streamed piece of choice `choice` (a parser keeps state per choice)."""
-        return ChatMessageParts(content=text)
+    def delta(self, choice: int, text: str, finished: bool = False) -> list[StreamPiece]:
+        """The pieces that the next streamed text of choice `choice` completes; `finished` on its last text
+        releases whatever the parsers held back."""
+        parsers = self._choices.get(choice)
+        if parsers is None:
+            parsers = self._choices[choice] = self._new_choice()
+        if not parsers.broken:
+            try:
+                return parsers.feed(text, finished)
+            except Exception:
+                log.exception("a response parser failed; the rest of this response is plain content")
+                parsers.broken = True
+        return [StreamPiece("content", text)] if text else []
+
+    def called_tools(self, choice: int) -> bool:
+        """Whether streamed choice `choice` has produced a tool call (its finish reason is then tool_calls)."""
+        parsers = self._choices.get(choice)
+        return parsers is not None and parsers.called_tools
+
+    def _new_choice(self) -> _ChoiceParsers:
+        try:
+            return _ChoiceParsers(self._reasoning() if self._reasoning else None,
+                                  self._tools() if self._tools else None)
+        except Exception:
+            log.exception("a response parser could not be created; this response is plain content")
+            parsers = _ChoiceParsers(None, None)
+            parsers.broken = True
+            return parsers
 
 
-PostprocessorFactory = Callable[[], ChatPostprocessor]
+@dataclass(frozen=True)
+class Postprocessors:
+    """The parsers chosen for a server, and the factory of each request's ChatPostprocessor.
+
+    :param reasoning: ``factory(tokenizer) -> ReasoningParser``, or None.
+    :param tools: ``factory(tokenizer) -> ToolCallParser``, or None.
+    :param decode: prompt token ids -> text (the reasoning parser looks for a ``<think>`` the prompt opened).
+    """
+
+    reasoning: Callable[[Any], ReasoningParser] | None = None
+    tools: Callable[[Any], ToolCallParser] | None = None
+    tokenizer: Any = None
+    decode: Callable[[Sequence[int]], str] | None = None
+
+    @classmethod
+    def choose(cls, plugins: PluginHost, engine: AsyncEngine, reasoning_parser: str | None = None,
+               tool_call_parser: str | None = None) -> Postprocessors:
+        """Load the named parsers, or the automatic choice for the engine's model; unknown names fail here."""
+        architecture = engine.model_info.architecture
+        template = engine.preparer.template
+        source = getattr(template, "source", None) or engine.model_info.chat_template
+        reasoning = parser_entry(plugins.reasoning_parsers, reasoning_parser, "--reasoning-parser", architecture,
+                                 source)
+        tools = parser_entry(plugins.tool_call_parsers, tool_call_parser, "--tool-call-parser", architecture,
+                             source)
+        for entry, named in ((reasoning, reasoning_parser), (tools, tool_call_parser)):
+            if entry is not None:
+                how = "as named" if named else f"automatically for {architecture}"
+                log.info("%s %r from plugin %r, chosen %s", entry.kind, entry.name, entry.plugin, how)
+        return cls(_load(reasoning), _load(tools), engine.tokenizer, engine.detokenize)
+
+    def for_request(self, prompt_token_ids: Sequence[int], tools: Sequence[Mapping[str, Any]] | None = None,
+                    chat_template_kwargs: Mapping[str, Any] | None = None) -> ChatPostprocessor:
+        """The postprocessor of one request; tool calls are parsed only when the request sends tools."""
+        if self.reasoning is None and (self.tools is None or not tools):
+            return ChatPostprocessor()
+        prompt = self.decode(prompt_token_ids) if self.reasoning and self.decode else ""
+        context = ParseContext(prompt, tools, dict(chat_template_kwargs or {}))
+        reasoning, tool_calls = self.reasoning, self.tools if tools else None
+        return ChatPostprocessor(
+            (lambda: reasoning(self.tokenizer).start(context)) if reasoning else None,
+            (lambda: tool_calls(self.tokenizer).start(context)) if tool_calls else None,
+        )
 
 
-def make_postprocessor_factory(reasoning_parser: str | None, tool_call_parser: str | None) -> PostprocessorFactory:
-    """A factory of per-request postprocessors; parsers are not wired yet, so naming one fails loudly."""
-    for flag, name in (("--reasoning-parser", reasoning_parser), ("--tool-call-parser", tool_call_parser)):
-        if name:
-            raise UnsupportedError(f"{flag} {name!r}: reasoning and tool-call parsing is not wired into the "
-                                   "server yet")
-    return ChatPostprocessor
+def _load(entry: Entry | None) -> Any:
+    return None if entry is None else entry.load()

@@ -20,7 +20,13 @@ GRACEFUL_SHUTDOWN_S = 5
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, but in-flight requests are aborted first on shutdown so open streams end promptly."""
+    """uvicorn, but in-flight requests are aborted first on shutdown so open streams end promptly, and
+    the engine is closed as part of the shutdown.
+
+    Closing it here, not after `serve()` returns, matters: uvicorn re-raises the Ctrl-C it captured as
+    `serve()` ends, and asyncio.run answers that by cancelling the main task, which would cut the
+    engine's close short (the backend's loop thread would never be stopped).
+    """
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
         super().__init__(config)
@@ -29,12 +35,19 @@ class _Server(uvicorn.Server):
     async def shutdown(self, sockets: Any = None) -> None:
         await self._engine.abort_all()
         await super().shutdown(sockets=sockets)
+        await _close(self._engine)
+
+
+async def _close(engine: AsyncEngine) -> None:
+    if not engine.is_closed:
+        await engine.close()
+        log.info("engine closed")
 
 
 def startup_summary(engine: AsyncEngine, config: EngineConfig, url: str) -> str:
     """One line with the model, backend, dtype, KV capacity and URL."""
     info, stats = engine.model_info, engine.stats()
-    backend = config.backend or type(engine.backend).__name__
+    backend = config.backend or getattr(engine.backend, "name", None) or type(engine.backend).__name__
     kv = f"{stats.kv_blocks_total} blocks x {stats.block_size} tokens = {stats.kv_blocks_total * stats.block_size} tokens"
     return (f"serving model {engine.model_name!r} ({info.architecture}, context {info.max_model_len}) "
             f"on backend {backend}, dtype {info.dtype}, KV cache {kv}, at {url}")
@@ -52,8 +65,7 @@ async def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         await _Server(config, engine).serve()
     finally:
-        await engine.close()
-        log.info("engine closed")
+        await _close(engine)  # when start-up failed (shutdown closes it otherwise)
 
 
 def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:

@@ -21,7 +21,7 @@ from core.request import Inputs
 from core.response import Response
 from core.server.errors import validation_to_core_error
 from core.server.metrics import Metrics
-from core.server.postprocess import PostprocessorFactory
+from core.server.postprocess import Postprocessors
 from core.server.sse import SSE_HEADERS
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class ServerState:
 
     engine: AsyncEngine
     metrics: Metrics
-    postprocessors: PostprocessorFactory
+    postprocessors: Postprocessors
     api_key: str | None = None
 
     @property

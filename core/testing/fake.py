@@ -77,16 +77,23 @@ class _Running:
 
 
 class FakeBackend(Backend):
-    """See the module docstring. `script` (token ids) replaces the rule for every choice."""
+    """See the module docstring. `script` (token ids) replaces the rule for every choice; `script_for`
+    picks a script per request from its prompt ids (None keeps the rule), e.g. to emit a fixed tool call.
+    `model_info` replaces the fake's own (a test may pose as another architecture or ship a template)."""
 
     def __init__(self, *, max_model_len: int = 512, num_blocks: int = 256, block_size: int = 4,
                  step_delay: float = 0.0, script: Sequence[int] | None = None,
-                 fail_after: int | None = None, next_token: Callable[[Sequence[int], int], int] = next_token_rule):
+                 fail_after: int | None = None, next_token: Callable[[Sequence[int], int], int] = next_token_rule,
+                 script_for: Callable[[Sequence[int]], Sequence[int] | None] | None = None,
+                 model_info: ModelInfo | None = None):
         self.tokenizer = ByteTokenizer()
         self.model_info = ModelInfo(name="fake", architecture="FakeForCausalLM", max_model_len=max_model_len,
                                     eos_token_ids=(EOS,), vocab_size=ByteTokenizer.vocab_size)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.step_delay, self.script, self.fail_after, self.next_token = step_delay, script, fail_after, next_token
+        self.script_for = script_for
+        if model_info is not None:
+            self.model_info = model_info
         self.calls: Counter[tuple[str, str]] = Counter()
         self._running: dict[str, _Running] = {}
         self._known: set[str] = set()
@@ -105,6 +112,7 @@ class FakeBackend(Backend):
         self._known.add(sid)
         run = self._running[sid] = _Running(request)
         try:
+            script = self.script_for(request.prompt_token_ids) if self.script_for else self.script
             contexts = [list(request.prompt_token_ids) for _ in range(request.config.n)]
             self._grow(run, len(contexts[0]) * request.config.n)
             open_choices = set(range(request.config.n))
@@ -120,7 +128,7 @@ class FakeBackend(Backend):
                 if self.fail_after is not None and step >= self.fail_after:
                     raise RuntimeError("injected backend failure")
                 for i in sorted(open_choices):
-                    out = self._step(run, contexts[i], i, step)
+                    out = self._step(run, contexts[i], i, step, script)
                     if out.finish_reason is not None:
                         open_choices.discard(i)
                     yield out
@@ -128,10 +136,11 @@ class FakeBackend(Backend):
         finally:
             self._release(run)
 
-    def _step(self, run: _Running, context: list[int], index: int, step: int) -> BackendOutput:
+    def _step(self, run: _Running, context: list[int], index: int, step: int,
+              script: Sequence[int] | None) -> BackendOutput:
         request, cfg = run.request, run.request.config
-        if self.script is not None:
-            token = self.script[step] if step < len(self.script) else EOS
+        if script is not None:
+            token = script[step] if step < len(script) else EOS
         else:
             token = self.next_token(context, index)
         if step < cfg.min_new_tokens and token in request.stop_token_ids:

@@ -45,3 +45,18 @@ def assert_anthropic_error(response: httpx.Response, status: int) -> dict[str, A
     body = response.json()
     assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
     return body["error"]
+
+
+def wait_counter(http: httpx.Client, before: dict[str, float], key: str, delta: float,
+                 timeout: float = 10.0) -> dict[str, float]:
+    """Poll /metrics until `key` moved by `delta` since `before` (bounded); the last sample.
+
+    A request is counted when its handler finishes, which can be just after the engine went idle.
+    """
+    deadline = time.monotonic() + timeout
+    sample = metrics(http)
+    while sample.get(key, 0) - before.get(key, 0) < delta and time.monotonic() < deadline:
+        time.sleep(0.05)
+        sample = metrics(http)
+    assert sample.get(key, 0) - before.get(key, 0) == delta, (key, before.get(key), sample.get(key))
+    return sample

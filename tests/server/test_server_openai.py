@@ -7,7 +7,7 @@ import threading
 import httpx
 import openai
 import pytest
-from server_helpers import MESSAGES, assert_openai_error, wait_idle
+from server_helpers import MESSAGES, assert_openai_error, wait_counter, wait_idle
 
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
 
@@ -57,17 +57,16 @@ def test_include_usage_adds_a_final_chunk_with_empty_choices(client: openai.Open
     assert all(c.usage is None for c in chunks[:-1])
 
 
-def test_n_with_seed_gives_indexed_choices(client: openai.OpenAI, model: str, server):
-    response = client.chat.completions.create(model=model, messages=MESSAGES, n=3, seed=7, max_tokens=6)
+def test_n_with_seed_gives_indexed_choices(client: openai.OpenAI, model: str):
+    sampled = {"n": 3, "seed": 7, "temperature": 1.0, "max_tokens": 6}
+    response = client.chat.completions.create(model=model, messages=MESSAGES, **sampled)
     assert sorted(c.index for c in response.choices) == [0, 1, 2]
-    assert response.usage.completion_tokens == sum(6 for _ in range(3))
-    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, n=3, seed=7, max_tokens=6,
-                                                 stream=True))
+    assert response.usage.completion_tokens == 3 * 6
+    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, stream=True, **sampled))
     streamed = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i)
                 for i in range(3)}
-    assert streamed == {c.index: c.message.content for c in response.choices}
-    if server.spec.is_fake:
-        assert len(set(streamed.values())) == 3
+    assert streamed == {c.index: c.message.content for c in response.choices}  # the seed reproduces them
+    assert len(set(streamed.values())) == 3  # three samples, not one copied
 
 
 def test_chat_logprobs_shapes(client: openai.OpenAI, model: str):
@@ -124,8 +123,9 @@ def test_tools_reach_the_chat_template(client: openai.OpenAI, model: str, server
     assert hidden.usage.prompt_tokens == plain.usage.prompt_tokens
 
 
-def test_request_id_header_is_the_session_and_duplicates_conflict(server, http: httpx.Client):
-    body = {"messages": MESSAGES, "max_tokens": 400, "stream": True}
+def test_request_id_header_is_the_session_and_duplicates_conflict(http: httpx.Client, long_tokens: int):
+    before = wait_idle(http)
+    body = {"messages": MESSAGES, "max_tokens": long_tokens, "stream": True}
     headers = {"X-Request-Id": "dup-1"}
     started, release = threading.Event(), threading.Event()
 
@@ -145,7 +145,8 @@ def test_request_id_header_is_the_session_and_duplicates_conflict(server, http: 
     finally:
         release.set()
         thread.join(10)
-    wait_idle(http)  # the first request was aborted when its client left
+    # The first request was aborted when its client left; it is counted once its session is closed.
+    wait_counter(http, before, 'core:requests_total{finished_reason="abort"}', 1)
     ok = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "request_id": "dup-1"})
     assert ok.status_code == 200 and ok.json()["id"] == "chatcmpl-dup-1"
 
@@ -158,3 +159,16 @@ def test_unset_sampling_fields_are_not_defaulted_by_the_server(client: openai.Op
         assert sum(1 for c in response if c.choices and c.choices[0].delta.content) >= 1
     else:
         assert response.usage.completion_tokens == 3
+
+
+def test_generation_config_defaults_apply_and_request_values_override(server, client: openai.OpenAI, model: str):
+    if server.spec.is_fake:
+        pytest.skip("the fake backend's tokens do not depend on sampling settings")
+    # The tiny checkpoint's generation_config.json says do_sample=false: greedy unless the request says not.
+    greedy = client.completions.create(model=model, prompt="defaults", **GREEDY).choices[0].text
+    unset = [client.completions.create(model=model, prompt="defaults", max_tokens=12, seed=s).choices[0].text
+             for s in (1, 2)]
+    assert unset == [greedy, greedy]
+    sampled = [client.completions.create(model=model, prompt="defaults", max_tokens=12, temperature=1.0,
+                                         seed=s).choices[0].text for s in (1, 2)]
+    assert len({greedy, *sampled}) == 3

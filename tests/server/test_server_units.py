@@ -3,6 +3,8 @@ plus the app in-process for what a subprocess cannot show (a dead engine, an une
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 import pytest
 
@@ -145,3 +147,24 @@ async def test_dead_engine_is_503_and_unexpected_errors_are_generic_500s():
         await engine.close()
         assert (await http.get("/health")).status_code == 503
         assert (await http.post("/v1/completions", json={"prompt": "x"})).status_code == 503
+
+
+async def test_a_real_backend_whose_engine_loop_died_is_unhealthy(tiny_llama_checkpoint, monkeypatch):
+    from core.config import EngineConfig
+
+    engine = AsyncEngine.from_config(EngineConfig(model=str(tiny_llama_checkpoint), backend="pytorch",
+                                                  kv_cache_memory_gib=0.01))
+    transport = httpx.ASGITransport(app=build_app(engine), raise_app_exceptions=False)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            assert (await http.get("/health")).json() == {"status": "ok"}
+            ended = threading.Thread(target=lambda: None)
+            ended.start()
+            ended.join()
+            monkeypatch.setattr(engine.backend.loop, "_thread", ended)  # as if the loop thread had died
+            response = await http.get("/health")
+            assert response.status_code == 503 and response.json() == {"status": "unhealthy"}
+            monkeypatch.undo()
+            assert (await http.get("/health")).status_code == 200
+    finally:
+        await engine.close()

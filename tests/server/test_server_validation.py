@@ -27,6 +27,7 @@ CHAT_ERRORS = [
     ({"top_p": 0}, "top_p"),
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias"),  # outside the vocabulary
     ({"stop": [""]}, "stop"),
     ({"min_tokens": 10, "max_tokens": 2}, "min_tokens"),
     ({"tool_choice": "required"}, "tool_choice"),
@@ -40,7 +41,6 @@ COMPLETION_ERRORS = [
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": [-1]}, "prompt"),
-    ({"prompt": "x" * 600}, "prompt"),
     ({"stream_options": {"include_usage": True}, "stream": False}, "stream_options"),
     ({"echo": True}, "echo"),
 ]
@@ -56,8 +56,21 @@ def test_completion_validation_names_the_field(http: httpx.Client, change: dict,
     assert_openai_error(http.post("/v1/completions", json={**COMPLETION, **change}), 400, param)
 
 
-def test_prompt_longer_than_the_context_window_says_so(http: httpx.Client):
-    error = assert_openai_error(http.post("/v1/completions", json={"prompt": "x" * 600}), 400, "prompt")
+def test_prompt_longer_than_the_context_window_says_so(http: httpx.Client, model_card: dict):
+    window = model_card["max_model_len"]
+    text = "x" * window  # at least `window` tokens (one per character for these tokenizers: checked)
+    assert http.post("/tokenize", json={"prompt": text}).json()["count"] >= window
+    token = http.post("/tokenize", json={"prompt": "x", "add_special_tokens": False}).json()["tokens"]
+    for body in ({"prompt": text}, {"prompt": token * window}, {"prompt": ["ok", text]}):
+        error = assert_openai_error(http.post("/v1/completions", json=body), 400, "prompt")
+        assert "context window" in error["message"] and str(window) in error["message"]
+    chat = {"messages": [{"role": "user", "content": text}]}
+    error = assert_openai_error(http.post("/v1/chat/completions", json=chat), 400, "prompt")
+    assert "context window" in error["message"]
+    error = assert_anthropic_error(http.post("/v1/messages", json={**chat, "max_tokens": 4}), 400)
+    assert "context window" in error["message"]
+    error = assert_openai_error(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": window}), 400,
+                                "max_tokens")
     assert "context window" in error["message"]
 
 

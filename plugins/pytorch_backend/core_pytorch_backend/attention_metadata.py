@@ -26,6 +26,9 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     block_size: int
     is_decode: bool  # every sequence brings exactly one new token
+    # Per sequence, [start, end) spans whose tokens attend to each other both ways (Gemma 3 images);
+    # None for plain causal attention. Only the reference paged attention reads it.
+    bidirectional_spans: list[tuple[tuple[int, int], ...]] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -18,6 +18,7 @@ import torch
 from core.backend import Backend, BackendOutput, BackendStats, EndResult, GenerateRequest, ModelInfo
 from core.config import EngineConfig
 from core.errors import BackendError, InvalidRequestError
+from core_pytorch_backend.cuda_graphs import make_decode_graphs
 from core_pytorch_backend.engine_loop import EngineLoop
 from core_pytorch_backend.kernels import select_ops
 from core_pytorch_backend.layers.attention import bind_kv_caches
@@ -61,6 +62,9 @@ class PytorchBackend(Backend):
         self.model_info = self._model_info(loaded, max_len)
         runner = ModelRunner(loaded.model, block_size=config.block_size, num_blocks=num_blocks,
                              device=self.device, dtype=loaded.dtype)
+        runner.cuda_graphs = make_decode_graphs(  # None on the CPU or with enforce_eager
+            runner.model, device=self.device, enabled=not config.enforce_eager, block_size=config.block_size,
+            max_model_len=max_len, max_num_seqs=config.max_num_seqs)
         self.loop = EngineLoop(runner, max_model_len=max_len, max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=max(config.max_num_batched_tokens, 1),
                                enable_prefix_caching=config.enable_prefix_caching)
@@ -73,7 +77,11 @@ class PytorchBackend(Backend):
 
     def _load(self) -> LoadedModel:
         return load_checkpoint(self.source, dtype=self.config.dtype, device=self.device,
-                               architectures=self._architectures, ops=select_ops(self.device))
+                               architectures=self._architectures, ops=self._select_ops())
+
+    def _select_ops(self) -> Any:
+        """The op set the model's layers run on; a backend with its own kernels overrides this."""
+        return select_ops(self.device)
 
     def _max_model_len(self, loaded: LoadedModel, num_blocks: int) -> int:
         wanted = self.config.max_model_len or loaded.max_model_len
@@ -95,7 +103,7 @@ class PytorchBackend(Backend):
             architecture=(getattr(loaded.hf_config, "architectures", None) or ["unknown"])[0],
             max_model_len=max_len, eos_token_ids=eos_ids, chat_template=loaded.chat_template,
             generation_defaults=defaults, dtype=str(loaded.dtype).replace("torch.", ""),
-            vocab_size=int(loaded.hf_config.vocab_size),
+            vocab_size=int(loaded.hf_config.get_text_config().vocab_size),  # VL configs nest it
         )
 
     # -- the contract ---------------------------------------------------------------------------------
@@ -162,6 +170,7 @@ class PytorchBackend(Backend):
 
     def _wakeup(self, tags: Sequence[str]) -> None:
         runner = self.loop.runner
+        was_asleep = bool(self._asleep)
         if "weights" in tags and "weights" in self._asleep:
             if self._weights_dropped:
                 runner.model = self._load().model
@@ -173,6 +182,8 @@ class PytorchBackend(Backend):
         if "kv_cache" in tags and "kv_cache" in self._asleep:
             runner.allocate_kv_cache()
             self._asleep.discard("kv_cache")
+        if was_asleep and not self._asleep and runner.cuda_graphs is not None:
+            runner.cuda_graphs.try_capture(runner.model)  # the new cache (and weights) need new graphs
 
 
 def _display_name(source: str) -> str:

@@ -20,6 +20,7 @@ from core.backend import BackendStats, EndResult, FinishReason
 from core.errors import BackendError
 from core.scheduling import BlockManager, Scheduler, Sequence
 from core_pytorch_backend.model_runner import ModelRunner
+from core_pytorch_backend.multimodal_inputs import SequenceImages, cache_keys
 from core_pytorch_backend.request_state import END_OF_STREAM, RequestState
 from core_pytorch_backend.sampling import SamplingBatch, SamplingRow, sample
 
@@ -62,6 +63,8 @@ class EngineLoop:
             self._thread.join(timeout=60)
 
     def stats(self, is_sleeping: bool) -> BackendStats:
+        if not self._stopping and not self._thread.is_alive():  # the server's /health answers 503
+            raise BackendError("the engine loop thread has died; see the log")
         bm = self.block_manager
         return BackendStats(
             running=self.scheduler.num_running, waiting=self.scheduler.num_waiting, sessions=len(self.known),
@@ -107,13 +110,28 @@ class EngineLoop:
         sid = state.session_id
         if sid in self.requests:
             raise BackendError(f"session {sid!r} is already generating")
-        seq = Sequence(f"{sid}#0", state.request.prompt_token_ids)
+        seq = self._new_sequence(state)
         self.scheduler.add(seq)  # ValueError if it can never fit
         state.sequences[0] = seq
         state.open_choices = set(range(state.n))
         self.requests[sid] = state
         self.known.add(sid)
         self._by_seq[seq.seq_id] = (state, 0)
+
+    def _new_sequence(self, state: RequestState) -> Sequence:
+        """Choice 0's sequence; a request with images carries them, and their content hashes key the
+        prefix cache (same image and prefix: a hit; another image with the same text: a miss). Images
+        whose tokens attend to each other both ways (Gemma 3) are atomic: never split across chunks."""
+        inputs = state.request.multimodal
+        if inputs is None:
+            return Sequence(f"{state.session_id}#0", state.request.prompt_token_ids)
+        if list(inputs.prompt_token_ids) != list(state.request.prompt_token_ids):
+            raise ValueError("the multimodal inputs do not belong to this prompt")
+        model = self.runner.model
+        images = SequenceImages.from_inputs(inputs, model.config.hidden_size, self.runner.device,
+                                            self.runner.dtype, getattr(model, "uses_mrope", False))
+        return Sequence(f"{state.session_id}#0", state.request.prompt_token_ids, cache_keys(inputs),
+                        multimodal=images, atomic_spans=images.spans if images.bidirectional else ())
 
     def abort(self, session_id: str) -> None:
         state = self.requests.get(session_id)

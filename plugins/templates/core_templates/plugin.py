@@ -21,17 +21,36 @@ BUILTIN_TEMPLATES: dict[str, tuple[str, ...]] = {
 }
 
 _PARSERS = "core_templates.parsers"
-REASONING_PARSERS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "deepseek_r1": (f"{_PARSERS}.think:DeepSeekR1ReasoningParser", ("DeepseekV3ForCausalLM",)),
-    "qwen3": (f"{_PARSERS}.think:Qwen3ReasoningParser", ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")),
+
+
+@dataclass(frozen=True)
+class ParserRegistration:
+    """Where a parser lives and when the server picks it without a flag: the model's architecture is one
+    of `architectures` and every string of `chat_template_contains` occurs in its chat template."""
+
+    target: str
+    architectures: tuple[str, ...] = ()
+    chat_template_contains: tuple[str, ...] = ()
+
+
+_QWEN = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+REASONING_PARSERS: dict[str, ParserRegistration] = {
+    # DeepSeek-R1 and its Qwen / Llama distills; their templates write "<｜Assistant｜>" and open <think>.
+    "deepseek_r1": ParserRegistration(f"{_PARSERS}.think:DeepSeekR1ReasoningParser",
+                                      ("DeepseekV3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM"),
+                                      ("<｜Assistant｜>", "<think>")),
+    "qwen3": ParserRegistration(f"{_PARSERS}.think:Qwen3ReasoningParser",
+                                ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), ("<think>",)),
 }
-TOOL_CALL_PARSERS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "hermes": (f"{_PARSERS}.hermes:HermesToolCallParser",
-               ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")),
-    "llama3_json": (f"{_PARSERS}.llama3_json:Llama3JsonToolCallParser", ("LlamaForCausalLM",)),
-    "mistral": (f"{_PARSERS}.mistral:MistralToolCallParser", ("MistralForCausalLM", "MixtralForCausalLM")),
-    # Qwen3-Coder shares Qwen3MoeForCausalLM with the general Qwen3 models: chosen by name only.
-    "qwen3_coder": (f"{_PARSERS}.qwen3_coder:Qwen3CoderToolCallParser", ()),
+TOOL_CALL_PARSERS: dict[str, ParserRegistration] = {
+    "hermes": ParserRegistration(f"{_PARSERS}.hermes:HermesToolCallParser", _QWEN, ("<tool_call>",)),
+    # Llama 3.1+ templates write calls as {"name": ..., "parameters": ...}; SmolLM2 (also Llama) does not.
+    "llama3_json": ParserRegistration(f"{_PARSERS}.llama3_json:Llama3JsonToolCallParser", ("LlamaForCausalLM",),
+                                      ("<|start_header_id|>", '"parameters"')),
+    "mistral": ParserRegistration(f"{_PARSERS}.mistral:MistralToolCallParser",
+                                  ("MistralForCausalLM", "MixtralForCausalLM"), ("[TOOL_CALLS]",)),
+    # Qwen3-Coder shares Qwen3MoeForCausalLM and "<tool_call>" with the general Qwen3 models: by name only.
+    "qwen3_coder": ParserRegistration(f"{_PARSERS}.qwen3_coder:Qwen3CoderToolCallParser"),
 }
 
 
@@ -73,11 +92,15 @@ def core_make_chat_template(source: str, tokenizer: Any) -> Any:
 
 @hookimpl
 def core_register_reasoning_parsers(register: Register) -> None:
-    for name, (target, architectures) in REASONING_PARSERS.items():
-        register(name, target, architectures=architectures)
+    _register_parsers(register, REASONING_PARSERS)
 
 
 @hookimpl
 def core_register_tool_call_parsers(register: Register) -> None:
-    for name, (target, architectures) in TOOL_CALL_PARSERS.items():
-        register(name, target, architectures=architectures)
+    _register_parsers(register, TOOL_CALL_PARSERS)
+
+
+def _register_parsers(register: Register, parsers: dict[str, ParserRegistration]) -> None:
+    for name, parser in parsers.items():
+        register(name, parser.target, architectures=parser.architectures,
+                 chat_template_contains=parser.chat_template_contains)

@@ -121,7 +121,8 @@ def test_completion_has_only_eos(templates: Any, make_tokenizer: Any) -> None:
 def test_reasoning_parsers_load(host: PluginHost, name: str) -> None:
     entry = host.reasoning_parsers.get(name)
     assert isinstance(entry.load()(None), ReasoningParser)
-    assert entry.meta["architectures"] == REASONING_PARSERS[name][1]
+    assert entry.meta["architectures"] == REASONING_PARSERS[name].architectures
+    assert entry.meta["chat_template_contains"] == REASONING_PARSERS[name].chat_template_contains
 
 
 @pytest.mark.parametrize("name", sorted(TOOL_CALL_PARSERS))

@@ -155,14 +155,18 @@ def build_gemma3(path: Path) -> Path:
     tok = byte_tokenizer(list(named.values()), **named)
     ids = {k: tok.convert_tokens_to_ids(v) for k, v in named.items()}
     config = transformers.Gemma3Config(
-        text_config=dict(TEXT, model_type="gemma3_text", vocab_size=len(tok), sliding_window=64,
+        # Sliding layers whose window (8) is shorter than an image (16 tokens: the window still applies
+        # inside an image) around a global one; with 3 layers the greedy output of each image prompt
+        # depends on the image tokens attending both ways (test_bidirectional_flag_is_needed).
+        text_config=dict(TEXT, model_type="gemma3_text", vocab_size=len(tok), sliding_window=8, num_hidden_layers=3,
+                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
         vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
                            num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14),
-        mm_tokens_per_image=4, boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
+        mm_tokens_per_image=16, boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
         image_token_index=ids["image_token"], tie_word_embeddings=False, architectures=["Gemma3ForConditionalGeneration"])
     image_processor = transformers.Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
-    processor = transformers.Gemma3Processor(image_processor=image_processor, tokenizer=tok, image_seq_length=4,
+    processor = transformers.Gemma3Processor(image_processor=image_processor, tokenizer=tok, image_seq_length=16,
                                              chat_template=chat_template("<start_of_image>"))
     # Untied head and std 0.2: with less the output ignores the image and the attention pattern.
     return _save(path, transformers.Gemma3ForConditionalGeneration, config, processor, std=0.2)

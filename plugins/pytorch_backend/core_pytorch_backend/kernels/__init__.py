@@ -1,27 +1,68 @@
-"""The one place that picks the hot ops for a device; layers only ever see the ops object."""
+"""The one place that picks the hot ops for a device; layers only ever see the ops object.
+
+Two sets exist: ``reference`` (plain torch: the CPU path and the oracle) and ``triton`` (Triton kernels:
+the CUDA path). The set is chosen once, when the model is built: Triton on a CUDA device when triton
+imports, the reference elsewhere. ``CORE_KERNELS=reference|triton`` or ``select_ops(device, kind=...)``
+forces a set (the tests run the Triton set on the CPU under ``TRITON_INTERPRET=1``).
+"""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import importlib
+import importlib.util
+import os
+from types import ModuleType, SimpleNamespace
 
 import torch
 
 from . import reference
 
-OP_NAMES = ("store_kv_cache", "paged_attention", "rms_norm", "apply_rotary", "silu_and_mul")
+OP_NAMES = ("store_kv_cache", "paged_attention", "rms_norm", "apply_rotary", "silu_and_mul",
+            "gelu_tanh_and_mul")
+KINDS = ("reference", "triton")
+KERNELS_ENV = "CORE_KERNELS"
 
 
-def _namespace(module) -> SimpleNamespace:
-    return SimpleNamespace(name=module.NAME, **{name: getattr(module, name) for name in OP_NAMES})
+def _namespace(module: ModuleType) -> SimpleNamespace:
+    """The ops of ``module`` plus its ``name`` and ``graph_safe`` (no op syncs with the host in decode)."""
+    ops = {name: getattr(module, name) for name in OP_NAMES}
+    return SimpleNamespace(name=module.NAME, graph_safe=getattr(module, "GRAPH_SAFE", False), **ops)
 
 
-def select_ops(device: torch.device | str = "cpu") -> SimpleNamespace:
+def triton_available() -> bool:
+    """Whether the triton package is installed (it is not imported here)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def default_kind(device: torch.device) -> str:
+    """``triton`` on a CUDA device when triton is installed, else ``reference``."""
+    return "triton" if device.type == "cuda" and triton_available() else "reference"
+
+
+def _load_triton(device: torch.device) -> ModuleType:
+    if not triton_available():
+        raise RuntimeError("the triton op set needs the triton package: pip install 'core-pytorch-backend[triton]'")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"the triton op set runs on {device.type} only under TRITON_INTERPRET=1 (set before triton is "
+            "imported); on the CPU use the reference set"
+        )
+    return importlib.import_module(f"{__name__}.triton")
+
+
+def select_ops(device: torch.device | str = "cpu", kind: str | None = None) -> SimpleNamespace:
     """The ops namespace for ``device``, chosen once at start-up.
 
-    Plain torch everywhere for now; a Triton set for CUDA plugs in here and nowhere else.
+    :param device: where the model runs.
+    :param kind: ``reference`` or ``triton`` to force a set; None takes ``$CORE_KERNELS``, else the
+        device's default (:func:`default_kind`).
+    :raises ValueError: an unknown kind. :raises RuntimeError: triton forced where it cannot run.
     """
-    torch.device(device)  # validate the device spelling early
-    return _namespace(reference)
+    device = torch.device(device)  # validates the device spelling early
+    kind = kind or os.environ.get(KERNELS_ENV) or default_kind(device)
+    if kind not in KINDS:
+        raise ValueError(f"kind (or ${KERNELS_ENV}) must be one of {', '.join(KINDS)}, got {kind!r}")
+    return _namespace(reference if kind == "reference" else _load_triton(device))
 
 
-__all__ = ["OP_NAMES", "select_ops", "reference"]
+__all__ = ["KERNELS_ENV", "KINDS", "OP_NAMES", "default_kind", "reference", "select_ops", "triton_available"]

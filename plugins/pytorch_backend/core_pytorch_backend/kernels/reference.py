@@ -41,6 +41,9 @@ def paged_attention(
 
     ``query`` is [T, Hq, D] (Hq a multiple of Hkv); the new tokens' K/V must already be in the
     cache. Single-token sequences (decode) run as one padded batch; longer chunks one by one.
+    ``meta.bidirectional_spans`` (Gemma 3 images) lets the tokens of one span also attend to the
+    later tokens of that span; a one-token chunk never needs it (it is the last token of any span
+    it is in, since the scheduler never ends a chunk inside a span).
     """
     out = torch.empty_like(query)
     starts = [0]
@@ -55,6 +58,7 @@ def paged_attention(
         out[tok] = _decode_attention(
             query[tok], k_cache, v_cache, meta.block_tables[idx], seq_lens, scale, sliding_window
         )
+    spans = getattr(meta, "bidirectional_spans", None)
     for b, q_len in enumerate(meta.query_lens_list):
         if q_len <= 1:
             continue
@@ -67,6 +71,7 @@ def paged_attention(
             meta.seq_lens_list[b],
             scale,
             sliding_window,
+            spans[b] if spans else (),
         )
     return out
 
@@ -88,32 +93,47 @@ def _decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, window) -> t
     mask = j < lens
     if window is not None:
         mask &= j > (lens - 1 - window)
-    out = _sdpa(q[:, :, None, :], k, v, mask[:, None, None, :], scale)  # [B, Hq, 1, D]
-    return out[:, :, 0, :]
+    b, hq, d = q.shape
+    group = hq // k.shape[1]
+    # Grouped-query attention without copying K/V per query head: the G query heads that share a
+    # KV head become G query rows of that head.
+    out = _sdpa(q.view(b, k.shape[1], group, d), k, v, mask[:, None, None, :], scale)  # [B, Hkv, G, D]
+    return out.reshape(b, hq, d)
 
 
-def _chunk_attention(q, k_cache, v_cache, table, seq_len, scale, window) -> torch.Tensor:
-    """q [n, Hq, D]: the last n tokens of one sequence of seq_len tokens (prefill or a chunk)."""
+def _chunk_attention(q, k_cache, v_cache, table, seq_len, scale, window, spans=()) -> torch.Tensor:
+    """q [n, Hq, D]: the last n tokens of one sequence of seq_len tokens (prefill or a chunk).
+
+    ``spans``: ``[start, end)`` ranges whose tokens attend to each other both ways. The sliding window
+    still applies on top, as in transformers' Gemma 3: ``(causal | same span) & window``.
+    """
     block_size = k_cache.shape[1]
-    n = q.shape[0]
+    n, hq, d = q.shape
     nb = -(-seq_len // block_size)
     k = _gather_context(k_cache, table, nb)[:seq_len].transpose(0, 1)  # [Hkv, L, D]
     v = _gather_context(v_cache, table, nb)[:seq_len].transpose(0, 1)
+    hkv = k.shape[0]
+    group = hq // hkv
     pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]
     j = torch.arange(seq_len, device=q.device)[None, :]
     mask = j <= pos
+    for start, end in spans:
+        if end <= seq_len - n or start >= seq_len:
+            continue  # no query of this chunk is in the span
+        if end > seq_len:
+            raise RuntimeError(f"a chunk ends at {seq_len}, inside the bidirectional span [{start}, {end}): "
+                               "the scheduler must compute a span in one chunk (Sequence.atomic_spans)")
+        mask |= (pos >= start) & (pos < end) & (j >= start) & (j < end)
     if window is not None:
         mask &= j > pos - window
-    out = _sdpa(q.transpose(0, 1)[None], k[None], v[None], mask[None, None], scale)  # [1, Hq, n, D]
-    return out[0].transpose(0, 1)
+    # The G query heads of one KV head, stacked as G * n query rows of that head (no K/V copies).
+    rows = q.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * n, d)
+    out = _sdpa(rows, k[None], v[None], mask.repeat(group, 1)[None, None], scale)  # [1, Hkv, G*n, D]
+    return out.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
 
 
 def _sdpa(q, k, v, mask, scale) -> torch.Tensor:
-    """SDPA over [B, H, L, D] with grouped-query K/V (Hq a multiple of Hkv)."""
-    if q.shape[1] != k.shape[1]:
-        group = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
+    """SDPA over [B, H, Lq, D] queries and [B, H, L, D] keys/values (same number of heads)."""
     return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
 
 
@@ -163,3 +183,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up] along the last dimension."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up for x = [gate | up] along the last dimension (Gemma)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

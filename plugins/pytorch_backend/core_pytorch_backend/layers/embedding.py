@@ -26,6 +26,7 @@ class LMHead(nn.Module):
             self.weight = tie_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.matmul = F.linear  # replaced per model by layers.matmul.use_matmul
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+        return self.matmul(hidden, self.weight, None).float()

@@ -1,4 +1,5 @@
-"""Rotary position embedding: default, linear-scaled and Llama 3 scaled frequencies."""
+"""Rotary position embedding: default, linear-scaled and Llama 3 scaled frequencies, and Qwen2-VL's
+multimodal rotary embedding (M-RoPE: temporal, height and width positions on sections of the head)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ def rope_parameters(config: Any) -> dict[str, Any]:
             merged.update(value)
     merged.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    if rope_type == "mrope":  # older Qwen2-VL configs: default frequencies, sections split them
+        rope_type = "default"
     merged["rope_type"] = rope_type
     return merged
 
@@ -76,8 +79,38 @@ class RotaryEmbedding(nn.Module):
         return q.reshape(q_shape), k.reshape(k_shape)
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE (Qwen2-VL): ``positions`` is [3, T] (temporal, height, width); frequency slot j of the
+    half head takes its angle from the axis whose ``mrope_section`` covers j. [T] positions (text
+    only) rotate exactly as plain rotary, since then all three axes are equal."""
+
+    def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any], ops: Any,
+                 mrope_section: list[int]):
+        super().__init__(head_dim, max_positions, params, ops)
+        if sum(mrope_section) != head_dim // 2:
+            raise ValueError(f"mrope_section {mrope_section} must add up to head_dim / 2 = {head_dim // 2}")
+        axis = torch.cat([torch.full((n,), i, dtype=torch.int64) for i, n in enumerate(mrope_section)])
+        self.register_buffer("section_axis", axis, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if positions.dim() == 1:
+            return super().forward(positions, q, k)
+        slots = torch.arange(self.section_axis.shape[0], device=positions.device)
+        picked = positions[self.section_axis.to(positions.device)].transpose(0, 1)  # [T, D/2]
+        cos, sin = self.cos_cache[picked, slots], self.sin_cache[picked, slots]
+        q_shape, k_shape = q.shape, k.shape
+        q = q.reshape(q.shape[0], -1, self.head_dim)
+        k = k.reshape(k.shape[0], -1, self.head_dim)
+        rows = torch.arange(q.shape[0], device=positions.device)  # each token has its own table row
+        q, k = self.ops.apply_rotary(q, k, rows, cos, sin)
+        return q.reshape(q_shape), k.reshape(k_shape)
+
+
 def get_rope(config: Any, head_dim: int, ops: Any) -> RotaryEmbedding:
-    """The rotary embedding an HF decoder config asks for."""
+    """The rotary embedding an HF decoder config asks for (M-RoPE when it names an mrope_section)."""
     params = rope_parameters(config)
     max_positions = int(getattr(config, "max_position_embeddings", 0) or 8192)
+    section = params.get("mrope_section")
+    if section:
+        return MRotaryEmbedding(head_dim, max_positions, params, ops, list(section))
     return RotaryEmbedding(head_dim, max_positions, params, ops)

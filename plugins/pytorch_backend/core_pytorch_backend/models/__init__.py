@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import importlib
 
+_VL = "core_pytorch_backend.models.vision_language"
 BUILTIN_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "core_pytorch_backend.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "core_pytorch_backend.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "core_pytorch_backend.models.qwen3:Qwen3ForCausalLM",
     "MistralForCausalLM": "core_pytorch_backend.models.mistral:MistralForCausalLM",
+    "Gemma3ForCausalLM": "core_pytorch_backend.models.gemma3:Gemma3ForCausalLM",
+    # Vision-language checkpoints: their language model; the vision tower runs in core_vl_models.
+    "Qwen2VLForConditionalGeneration": f"{_VL}:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": f"{_VL}:Qwen2VLForConditionalGeneration",
+    "LlavaForConditionalGeneration": f"{_VL}:LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration": f"{_VL}:LlavaForConditionalGeneration",
+    "Idefics3ForConditionalGeneration": f"{_VL}:LlavaForConditionalGeneration",
+    "SmolVLMForConditionalGeneration": f"{_VL}:LlavaForConditionalGeneration",
+    "InternVLForConditionalGeneration": f"{_VL}:InternVLForConditionalGeneration",
+    "Gemma3ForConditionalGeneration": "core_pytorch_backend.models.gemma3:Gemma3ForConditionalGeneration",
 }
 
 

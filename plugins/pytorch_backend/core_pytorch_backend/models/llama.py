@@ -127,8 +127,15 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
-    def forward(self, input_ids, positions, meta):
-        hidden = self.embed_tokens(input_ids)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (models that scale them override this)."""
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, meta, embed_overrides=None):
+        hidden = self.embed(input_ids)
+        if embed_overrides is not None:  # image features replace their placeholder tokens' rows
+            rows, values = embed_overrides
+            hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
@@ -139,12 +146,17 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """``forward(input_ids [T], positions [T], meta) -> hidden [T, H]``; ``compute_logits`` -> float32."""
 
+    #: Whether positions are [3, T] M-RoPE positions (Qwen2-VL) rather than [T].
+    uses_mrope = False
+    #: The decoder stack, built as ``model_class(config, ops, spec)`` (Gemma 3 has its own).
+    model_class: type[nn.Module] = LlamaModel
+
     def __init__(self, config: Any, ops: Any):
         super().__init__()
         self.config = config
         self.ops = ops
         spec = self.decoder_spec(config)
-        self.model = LlamaModel(config, ops, spec)
+        self.model = self.model_class(config, ops, spec)
         tie = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, self.model.embed_tokens if tie else None)
         self.num_layers = config.num_hidden_layers
@@ -160,9 +172,15 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        embed_overrides: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+        """``embed_overrides`` = (rows [K], values [K, H]): embeddings (e.g. of images) that replace
+        the token embeddings of those rows of this step's flat batch."""
+        return self.model(input_ids, positions, meta, embed_overrides)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

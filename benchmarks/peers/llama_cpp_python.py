@@ -1,0 +1,26 @@
+"""llama-cpp-python's OpenAI server (`python -m llama_cpp.server`) in its own virtualenv, built from source.
+
+Its server runs one request at a time (no parallel slots), which the table shows as flat throughput.
+"""
+
+from __future__ import annotations
+
+from peers.common import Venv
+from peers.llamacpp import VERSION
+from peers.peer import Context, Launch
+
+
+def venv() -> Venv:
+    return Venv("llama-cpp-python", [
+        ["install", "--no-binary", "llama-cpp-python", f"llama-cpp-python[server]=={VERSION}"],
+        ["!", "{python}", "-c", "import llama_cpp.server"],
+    ])
+
+
+def launch(ctx: Context) -> Launch:
+    env = venv().ensure()
+    command = [str(env.python), "-m", "llama_cpp.server", "--model", str(ctx.gguf), "--model_alias", "smollm2",
+               "--host", "127.0.0.1", "--port", str(ctx.port), "--n_threads", str(ctx.threads),
+               "--n_threads_batch", str(ctx.threads), "--n_ctx", "2048"]
+    return Launch(command, model="smollm2", version=f"llama-cpp-python {env.version_of('llama-cpp-python')}",
+                  start_timeout_s=120.0)

