@@ -20,7 +20,7 @@ from core_cuda_backend.availability import unavailable_reason
 from core_pytorch_backend.attention_metadata import AttentionMetadata
 from core_pytorch_backend.kernels import reference
 from core_pytorch_backend.layers.rotary import compute_inv_freq
-from core_pytorch_backend.sampling import apply_truncation
+from core_pytorch_backend.sampling import sample_tokens
 
 REASON = "no CUDA GPU: torch.cuda.is_available() is False" if not torch.cuda.is_available() else unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
@@ -173,10 +173,9 @@ def test_sampling_matches_the_samplers_truncation_and_race(cuda):
     noise = torch.empty(rows, vocab, device="cuda").exponential_(generator=torch.Generator("cuda").manual_seed(6))
     ours = cuda.sample_tokens(logits, temperature, top_k, omp, min_p, noise)
     sampled = temperature > 0
-    scaled = logits[sampled] / temperature[sampled][:, None]
-    kept = apply_truncation(scaled, top_k[sampled], omp[sampled], min_p[sampled])
     want = logits.argmax(-1)
-    want[sampled] = (kept - noise[sampled].clamp(min=torch.finfo(torch.float32).tiny).log()).argmax(-1)
+    want[sampled] = sample_tokens(logits[sampled], temperature[sampled], top_k[sampled], omp[sampled],
+                                  min_p[sampled], noise[sampled])
     assert ours.tolist() == want.tolist()
 
 

@@ -67,7 +67,8 @@ class PytorchBackend(Backend):
             max_model_len=max_len, max_num_seqs=config.max_num_seqs)
         self.loop = EngineLoop(runner, max_model_len=max_len, max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=max(config.max_num_batched_tokens, 1),
-                               enable_prefix_caching=config.enable_prefix_caching)
+                               enable_prefix_caching=config.enable_prefix_caching,
+                               sample_kernel=getattr(self.ops, "sample_tokens", None))
         self._asleep: set[str] = set()
         self._weights_dropped = False
         log.info("KV cache: %d blocks of %d tokens (%d tokens) on %s, %s", num_blocks, config.block_size,
@@ -76,8 +77,9 @@ class PytorchBackend(Backend):
     # -- loading --------------------------------------------------------------------------------------
 
     def _load(self) -> LoadedModel:
+        self.ops = self._select_ops()
         return load_checkpoint(self.source, dtype=self.config.dtype, device=self.device,
-                               architectures=self._architectures, ops=self._select_ops())
+                               architectures=self._architectures, ops=self.ops)
 
     def _select_ops(self) -> Any:
         """The op set the model's layers run on; a backend with its own kernels overrides this."""

@@ -22,7 +22,7 @@ from core.scheduling import BlockManager, Scheduler, Sequence
 from core_pytorch_backend.model_runner import ModelRunner
 from core_pytorch_backend.multimodal_inputs import SequenceImages, cache_keys
 from core_pytorch_backend.request_state import END_OF_STREAM, RequestState
-from core_pytorch_backend.sampling import SamplingBatch, SamplingRow, sample
+from core_pytorch_backend.sampling import SampleKernel, SamplingBatch, SamplingRow, sample
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_SECONDS = 0.5
@@ -32,8 +32,10 @@ class EngineLoop:
     """Owns the scheduler and the model runner; see the module docstring."""
 
     def __init__(self, runner: ModelRunner, *, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, enable_prefix_caching: bool) -> None:
+                 max_num_batched_tokens: int, enable_prefix_caching: bool,
+                 sample_kernel: SampleKernel | None = None) -> None:
         self.runner = runner
+        self.sample_kernel = sample_kernel  # the op set's fused sampler, if it has one
         self.max_model_len = max_model_len
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
@@ -171,7 +173,7 @@ class EngineLoop:
         if len(rows) != len(sampling):  # a first sample of an n > 1 request reads its logits n times
             owners = [i for i, group in enumerate(groups) for _ in group]
             logits = logits.index_select(0, torch.tensor(owners, device=logits.device))
-        result = sample(logits, SamplingBatch.from_rows(rows, device=logits.device))
+        result = sample(logits, SamplingBatch.from_rows(rows, device=logits.device), self.sample_kernel)
         self.scheduler.update(out, {seq.seq_id: result.token_ids[g[0]] for seq, g in zip(sampling, groups, strict=True)})
         self._emit(sampling, groups, result)
 

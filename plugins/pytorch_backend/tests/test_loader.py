@@ -113,6 +113,12 @@ def test_gguf_tokenizer_and_chat_template(default_model, default_gguf_path):
     assert default_model.max_model_len == 8192 and default_model.dtype == torch.float32
 
 
+def test_default_model_gets_its_model_card_sampling_defaults(default_model):
+    from core_pytorch_backend.loader import DEFAULT_MODEL_GENERATION
+
+    assert DEFAULT_MODEL_GENERATION.items() <= default_model.generation_config.items()
+
+
 def test_gguf_second_load_uses_the_cache(default_model, default_gguf_path, monkeypatch):
     def no_parse(*_a, **_k):
         raise AssertionError("the GGUF was parsed again despite a cached conversion")

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core_pytorch_backend.layers import LMHead, Linear, VocabEmbedding
+from core_pytorch_backend.layers import Linear, LMHead, VocabEmbedding
 from core_pytorch_backend.layers.matmul import UpcastMatmul, select_matmul, use_matmul
 
 

@@ -381,3 +381,26 @@ def test_mixed_batch_greedy_sampled_and_penalised_rows():
 def test_shape_mismatch_is_an_internal_error():
     with pytest.raises(ValueError, match="rows"):
         sample(_logits(3), _batch(_row(GREEDY)))
+
+
+# ----------------------------------------------------------------------------- fused sampler seam
+
+
+def test_an_op_sets_sample_kernel_gets_the_sampled_rows_and_the_same_noise():
+    """`sample(..., kernel)` hands an op set's fused sampler (the cuda backend's) exactly the rows that
+    sample, their parameters and the noise the plain path would use: same seeds, same tokens."""
+    calls = []
+
+    def spy(logits, temperature, top_k, one_minus_top_p, min_p, noise):
+        calls.append((logits.shape, temperature.tolist(), top_k.tolist() if top_k is not None else None))
+        return sampling.sample_tokens(logits, temperature, top_k, one_minus_top_p, min_p, noise)
+
+    def rows():
+        return [_row(GREEDY), _row(SamplingParams(temperature=0.7, top_k=5), generator=make_generator(3)),
+                _row(SamplingParams(temperature=1.3, top_k=0), generator=make_generator(4))]
+
+    logits = _logits(3)
+    plain = sample(logits, _batch(*rows())).token_ids
+    fused = sample(logits, _batch(*rows()), spy).token_ids
+    assert fused == plain
+    assert calls == [(torch.Size([2, VOCAB]), [0.699999988079071, 1.2999999523162842], [5, 0])]
