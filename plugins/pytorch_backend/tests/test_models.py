@@ -180,3 +180,13 @@ def test_default_model_greedy_matches_transformers(default_model, default_hf_mod
     got = paged_greedy(default_model.model, prompts, max_new=REAL_NEW_TOKENS, block_size=16)
     for text, p, ours in zip(REAL_PROMPTS, prompts, got, strict=True):
         assert ours == hf_greedy(default_hf_model, p, REAL_NEW_TOKENS), text
+
+
+def test_layers_share_one_rotary_table_per_configuration(tiny_checkpoint_factory):
+    from core_pytorch_backend.layers import RotaryEmbedding
+    from core_pytorch_backend.loader import load_checkpoint
+
+    model = load_checkpoint(tiny_checkpoint_factory("llama"), dtype="float32").model
+    tables = {id(m) for m in model.modules() if isinstance(m, RotaryEmbedding)}
+    per_layer = {id(layer.self_attn.rotary_emb) for layer in model.model.layers}
+    assert len(model.model.layers) > 1 and len(tables) == 1 and per_layer == tables

@@ -21,6 +21,7 @@ from ..layers import (
     get_act_and_mul,
     get_rope,
 )
+from ..layers.rotary import share_rotary_tables
 
 # (fused module, HF module, shard) for HF's separate projections that we keep merged.
 STACKED_PARAMS = (
@@ -126,6 +127,7 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, ops, spec, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        share_rotary_tables(self)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings (models that scale them override this)."""
