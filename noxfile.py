@@ -80,8 +80,8 @@ def serve(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """core vs vLLM, llama.cpp and transformers, side by side on this machine (opt-in, slow).
 
-    ~35 min the first time, which installs each peer into its own virtualenv and builds llama.cpp (cached
-    under ~/.cache/core/bench); ~20 min after. Writes benchmarks/results/side_by_side-DATE.{md,png,json}
+    ~45 min the first time, which installs each peer into its own virtualenv and builds llama.cpp (cached
+    under ~/.cache/core/bench); ~25 min after. Writes benchmarks/results/side_by_side-DATE.{md,png,json}
     and the README's table; arguments pass through to benchmarks/side_by_side.py.
     """
     install_everything(session)

@@ -38,6 +38,7 @@ AREAS = [  # first match wins: (area, substring of the frame's file or function)
     ("torch ops (python side of torch)", "/torch/"),
     ("transformers", "/transformers/"),
     ("pytorch backend: model layers", "core_pytorch_backend/layers"),
+    ("pytorch backend: kernels", "core_pytorch_backend/kernels"),
     ("pytorch backend: models", "core_pytorch_backend/models"),
     ("pytorch backend: model runner", "core_pytorch_backend/model_runner"),
     ("pytorch backend: engine loop", "core_pytorch_backend/engine"),

@@ -57,6 +57,7 @@ class Plan:
     output_len: int
     prompts_per_stream: int
     min_prompts: int
+    level_timeout_s: float = 900.0
 
     def requests(self, concurrency: int) -> list[BenchRequest]:
         count = max(self.min_prompts, self.prompts_per_stream * concurrency)
@@ -76,13 +77,18 @@ async def measure_levels(base_url: str, launch: Launch, plan: Plan, row: Row) ->
     for c in plan.levels:
         requests = plan.requests(c)
         print(f"[bench] {row.key}: concurrency {c}, {len(requests)} requests", flush=True)
-        metrics = await benchmark_server(base_url, launch.model, requests, LoadOptions(max_concurrency=c),
-                                         check=False, ignore_eos=launch.ignore_eos, extra_body=launch.extra_body)
+        run = benchmark_server(base_url, launch.model, requests, LoadOptions(max_concurrency=c), check=False,
+                               ignore_eos=launch.ignore_eos, extra_body=launch.extra_body)
+        try:
+            metrics = await asyncio.wait_for(run, plan.level_timeout_s)
+        except asyncio.TimeoutError:
+            row.notes.append(f"concurrency {c}: not done in {plan.level_timeout_s:.0f} s; higher levels skipped")
+            break
         check_level(row, c, len(requests), plan.output_len, metrics)
         if c == 1 and metrics.completed:
             row.decode_tok_s = 1000.0 / metrics.tpot_ms.mean if metrics.tpot_ms.mean > 0 else None
             row.ttft_ms = metrics.ttft_ms.mean
-            row.prompt_tokens = metrics.total_input_tokens / metrics.completed
+            row.prompt_tokens = metrics.total_input_tokens / metrics.completed if not metrics.usage_missing else None
     if not any(row.throughput.values()):
         raise RuntimeError(f"every request failed: {'; '.join(row.notes)[:300]}")
 
@@ -179,7 +185,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads each system may use")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--tag", default="", help="appended to the result file names (e.g. smoke)")
-    parser.add_argument("--update-readme", action="store_true", help="put the table and plot into README.md")
+    parser.add_argument("--update-readme", action=argparse.BooleanOptionalAction, default=False,
+                        help="put the table and plot into README.md (nox -s bench does; --no-update-readme not)")
+    parser.add_argument("--level-timeout", type=float, default=900.0,
+                        help="seconds one concurrency level may take; a slower system skips the rest")
     args = parser.parse_args(argv)
     if any(c < 1 for c in args.concurrency) or args.output_len < 2 or args.input_len < 1:
         parser.error("--concurrency values and --input-len must be at least 1, --output-len at least 2")
@@ -190,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
     plan = Plan(sorted(set(args.concurrency)), args.input_len, args.output_len, args.prompts_per_stream,
-                args.min_prompts)
+                args.min_prompts, args.level_timeout)
     gguf = default_gguf()
     ctx = Context(gguf, lambda: converted_folder(gguf, cache_dir() / "smollm2-bf16"), port=free_port(),
                   threads=args.threads, max_concurrency=max(plan.levels), output_len=plan.output_len)

@@ -21,6 +21,8 @@ def launch(ctx: Context) -> Launch:
     env = venv().ensure()
     command = [str(env.python), "-m", "llama_cpp.server", "--model", str(ctx.gguf), "--model_alias", "smollm2",
                "--host", "127.0.0.1", "--port", str(ctx.port), "--n_threads", str(ctx.threads),
-               "--n_threads_batch", str(ctx.threads), "--n_ctx", "2048"]
+               "--n_threads_batch", str(ctx.threads), "--n_ctx", "2048",
+               "--interrupt_requests", "False"]  # by default a new request cuts off the running one
+    # it takes `ignore_eos` silently and ignores it; `min_tokens` holds EOS back instead
     return Launch(command, model="smollm2", version=f"llama-cpp-python {env.version_of('llama-cpp-python')}",
-                  start_timeout_s=120.0)
+                  start_timeout_s=120.0, extra_body={"min_tokens": ctx.output_len})

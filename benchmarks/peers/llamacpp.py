@@ -9,6 +9,7 @@ batching, so concurrent requests are decoded together.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -74,14 +75,13 @@ def server_command(gguf: Path, port: int, parallel: int = 64, threads: int = 2) 
 
 
 def version() -> str:
-    """llama.cpp's build number as the sdist records it, e.g. "b1234 (llama-cpp-python 0.3.36)"."""
-    info = source_dir() / "cmake" / "build-info.cmake"
-    tag = ""
-    if info.is_file():
-        for line in info.read_text().splitlines():
-            if "BUILD_NUMBER" in line and "set(" in line:
-                tag = line.split()[-1].strip(")\"")
-    return f"llama.cpp {'b' + tag if tag.isdigit() else ''} (sources of llama-cpp-python {VERSION})".replace("  ", " ")
+    """llama.cpp's build as the binary reports it, e.g. "llama.cpp 1234 (abc123)"."""
+    try:
+        done = subprocess.run([str(server_binary()), "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return f"llama.cpp (llama-cpp-python {VERSION} sources)"
+    line = next((x for x in (done.stdout + done.stderr).splitlines() if x.startswith("version:")), "")
+    return f"llama.cpp {line.removeprefix('version:').strip()}, from llama-cpp-python {VERSION}"
 
 
 def launch(ctx: Context) -> Launch:

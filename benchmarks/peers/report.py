@@ -99,7 +99,7 @@ def markdown(rows: list[Row], levels: list[int], settings: dict, date: str, plot
              f"Machine: {machine()}.", "",
              "Model: SmolLM2-135M-Instruct (llama.cpp: the Q4_1 GGUF; the others: the same weights dequantized "
              "to bfloat16). " + ", ".join(f"{k}: {v}" for k, v in settings.items()) + ".", "",
-             results_table(rows, levels), "", "Core's ratio to each peer (core / peer):", "",
+             results_table(rows, levels), "", "Core's ratio to each peer (core / peer; above 1: core is faster, or for memory, uses more):", "",
              ratio_table(rows, levels), "", f"![throughput against concurrency]({plot_name})", ""]
     if any(row.notes for row in rows):
         parts += ["Notes:", "", notes(rows), ""]
@@ -124,6 +124,7 @@ def plot(rows: list[Row], levels: list[int], path: Path, title: str) -> str:
     ax.set_xscale("log", base=2)
     ax.set_xticks(levels, [str(c) for c in levels])
     ax.set(xlabel="concurrent requests", ylabel="output tokens/s", title=title)
+    ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
