@@ -55,7 +55,7 @@ async def run_core(args) -> dict:
             start, first, count = time.perf_counter(), None, 0
             async for out in engine.generate(prompts[0], config):
                 first = first or time.perf_counter()
-                count = len(out.token_ids)
+                count = out.completion_tokens
             end = time.perf_counter()
             rows[c] = {"tok_s": count / (end - start), "ttft_ms": (first - start) * 1e3,
                        "decode_tok_s": (count - 1) / (end - first)}

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +30,9 @@ class AttentionMetadata:
     # Per sequence, [start, end) spans whose tokens attend to each other both ways (Gemma 3 images);
     # None for plain causal attention. Only the reference paged attention reads it.
     bidirectional_spans: list[tuple[tuple[int, int], ...]] | None = None
+    # Per-step scratch an op set fills at the first layer and reuses in the others (index tensors,
+    # masks): this object lives for one forward step.
+    op_cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

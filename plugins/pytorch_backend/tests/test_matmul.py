@@ -19,13 +19,14 @@ def _model() -> torch.nn.Module:
     return model.to(torch.bfloat16)
 
 
+@pytest.mark.parametrize("chunk_elements", [1, 16 * 5, 24 * 16, 10_000])  # 1 output row .. all at once
 @pytest.mark.parametrize("rows", [1, 3, 4, 33])
-def test_upcast_matmul_equals_float32_gemm_on_the_half_weights(rows):
+def test_upcast_matmul_equals_float32_gemm_on_the_half_weights(rows, chunk_elements):
     torch.manual_seed(0)
     x = torch.randn(rows, 16, dtype=torch.bfloat16)
     w = torch.randn(24, 16, dtype=torch.bfloat16)
     b = torch.randn(24, dtype=torch.bfloat16)
-    out = UpcastMatmul(w.numel(), min_rows=4)(x, w, b)
+    out = UpcastMatmul(w.numel(), min_rows=4, chunk_elements=chunk_elements)(x, w, b)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 24)
     if rows >= 4:
         expected = F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16)
@@ -43,9 +44,11 @@ def test_one_scratch_buffer_serves_weights_of_every_size():
     assert upcast.scratch.numel() == 24 * 16
 
 
-def test_min_rows_must_be_positive():
+def test_min_rows_and_chunk_must_be_positive():
     with pytest.raises(ValueError, match="min_rows"):
         UpcastMatmul(4, min_rows=0)
+    with pytest.raises(ValueError, match="chunk_elements"):
+        UpcastMatmul(4, chunk_elements=0)
 
 
 def test_select_matmul_only_for_half_precision_on_cpus_without_native_support(monkeypatch):
@@ -56,7 +59,7 @@ def test_select_matmul_only_for_half_precision_on_cpus_without_native_support(mo
     monkeypatch.setattr("core_pytorch_backend.layers.matmul.cpu_has_native_half_matmul", lambda dtype: False)
     chosen = select_matmul(model, torch.device("cpu"), torch.bfloat16)
     assert isinstance(chosen, UpcastMatmul)
-    assert chosen.scratch.numel() == 50 * 16  # the largest weight: the (tied) LM head
+    assert chosen.scratch.numel() == 50 * 16  # the largest weight (the tied LM head): smaller than a chunk
 
 
 def test_use_matmul_routes_every_linear_layer_and_the_lm_head():

@@ -5,6 +5,8 @@ Cache layout: ``k_cache`` / ``v_cache`` are ``[num_blocks, block_size, num_kv_he
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -45,19 +47,15 @@ def paged_attention(
     later tokens of that span; a one-token chunk never needs it (it is the last token of any span
     it is in, since the scheduler never ends a chunk inside a span).
     """
+    plan = _decode_plan(meta, k_cache.shape[1], query.device)
+    if plan is not None and plan.rows is None:  # a pure decode step: every row is a decode row
+        return _decode_attention(query, k_cache, v_cache, plan, scale, sliding_window)
     out = torch.empty_like(query)
     starts = [0]
     for q_len in meta.query_lens_list:
         starts.append(starts[-1] + q_len)
-    decode = [b for b, q in enumerate(meta.query_lens_list) if q == 1]
-    if decode:
-        rows = [starts[b] for b in decode]
-        idx = torch.tensor(decode, device=query.device)
-        tok = torch.tensor(rows, device=query.device)
-        seq_lens = [meta.seq_lens_list[b] for b in decode]
-        out[tok] = _decode_attention(
-            query[tok], k_cache, v_cache, meta.block_tables[idx], seq_lens, scale, sliding_window
-        )
+    if plan is not None:
+        out[plan.rows] = _decode_attention(query[plan.rows], k_cache, v_cache, plan, scale, sliding_window)
     spans = getattr(meta, "bidirectional_spans", None)
     for b, q_len in enumerate(meta.query_lens_list):
         if q_len <= 1:
@@ -77,27 +75,63 @@ def paged_attention(
 
 
 def _gather_context(cache: torch.Tensor, table: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """[..., num_blocks * block_size, Hkv, D] context rows of one or many block tables."""
-    blocks = cache[table[..., :num_blocks].long()]  # [..., nb, bs, Hkv, D]
-    return blocks.flatten(-4, -3)
+    """[num_blocks * block_size, Hkv, D] context rows of one block table."""
+    return cache.index_select(0, table[:num_blocks].long()).flatten(0, 1)
 
 
-def _decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, window) -> torch.Tensor:
+class _DecodePlan(NamedTuple):
+    """What every layer's decode attention of one step shares (built once, kept in meta.op_cache)."""
+
+    rows: torch.Tensor | None  # flat-batch rows of the decode sequences; None: all rows, in order
+    blocks: torch.Tensor  # [B * nb] int64 block ids: each decode sequence's first nb blocks
+    num_blocks: int  # nb: blocks of the longest decode context
+    lens: torch.Tensor  # [B, 1] context length of each decode sequence
+    masks: dict  # sliding window (or None) -> [B, 1, 1, nb * block_size] bool
+
+
+def _decode_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _DecodePlan | None:
+    if "reference_decode" in meta.op_cache:
+        return meta.op_cache["reference_decode"]
+    decode = [b for b, q in enumerate(meta.query_lens_list) if q == 1]
+    plan = None
+    if decode:
+        seq_lens = [meta.seq_lens_list[b] for b in decode]
+        nb = -(-max(seq_lens) // block_size)
+        if len(decode) == len(meta.query_lens_list):
+            rows, tables = None, meta.block_tables
+        else:
+            starts = [0]
+            for q_len in meta.query_lens_list:
+                starts.append(starts[-1] + q_len)
+            rows = torch.tensor([starts[b] for b in decode], device=device)
+            tables = meta.block_tables[torch.tensor(decode, device=device)]
+        blocks = tables[:, :nb].reshape(-1).long()
+        plan = _DecodePlan(rows, blocks, nb, torch.tensor(seq_lens, device=device)[:, None], {})
+    meta.op_cache["reference_decode"] = plan
+    return plan
+
+
+def _decode_mask(plan: _DecodePlan, block_size: int, window: int | None) -> torch.Tensor:
+    mask = plan.masks.get(window)
+    if mask is None:
+        j = torch.arange(plan.num_blocks * block_size, device=plan.lens.device)[None, :]
+        mask = j < plan.lens
+        if window is not None:
+            mask &= j > (plan.lens - 1 - window)
+        mask = plan.masks[window] = mask[:, None, None, :]
+    return mask
+
+
+def _decode_attention(q, k_cache, v_cache, plan: _DecodePlan, scale, window) -> torch.Tensor:
     """q [B, Hq, D], one new token per sequence, as one masked SDPA over padded contexts."""
-    block_size = k_cache.shape[1]
-    nb = -(-max(seq_lens) // block_size)
-    k = _gather_context(k_cache, tables, nb).transpose(1, 2)  # [B, Hkv, L, D]
-    v = _gather_context(v_cache, tables, nb).transpose(1, 2)
-    lens = torch.tensor(seq_lens, device=q.device)[:, None]
-    j = torch.arange(k.shape[2], device=q.device)[None, :]
-    mask = j < lens
-    if window is not None:
-        mask &= j > (lens - 1 - window)
     b, hq, d = q.shape
-    group = hq // k.shape[1]
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    length = plan.num_blocks * block_size
+    k = k_cache.index_select(0, plan.blocks).view(b, length, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
+    v = v_cache.index_select(0, plan.blocks).view(b, length, hkv, d).transpose(1, 2)
     # Grouped-query attention without copying K/V per query head: the G query heads that share a
     # KV head become G query rows of that head.
-    out = _sdpa(q.view(b, k.shape[1], group, d), k, v, mask[:, None, None, :], scale)  # [B, Hkv, G, D]
+    out = _sdpa(q.view(b, hkv, hq // hkv, d), k, v, _decode_mask(plan, block_size, window), scale)
     return out.reshape(b, hq, d)
 
 
