@@ -75,9 +75,9 @@ def run_transformers(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from core_pytorch_backend.loader import _cached_gguf_folder, default_cache_dir, default_model_path
+    from core_pytorch_backend.loader import cached_gguf_folder, default_model_path
 
-    folder = _cached_gguf_folder(default_model_path(), default_cache_dir())
+    folder = cached_gguf_folder(default_model_path())
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, args.dtype)).eval()
     model.generation_config.eos_token_id = None  # ignore_eos: neither stop nor suppress
 

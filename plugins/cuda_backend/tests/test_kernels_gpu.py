@@ -10,14 +10,15 @@ accumulate in float32 where the reference rounds after each op). KV stores and s
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import random
 
 import pytest
 import torch
 
 from core_cuda_backend.availability import unavailable_reason
-from core_pytorch_backend.attention_metadata import AttentionMetadata
+from core_pytorch_backend import kernel_cases
+from core_pytorch_backend.kernel_cases import assert_close as _close
 from core_pytorch_backend.kernels import reference
 from core_pytorch_backend.layers.rotary import compute_inv_freq
 from core_pytorch_backend.sampling import sample_tokens
@@ -28,10 +29,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=REA
 DTYPES = [torch.bfloat16, torch.float16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 ATTN_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
-GQA = {"gqa1": (4, 4), "gqa4": (8, 2), "gqa8": (8, 1), "gqa16": (16, 1)}
+GQA = {**kernel_cases.GQA, "gqa16": (16, 1)}
 SCENARIOS = {
-    "decode": [(0, 1), (4, 1), (14, 1), (1, 1), (70, 1)],
-    "mixed": [(5, 3), (0, 1), (0, 19), (9, 1), (16, 4)],
+    **kernel_cases.SCENARIOS,
     "split": [(1500, 1), (3, 1), (700, 1), (0, 1), (511, 1), (512, 1)],  # 1-3 partitions of 512
     "long_prefix": [(600, 40), (0, 70), (1100, 1)],
 }
@@ -44,13 +44,12 @@ def cuda():
     return op_set()
 
 
-def _close(ours: torch.Tensor, want: torch.Tensor, tol: float) -> None:
-    assert ours.dtype == want.dtype and ours.shape == want.shape
-    torch.testing.assert_close(ours.float(), want.float(), atol=tol, rtol=tol)
-
-
 def _randn(*shape: int, dtype=torch.float32, gen=None) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen).to(device="cuda", dtype=dtype)
+    return kernel_cases.randn(*shape, dtype=dtype, gen=gen, device="cuda")
+
+
+def _paged_problem(seqs, hq, hkv, head_dim, block_size, dtype, seed=0):
+    return kernel_cases.paged_problem(seqs, hq, hkv, head_dim, block_size, dtype, "cuda", seed)
 
 
 # ---------------------------------------------------------------- elementwise ops
@@ -105,24 +104,6 @@ def test_store_kv_cache_is_exact_on_strided_inputs_and_skips_negative_slots(cuda
 # ---------------------------------------------------------------- paged attention
 
 
-def _paged_problem(seqs, hq, hkv, head_dim, block_size, dtype, seed=0):
-    """seqs: [(cached, new)] -> (query, k_cache, v_cache, meta), context in shuffled blocks."""
-    gen = torch.Generator().manual_seed(seed)
-    need = [-(-(c + n) // block_size) for c, n in seqs]
-    ids = list(range(sum(need) + 2))
-    random.Random(seed).shuffle(ids)
-    tables = [ids[sum(need[:i]) : sum(need[: i + 1])] for i in range(len(seqs))]
-    k_cache = torch.zeros(len(ids), block_size, hkv, head_dim, dtype=dtype, device="cuda")
-    v_cache = torch.zeros_like(k_cache)
-    total = sum(c + n for c, n in seqs)
-    store = AttentionMetadata.build([0] * len(seqs), [c + n for c, n in seqs], tables, block_size, "cuda")
-    reference.store_kv_cache(_randn(total, hkv, head_dim, dtype=dtype, gen=gen),
-                             _randn(total, hkv, head_dim, dtype=dtype, gen=gen), k_cache, v_cache,
-                             store.slot_mapping)
-    meta = AttentionMetadata.build([c for c, _ in seqs], [n for _, n in seqs], tables, block_size, "cuda")
-    return _randn(meta.num_tokens, hq, head_dim, dtype=dtype, gen=gen), k_cache, v_cache, meta
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", list(GQA.values()), ids=list(GQA))
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -146,7 +127,7 @@ def test_paged_attention_sliding_window_float32(cuda, scenario, window):
 def test_decode_on_the_padded_grid_of_a_captured_graph(cuda):
     """max_seq_len far above every real length (as the graph runner passes it): empty splits are skipped."""
     q, k_cache, v_cache, meta = _paged_problem(SCENARIOS["split"], 8, 2, 128, 16, torch.bfloat16)
-    padded = AttentionMetadata(**{**vars(meta), "max_seq_len": 8192})
+    padded = dataclasses.replace(meta, max_seq_len=8192)  # (a fresh op_cache)
     _close(cuda.paged_attention(q, k_cache, v_cache, padded, 128**-0.5),
            reference.paged_attention(q, k_cache, v_cache, meta, 128**-0.5), ATTN_TOL[torch.bfloat16])
 

@@ -32,7 +32,7 @@ class AttentionMetadata:
     bidirectional_spans: list[tuple[tuple[int, int], ...]] | None = None
     # Per-step scratch an op set fills at the first layer and reuses in the others (index tensors,
     # masks): this object lives for one forward step.
-    op_cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    op_cache: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -53,6 +53,7 @@ class PytorchBackend(Backend):
         self.device = resolve_device(config.device)
         self.source = str(config.model) if config.model else str(default_model_path())
         self._architectures = architectures if architectures is not None else architectures_for(self.name)
+        self.ops = self._select_ops()  # chosen once; a level-2 wakeup reloads the weights onto the same set
         loaded = self._load()
         self.tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
@@ -77,7 +78,6 @@ class PytorchBackend(Backend):
     # -- loading --------------------------------------------------------------------------------------
 
     def _load(self) -> LoadedModel:
-        self.ops = self._select_ops()
         return load_checkpoint(self.source, dtype=self.config.dtype, device=self.device,
                                architectures=self._architectures, ops=self.ops)
 

@@ -80,7 +80,7 @@ def load_checkpoint(
     path = Path(path)
     gguf = _gguf_file(path)
     if gguf is not None and use_cache:
-        path = _cached_gguf_folder(gguf, Path(cache_dir) if cache_dir else default_cache_dir())
+        path = cached_gguf_folder(gguf, Path(cache_dir) if cache_dir else None)
     if gguf is not None and not use_cache:
         config, tokenizer, weights, generation = _open_gguf(gguf)
     else:
@@ -236,8 +236,10 @@ def default_cache_dir() -> Path:
     return Path(root) / "gguf"
 
 
-def _cached_gguf_folder(gguf: Path, cache_root: Path) -> Path:
-    """An HF folder converted from ``gguf`` once, keyed by the file's name, size and mtime."""
+def cached_gguf_folder(gguf: Path, cache_root: Path | None = None) -> Path:
+    """An HF folder (float32 safetensors, config, tokenizer) converted from ``gguf`` once, keyed by the
+    file's name, size and mtime, under ``cache_root`` (default: ``default_cache_dir()``)."""
+    cache_root = cache_root or default_cache_dir()
     stat = gguf.stat()
     folder = cache_root / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{GGUF_CACHE_VERSION}"
     if (folder / _COMPLETE_MARKER).is_file():

@@ -11,12 +11,12 @@ Shapes are tiny: the interpreter runs each program in Python (about 0.1-1 s a la
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from core_pytorch_backend.attention_metadata import AttentionMetadata
+from core_pytorch_backend.kernel_cases import GQA, SCENARIOS, paged_problem, randn
+from core_pytorch_backend.kernel_cases import assert_close as _close
 from core_pytorch_backend.kernels import reference, select_ops
 from core_pytorch_backend.layers.rotary import RotaryEmbedding
 
@@ -27,16 +27,14 @@ TRITON = select_ops(DEVICE, kind="triton")
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 ATTN_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
-GQA = {"gqa1": (4, 4), "gqa4": (8, 2), "gqa8": (8, 1)}
-
-
-def _close(ours: torch.Tensor, want: torch.Tensor, tol: float) -> None:
-    assert ours.dtype == want.dtype and ours.shape == want.shape
-    torch.testing.assert_close(ours.float(), want.float(), atol=tol, rtol=tol)
 
 
 def _randn(*shape: int, dtype=torch.float32, gen=None) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
+    return randn(*shape, dtype=dtype, gen=gen, device=DEVICE)
+
+
+def _paged_problem(seqs, hq, hkv, head_dim, block_size, dtype, seed=0):
+    return paged_problem(seqs, hq, hkv, head_dim, block_size, dtype, DEVICE, seed)
 
 
 # ---------------------------------------------------------------- dispatch
@@ -131,32 +129,6 @@ def test_store_kv_cache_matches_reference_and_skips_negative_slots(dtype):
 
 
 # ---------------------------------------------------------------- paged attention
-
-
-def _paged_problem(seqs, hq, hkv, head_dim, block_size, dtype, seed=0):
-    """seqs: [(cached, new)] -> (query, k_cache, v_cache, meta), context in shuffled blocks."""
-    gen = torch.Generator().manual_seed(seed)
-    need = [-(-(c + n) // block_size) for c, n in seqs]
-    ids = list(range(sum(need) + 2))
-    random.Random(seed).shuffle(ids)
-    tables = [ids[sum(need[:i]) : sum(need[: i + 1])] for i in range(len(seqs))]
-    k_cache = torch.zeros(len(ids), block_size, hkv, head_dim, dtype=dtype, device=DEVICE)
-    v_cache = torch.zeros_like(k_cache)
-    total = sum(c + n for c, n in seqs)
-    store = AttentionMetadata.build([0] * len(seqs), [c + n for c, n in seqs], tables, block_size, DEVICE)
-    reference.store_kv_cache(_randn(total, hkv, head_dim, dtype=dtype, gen=gen),
-                             _randn(total, hkv, head_dim, dtype=dtype, gen=gen), k_cache, v_cache,
-                             store.slot_mapping)
-    meta = AttentionMetadata.build([c for c, _ in seqs], [n for _, n in seqs], tables, block_size, DEVICE)
-    return _randn(meta.num_tokens, hq, head_dim, dtype=dtype, gen=gen), k_cache, v_cache, meta
-
-
-SCENARIOS = {
-    # context length 1, lengths off the block size, one long sequence among short ones
-    "decode": [(0, 1), (4, 1), (14, 1), (1, 1), (70, 1)],
-    # cached prefix + new tokens (prefix caching / chunked prefill), fresh prompts and decode rows at once
-    "mixed": [(5, 3), (0, 1), (0, 19), (9, 1), (16, 4)],
-}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -115,25 +115,3 @@ def get_rope(config: Any, head_dim: int, ops: Any) -> RotaryEmbedding:
         return MRotaryEmbedding(head_dim, max_positions, params, ops, list(section))
     return RotaryEmbedding(head_dim, max_positions, params, ops)
 
-
-def share_rotary_tables(model: nn.Module) -> None:
-    """Make layers whose rotary tables are equal use one module: one table per distinct configuration
-    instead of one per layer (for an 8k context that is 2 MiB per layer; for 128k contexts, ~100 MiB)."""
-    kept: list[RotaryEmbedding] = []
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, RotaryEmbedding):
-                continue
-            same = next((k for k in kept if _same_table(k, child)), None)
-            if same is None:
-                kept.append(child)
-            elif same is not child:
-                setattr(parent, name, same)
-
-
-def _same_table(a: RotaryEmbedding, b: RotaryEmbedding) -> bool:
-    if type(a) is not type(b) or a.cos_cache.shape != b.cos_cache.shape or a.ops is not b.ops:
-        return False
-    if isinstance(a, MRotaryEmbedding) and not torch.equal(a.section_axis, b.section_axis):
-        return False
-    return torch.equal(a.cos_cache, b.cos_cache) and torch.equal(a.sin_cache, b.sin_cache)

@@ -17,11 +17,11 @@ from ..layers import (
     MergedLinear,
     QKVLinear,
     RMSNorm,
+    RotaryEmbedding,
     VocabEmbedding,
     get_act_and_mul,
     get_rope,
 )
-from ..layers.rotary import share_rotary_tables
 
 # (fused module, HF module, shard) for HF's separate projections that we keep merged.
 STACKED_PARAMS = (
@@ -55,13 +55,13 @@ def layer_types_windows(config: Any) -> tuple[int | None, ...]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int):
+    def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
         super().__init__()
         self.head_dim = head_dim_of(config)
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, heads, kv_heads, bias=spec.qkv_bias)
         self.o_proj = Linear(heads * self.head_dim, config.hidden_size, bias=False)
-        self.rotary_emb = get_rope(config, self.head_dim, ops)
+        self.rotary_emb = rotary  # one table shared by every layer of the model
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
@@ -101,9 +101,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int):
+    def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
         super().__init__()
-        self.self_attn = LlamaAttention(config, ops, spec, layer_index)
+        self.self_attn = LlamaAttention(config, ops, spec, layer_index, rotary)
         self.mlp = LlamaMLP(config, ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -123,11 +123,11 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        rotary = get_rope(config, head_dim_of(config), ops)  # built once: every layer shares the table
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, ops, spec, i) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, ops, spec, i, rotary) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        share_rotary_tables(self)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings (models that scale them override this)."""
