@@ -3,21 +3,23 @@
     python benchmarks/engine_thread_overhead.py [--dtype bfloat16] [--steps 20]
 
 SmolLM2 at batch 1, one sequence of ~100 cached tokens, through the pytorch backend's own model and the
-reference ops: milliseconds per decode step (forward + LM head) when torch is called from the main thread,
-from a `threading.Thread`, and from an asyncio executor thread while the event loop waits. On this
-project's 2-core AVX2 machine the worker threads were ~1.6x slower (35 vs 56 ms/step, bf16): the engine
-loop pays that on every step. Numbers only; nothing is asserted.
+reference ops: milliseconds per decode step (forward + LM head) when torch is called from the main
+thread, from a `threading.Thread` while the main thread's OpenMP workers are still alive, and from a
+thread after `core.openmp.release_openmp_pool()` freed them on the main thread (what the backend does
+once it has loaded). On this project's 2-core AVX2 machine: 35, 56 and 34 ms/step (bf16). The middle
+case is libgomp managing 4 threads on 2 CPUs and putting its workers to sleep between ops. Numbers only;
+nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import threading
 import time
 
 import torch
 
+from core.openmp import release_openmp_pool
 from core_pytorch_backend.attention_metadata import AttentionMetadata
 from core_pytorch_backend.layers.attention import allocate_kv_caches
 from core_pytorch_backend.loader import default_model_path, load_checkpoint
@@ -45,6 +47,14 @@ def time_steps(step, steps: int) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
+def on_a_thread(step, steps: int) -> float:
+    box: list[float] = []
+    worker = threading.Thread(target=lambda: box.append(time_steps(step, steps)))
+    worker.start()
+    worker.join()
+    return box[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16")
@@ -53,20 +63,13 @@ def main() -> None:
     model = load_checkpoint(default_model_path(), dtype=args.dtype).model
     allocate_kv_caches(model, 64, BLOCK_SIZE)
     step = make_step(model)
-    results = {"main thread": time_steps(step, args.steps)}
-    box: list[float] = []
-    worker = threading.Thread(target=lambda: box.append(time_steps(step, args.steps)))
-    worker.start()
-    worker.join()
-    results["threading.Thread"] = box[0]
-
-    async def in_executor() -> float:
-        return await asyncio.get_running_loop().run_in_executor(None, time_steps, step, args.steps)
-
-    results["asyncio executor thread"] = asyncio.run(in_executor())
+    results = {"main thread": time_steps(step, args.steps),
+               "thread, main's pool alive": on_a_thread(step, args.steps)}
+    release_openmp_pool()
+    results["thread, main's pool freed"] = on_a_thread(step, args.steps)
     print(f"decode step, batch 1, {args.dtype}, {torch.get_num_threads()} torch threads:")
     for where, ms in results.items():
-        print(f"  {where:<24} {ms:6.1f} ms/step")
+        print(f"  {where:<26} {ms:6.1f} ms/step")
 
 
 if __name__ == "__main__":

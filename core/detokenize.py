@@ -63,17 +63,33 @@ class IncrementalDetokenizer:
             return TextDelta("")
         if new_token_ids:
             self._text += self._decode_new(new_token_ids)
+        if final:
+            self._text += self._decode_held()
         return self._emit(final)
 
     def _decode_new(self, new_token_ids: Sequence[int]) -> str:
         self._ids.extend(new_token_ids)
-        decode = self._tokenizer.decode
-        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip_special)
-        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip_special)
+        prefix, full = self._decode_window()
         if len(full) > len(prefix) and not full.endswith(REPLACEMENT_CHAR):
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
             return full[len(prefix) :]
         return ""  # an incomplete character: wait for the rest of its bytes
+
+    def _decode_held(self) -> str:
+        """At the end, tokens still held for an incomplete character are decoded as they are: the
+        broken bytes become U+FFFD, as in ``tokenizer.decode`` of the whole output."""
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix, full = self._decode_window()
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full[len(prefix) :]
+
+    def _decode_window(self) -> tuple[str, str]:
+        """The recent window decoded without and with the tokens not yet turned into text."""
+        decode, skip = self._tokenizer.decode, self._skip_special
+        window = self._ids[self._prefix_offset :]
+        return decode(window[: self._read_offset - self._prefix_offset], skip_special_tokens=skip), \
+            decode(window, skip_special_tokens=skip)
 
     def _emit(self, final: bool) -> TextDelta:
         if self._stop:

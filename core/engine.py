@@ -35,6 +35,7 @@ from core.errors import (
     InvalidRequestError,
 )
 from core.multimodal import MediaPolicy, VisionProcessor, find_vision_processor
+from core.openmp import release_openmp_pool
 from core.request import (
     Inputs,
     PreparedRequest,
@@ -74,6 +75,7 @@ class AsyncEngine:
         backend = select_backend(plugins, config.backend).load()(config)
         template = resolve_chat_template(plugins, config.chat_template, backend.model_info, backend.tokenizer)
         vision = find_vision_processor(plugins, backend.model_info.architecture, config.model)
+        release_openmp_pool()  # loading is done on this thread; see core.openmp
         return cls(backend, chat_template=template, model_name=config.served_model_name, vision=vision,
                    media_policy=config.media)
 
@@ -183,8 +185,16 @@ class AsyncEngine:
         if self._vision_executor is None:
             self._vision_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-vision")
         loop = asyncio.get_running_loop()
-        embeds = await loop.run_in_executor(self._vision_executor, self.vision.encode, inputs)
+        embeds = await loop.run_in_executor(self._vision_executor, self._encode_images, inputs)
         return dataclasses.replace(request, multimodal=dataclasses.replace(inputs, image_embeds=embeds))
+
+    def _encode_images(self, inputs: Any) -> Any:
+        """On the vision thread: encode, then free its OpenMP workers so the engine thread's keep
+        spinning (core.openmp)."""
+        try:
+            return self.vision.encode(inputs)
+        finally:
+            release_openmp_pool()
 
     async def _release(self, session: Session, backend_stream: AsyncIterator[BackendOutput] | None, *,
                        needs_abort: bool) -> None:

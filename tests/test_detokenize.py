@@ -25,6 +25,13 @@ def test_multibyte_characters_are_never_split():
     assert deltas[1:4] == ["", "", ""]  # the emoji's first three bytes are held back
 
 
+def test_an_incomplete_character_at_the_end_is_not_dropped():
+    ids = [*b"ab", *"😀".encode()[:2]]  # the reply ends inside a 4-byte character
+    deltas, detok = stream(ids)
+    assert "".join(deltas) == detok.output_text == TOK.decode(ids) == "ab\ufffd"
+    assert deltas[-1] == "\ufffd"
+
+
 @pytest.mark.parametrize("text", ["xxSTOPyy", "xxSTOP", "STOPyy"])
 def test_stop_string_spanning_tokens(text):
     deltas, detok = stream(text, stop=["STOP"])

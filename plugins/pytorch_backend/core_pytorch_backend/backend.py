@@ -18,6 +18,7 @@ import torch
 from core.backend import Backend, BackendOutput, BackendStats, EndResult, GenerateRequest, ModelInfo
 from core.config import EngineConfig
 from core.errors import BackendError, InvalidRequestError
+from core.openmp import release_openmp_pool
 from core_pytorch_backend.cuda_graphs import make_decode_graphs
 from core_pytorch_backend.engine_loop import EngineLoop
 from core_pytorch_backend.kernels import select_ops
@@ -74,6 +75,7 @@ class PytorchBackend(Backend):
         self._weights_dropped = False
         log.info("KV cache: %d blocks of %d tokens (%d tokens) on %s, %s", num_blocks, config.block_size,
                  num_blocks * config.block_size, self.device, str(loaded.dtype).replace("torch.", ""))
+        release_openmp_pool()  # this thread's idle OpenMP workers would slow the engine thread's (core.openmp)
 
     # -- loading --------------------------------------------------------------------------------------
 

@@ -68,6 +68,27 @@ def test_rotary_matches_pairwise_rotation(dtype, head_dim):
     torch.testing.assert_close(k_out.double(), naive(k), atol=TOL[dtype] * 3, rtol=TOL[dtype])
 
 
+def test_rotary_rows_shared_within_a_step_follow_changed_positions():
+    """Every layer of a step reuses one set of cos/sin rows; a positions buffer changed in place, new
+    values, or other tables must not be served stale rows."""
+    angles = torch.outer(torch.arange(64, dtype=torch.float32), default_inv_freq(32, 10000.0))
+    cos, sin = angles.cos(), angles.sin()
+    q, k = torch.randn(3, 2, 32), torch.randn(3, 1, 32)
+
+    def fresh(positions, cos_cache, sin_cache):
+        return ops.apply_rotary(q, k, positions.clone(), cos_cache.clone(), sin_cache.clone())
+
+    positions = torch.tensor([1, 2, 3])
+    first = ops.apply_rotary(q, k, positions, cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip(first, ops.apply_rotary(q, k, positions, cos, sin), strict=False))
+    positions.add_(10)  # the same tensor, new values
+    for got, want in zip(ops.apply_rotary(q, k, positions, cos, sin), fresh(positions, cos, sin), strict=False):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert not torch.equal(ops.apply_rotary(q, k, positions, cos, sin)[0], first[0])
+    for got, want in zip(ops.apply_rotary(q, k, positions, sin, cos), fresh(positions, sin, cos), strict=False):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype):
     x = torch.randn(5, 2 * 96, dtype=torch.float64)
