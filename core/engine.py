@@ -34,19 +34,29 @@ from core.errors import (
     EngineUnavailableError,
     InvalidRequestError,
 )
-from core.multimodal import MediaPolicy, VisionProcessor, find_vision_processor
+from core.multimodal import (
+    MediaPolicy,
+    VisionProcessor,
+    extract_images,
+    find_vision_processor,
+    is_decoded_image,
+    load_images,
+    with_loaded_images,
+)
 from core.openmp import release_openmp_pool
 from core.request import (
     Inputs,
     PreparedRequest,
     RequestOutput,
     RequestPreparer,
+    is_message_list,
     merge_config,
     reject_removed_keywords,
 )
 from core.session import Session, SessionManager, SessionState
 
 log = logging.getLogger(__name__)
+MEDIA_THREADS = 4  # concurrent image fetches and decodes
 
 
 class AsyncEngine:
@@ -60,8 +70,10 @@ class AsyncEngine:
         self.preparer = RequestPreparer(backend.model_info, backend.tokenizer, chat_template, vision, media_policy)
         self.sessions = SessionManager(backend)
         self.vision = vision
-        # One thread runs the vision encoder, off the event loop, once per request with images.
+        # One thread runs the vision encoder, off the event loop, once per request with images; a few
+        # more fetch and decode images (load_media).
         self._vision_executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._media_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._asleep: set[str] = set()
         self._closed = False
 
@@ -132,6 +144,25 @@ class AsyncEngine:
             tools=tools, chat_template_kwargs=chat_template_kwargs,
         )
         return RequestStream(self, self.sessions.create(session_id), prepared)
+
+    async def load_media(self, inputs: Inputs) -> Inputs:
+        """``inputs`` with their images fetched and decoded on the media threads, off the event loop.
+
+        The server awaits this before `generate`, which then finds the images already decoded: a slow
+        image URL (up to the media fetch timeout) delays only its own request. Inputs without images,
+        and engines without a vision processor (whose `generate` refuses images), pass through as they
+        are; a bad image raises the same InvalidRequestError that `generate` would.
+        """
+        if self.vision is None or not is_message_list(inputs):
+            return inputs
+        _, sources = extract_images(inputs)
+        if all(is_decoded_image(s.source) for s in sources):
+            return inputs
+        if self._media_executor is None:
+            self._media_executor = concurrent.futures.ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="core-media")
+        loop = asyncio.get_running_loop()
+        images = await loop.run_in_executor(self._media_executor, load_images, sources, self.preparer.media_policy)
+        return with_loaded_images(inputs, images)
 
     def _check_gate(self) -> None:
         if self._closed:
@@ -261,8 +292,9 @@ class AsyncEngine:
         self._closed = True
         await self.sessions.stop_all()
         await self.backend.close()
-        if self._vision_executor is not None:
-            self._vision_executor.shutdown(wait=False, cancel_futures=True)
+        for executor in (self._vision_executor, self._media_executor):
+            if executor is not None:
+                executor.shutdown(wait=False, cancel_futures=True)
 
 
 class RequestStream:

@@ -28,7 +28,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -224,6 +224,21 @@ def extract_images(messages: Sequence[Message]) -> tuple[list[dict[str, Any]], l
     Understands OpenAI ``{"type": "image_url", "image_url": {"url": ...}}`` parts, Anthropic
     ``{"type": "image", "source": {...}}`` blocks and Hugging Face ``{"type": "image", "url"|"image": ...}``.
     """
+    return _replace_image_parts(messages, lambda source: {"type": "image"})
+
+
+def with_loaded_images(messages: Sequence[Message], images: Sequence[Image]) -> list[dict[str, Any]]:
+    """``messages`` with their image parts, in order, replaced by ``images`` (already decoded), so
+    that nothing is left to fetch."""
+    loaded = iter(images)
+    out, sources = _replace_image_parts(messages, lambda source: {"type": "image", "image": next(loaded)})
+    if len(sources) != len(images):
+        raise ValueError(f"{len(images)} images for {len(sources)} image parts")
+    return out
+
+
+def _replace_image_parts(messages: Sequence[Message], replace: Callable[[ImageSource], dict[str, Any]],
+                         ) -> tuple[list[dict[str, Any]], list[ImageSource]]:
     out: list[dict[str, Any]] = []
     sources: list[ImageSource] = []
     for i, message in enumerate(messages):
@@ -234,7 +249,7 @@ def extract_images(messages: Sequence[Message]) -> tuple[list[dict[str, Any]], l
                 found = _image_part_source(part, f"messages[{i}].content[{j}]")
                 if found is not None:
                     sources.append(found)
-                parts.append({"type": "image"} if found is not None else part)
+                parts.append(replace(found) if found is not None else part)
             message = {**message, "content": parts}
         out.append(dict(message))
     return out, sources
@@ -253,12 +268,12 @@ def _image_part_source(part: Any, where: str) -> ImageSource | None:
     if kind == "image" and isinstance(part.get("url") or part.get("image"), str):
         key = "url" if part.get("url") else "image"
         return ImageSource(part[key], f"{where}.{key}")
-    if kind == "image" and _is_pil_image(part.get("image")):
+    if kind == "image" and is_decoded_image(part.get("image")):
         return ImageSource(part["image"], f"{where}.image")
     return None
 
 
-def _is_pil_image(value: Any) -> bool:
+def is_decoded_image(value: Any) -> bool:
     """A decoded PIL image (only Python callers can pass one; PIL is not imported to check)."""
     return hasattr(value, "getdata") and hasattr(value, "size") and hasattr(value, "mode")
 
@@ -284,7 +299,7 @@ def load_image(source: str | Mapping[str, Any] | Image, policy: MediaPolicy, *, 
     decoded PIL image (Python callers), or an Anthropic source block (``{"type": "base64", "media_type", "data"}`` or ``{"type": "url", "url"}``)."""
     if isinstance(source, Mapping):
         return _load_anthropic_source(source, policy, where)
-    if _is_pil_image(source):
+    if is_decoded_image(source):
         _check_pixels(*source.size, policy, where)
         return source
     source = _require_str(source, where)

@@ -145,7 +145,7 @@ class RequestPreparer:
         """Prompt token ids, whether the inputs were chat messages, and their images' inputs (or None)."""
         if isinstance(inputs, str):
             return tuple(self.tokenizer.encode(inputs, add_special_tokens=True)), False, None
-        if isinstance(inputs, Sequence) and inputs and all(isinstance(m, Mapping) for m in inputs):
+        if is_message_list(inputs):
             rendered, sources = extract_images(validate_messages(inputs))
             if sources:
                 multimodal = self._multimodal(rendered, sources, render_options)
@@ -220,6 +220,12 @@ class RequestPreparer:
                 param="min_new_tokens",
             )
         return config.max_new_tokens if config.max_new_tokens is not None else room
+
+
+def is_message_list(inputs: Any) -> bool:
+    """Whether ``inputs`` are chat messages (a non-empty list of mappings) rather than a prompt."""
+    return isinstance(inputs, Sequence) and not isinstance(inputs, str) and bool(inputs) \
+        and all(isinstance(m, Mapping) for m in inputs)
 
 
 def _is_token(value: Any) -> bool:

@@ -293,3 +293,64 @@ def test_prepare_chat_and_merge():
     merged = merge_image_embeddings(torch.zeros(4, 3), inputs, processor.encode(inputs))
     assert merged.sum(dim=1).tolist() == [0.0, 3.0, 3.0, 0.0]
     assert inputs.decode_position(4) == 4
+
+
+def test_engine_loads_media_off_the_event_loop(server):
+    """A slow image URL keeps only its own request waiting: the event loop runs on meanwhile, and the
+    images come back decoded, in place of their parts, so that generate fetches nothing."""
+    import asyncio
+
+    from core.engine import AsyncEngine
+    from core.multimodal import extract_images, is_decoded_image
+    from core.testing.fake import FakeBackend
+
+    engine = AsyncEngine(FakeBackend(), vision=_RecordingProcessor(), media_policy=ALLOW_LOCALHOST)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"{server}/slow"}},
+                                             {"type": "text", "text": "hi"},
+                                             {"type": "image_url", "image_url": {"url": _data_uri(_png())}}]}]
+
+    async def load_while_ticking():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.02)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        try:
+            return await engine.load_media(messages), ticks
+        finally:
+            ticker.cancel()
+            await engine.close()
+
+    loaded, ticks = asyncio.run(load_while_ticking())
+    assert ticks >= 5  # /slow answers after 1 s; a blocked event loop would not have ticked at all
+    first, text, second = loaded[0]["content"]
+    assert first["type"] == second["type"] == "image" and first["image"].size == second["image"].size == (8, 6)
+    assert text == {"type": "text", "text": "hi"}
+    assert messages[0]["content"][0]["type"] == "image_url"  # the caller's messages are left as they were
+    assert all(is_decoded_image(s.source) for s in extract_images(loaded)[1])
+
+
+def test_engine_load_media_errors_name_the_field():
+    import asyncio
+
+    from core.engine import AsyncEngine
+    from core.testing.fake import FakeBackend
+
+    engine = AsyncEngine(FakeBackend(), vision=_RecordingProcessor())
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                             {"type": "image_url", "image_url": {"url": "http://far.example/x.png"}}]}]
+
+    async def load(inputs):
+        try:
+            return await engine.load_media(inputs)
+        finally:
+            await engine.close()
+
+    with pytest.raises(InvalidRequestError, match="--allowed-media-domains") as caught:
+        asyncio.run(load(messages))
+    assert caught.value.param == "messages[0].content[1].image_url.url"
+    assert asyncio.run(load("a prompt")) == "a prompt"

@@ -92,6 +92,7 @@ async def start_requests(engine: AsyncEngine, prompts: Sequence[Inputs], config:
     streams: list[RequestStream] = []
     try:
         for prompt, session_id in zip(prompts, session_ids, strict=True):
+            prompt = await engine.load_media(prompt)  # images fetched off the event loop
             streams.append(engine.generate(prompt, config, session_id=session_id, **options))
     except BaseException:
         for stream in streams:
