@@ -7,7 +7,7 @@ back float32 logits for the sequences that sample this step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +25,7 @@ from core_pytorch_backend.multimodal_inputs import with_images
 
 log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
+ZERO_BLOCKS_AT_LEAST = 64  # the CPU cache is zeroed this many blocks (or more) at a time
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.cuda_graphs: DecodeGraphs | None = None  # set by the backend on CUDA (cuda_graphs.py)
+        self.zeroed_blocks = 0  # blocks [0, zeroed_blocks) of the cache are zeroed (see _zero_blocks_up_to)
         self.allocate_kv_cache()
 
     @property
@@ -83,7 +85,28 @@ class ModelRunner:
         return self.kv_caches is not None
 
     def allocate_kv_cache(self) -> None:
-        self.kv_caches = allocate_kv_caches(self.model, self.num_blocks, self.block_size, self.dtype, self.device)
+        """The CPU cache starts unzeroed and is zeroed block by block as steps reach it, so that the
+        process's resident memory follows the blocks in use rather than the whole budget. A GPU cache
+        is zeroed at once: its memory is reserved either way."""
+        lazy = self.device.type == "cpu"
+        self.kv_caches = allocate_kv_caches(self.model, self.num_blocks, self.block_size, self.dtype,
+                                            self.device, zeroed=not lazy)
+        self.zeroed_blocks = 0 if lazy else self.num_blocks
+
+    def _zero_blocks_up_to(self, block_ids: Iterable[int]) -> None:
+        """Zero every block below the highest of ``block_ids`` that is not zeroed yet, before a step
+        touches them. Attention reads a block's unwritten slots (masked), and memory never written
+        may hold NaN bit patterns, which a zero attention weight does not cancel (0 * NaN = NaN)."""
+        if self.zeroed_blocks >= self.num_blocks or self.kv_caches is None:
+            return
+        end = max(block_ids, default=-1) + 1
+        if end <= self.zeroed_blocks:
+            return
+        end = min(self.num_blocks, max(end, self.zeroed_blocks + ZERO_BLOCKS_AT_LEAST))
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[self.zeroed_blocks : end].zero_()
+            v_cache[self.zeroed_blocks : end].zero_()
+        self.zeroed_blocks = end
 
     def free_kv_cache(self) -> None:
         unbind_kv_caches(self.model)
@@ -96,6 +119,7 @@ class ModelRunner:
         """Copy whole blocks (src -> dst) in every layer: the partial last block of a forked sequence."""
         if not copies or self.kv_caches is None:
             return
+        self._zero_blocks_up_to(block for copy in copies for block in copy)
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for k_cache, v_cache in self.kv_caches:
@@ -104,6 +128,7 @@ class ModelRunner:
 
     def prepare(self, scheduled: Sequence[ScheduledSequence]) -> StepInputs:
         """Flatten the scheduled chunks into one batch of new tokens."""
+        self._zero_blocks_up_to(block for s in scheduled for block in s.seq.block_table)
         tokens: list[int] = []
         sample_rows: list[int] = []
         sampling: list[ScheduledSequence] = []

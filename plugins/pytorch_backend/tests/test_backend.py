@@ -155,6 +155,34 @@ async def test_n_choices_share_the_prompt_blocks(tiny_checkpoint_factory):
         await engine.close()
 
 
+async def test_an_unzeroed_cache_full_of_nan_is_zeroed_before_use(tiny_checkpoint_factory):
+    """The CPU cache starts unzeroed and is zeroed block by block as steps reach it. Filled with NaN
+    at start (what memory never written may hold), it gives transformers' greedy outputs all the same:
+    a batch of different lengths (padded block tables) and an n > 1 fork (a block copy)."""
+    path = tiny_checkpoint_factory("llama")
+    backend = make_backend(path, max_num_batched_tokens=64)
+    runner = backend.loop.runner
+
+    def poison() -> None:
+        for k_cache, v_cache in runner.kv_caches:
+            k_cache.fill_(float("nan"))
+            v_cache.fill_(float("nan"))
+
+    await asyncio.wrap_future(backend.loop.call(poison))
+    assert runner.zeroed_blocks == 0
+    engine = AsyncEngine(backend)
+    try:
+        prompts = prompts_of_different_lengths(8)
+        for prompt, response in zip(prompts, await generate_all(engine, prompts), strict=True):
+            assert response.token_ids == reference_greedy(path, prompt, 12), prompt
+        forked = await collect(engine.generate(prompts[3], GREEDY.replace(n=2)))
+        assert [c.token_ids for c in forked.choices] == [reference_greedy(path, prompts[3], 12)] * 2
+        assert 0 < runner.zeroed_blocks < runner.num_blocks  # only the blocks reached so far
+        assert_idle(engine, await wait_idle(engine))
+    finally:
+        await engine.close()
+
+
 async def test_five_sleep_cycles_keep_greedy_outputs(tiny_checkpoint_factory):
     engine = AsyncEngine(make_backend(tiny_checkpoint_factory("qwen3")))
     prompt = [1, 2, 3, 4, 5, 6, 7]

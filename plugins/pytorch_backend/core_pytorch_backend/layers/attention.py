@@ -103,15 +103,23 @@ def allocate_kv_caches(
     block_size: int,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    *,
+    zeroed: bool = True,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Allocate zeroed caches for every layer (model dtype/device by default) and bind them."""
+    """Allocate every layer's caches (model dtype/device by default) and bind them.
+
+    All layers' K and V are views of one tensor ``[layers, 2, num_blocks, block_size, Hkv, D]``. With
+    ``zeroed=False`` its memory is left as allocated, and the caller zeroes each block before a step
+    first reads it (``ModelRunner`` does on the CPU: one large fresh allocation costs no resident
+    memory until it is written, so the cache's footprint grows with use).
+    """
     param = next(model.parameters())
     dtype = dtype or param.dtype
     device = device or param.device
-    shape = kv_cache_shape(model, num_blocks, block_size)
-    caches = [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in attention_layers(model)
-    ]
+    layers = attention_layers(model)
+    shape = (len(layers), 2, *kv_cache_shape(model, num_blocks, block_size))
+    allocate = torch.zeros if zeroed else torch.empty
+    storage = allocate(shape, dtype=dtype, device=device)
+    caches = [(storage[i, 0], storage[i, 1]) for i in range(len(layers))]
     bind_kv_caches(model, caches)
     return caches
