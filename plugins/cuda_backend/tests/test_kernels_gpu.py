@@ -91,14 +91,7 @@ def test_silu_and_mul(cuda, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_store_kv_cache_is_exact_on_strided_inputs_and_skips_negative_slots(cuda, dtype):
-    kv = _randn(5, 2 * 2 * 64, dtype=dtype, gen=torch.Generator().manual_seed(3))
-    key, value = kv[:, :128].view(5, 2, 64), kv[:, 128:].view(5, 2, 64)
-    slots = torch.tensor([13, -1, 2, 31, -5], device="cuda")
-    caches = [torch.zeros(4, 8, 2, 64, dtype=dtype, device="cuda") for _ in range(4)]
-    cuda.store_kv_cache(key, value, caches[0], caches[1], slots)
-    reference.store_kv_cache(key, value, caches[2], caches[3], slots)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-    assert int((caches[0] != 0).any(-1).any(-1).sum()) == 3
+    kernel_cases.check_store_kv_cache(cuda.store_kv_cache, dtype, "cuda")
 
 
 # ---------------------------------------------------------------- paged attention

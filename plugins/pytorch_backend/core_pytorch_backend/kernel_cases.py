@@ -52,3 +52,16 @@ def paged_problem(seqs, hq: int, hkv: int, head_dim: int, block_size: int, dtype
                              store.slot_mapping)
     meta = AttentionMetadata.build([c for c, _ in seqs], [n for _, n in seqs], tables, block_size, device)
     return randn(meta.num_tokens, hq, head_dim, dtype=dtype, gen=gen, device=device), k_cache, v_cache, meta
+
+
+def check_store_kv_cache(store_kv_cache, dtype: torch.dtype, device: str | torch.device) -> None:
+    """``store_kv_cache`` writes strided K/V (split from one fused projection) into the same slots as
+    the reference, bit for bit, and skips negative slots."""
+    kv = randn(5, 2 * 2 * 64, dtype=dtype, gen=torch.Generator().manual_seed(3), device=device)
+    key, value = kv[:, :128].view(5, 2, 64), kv[:, 128:].view(5, 2, 64)
+    slots = torch.tensor([13, -1, 2, 31, -5], device=device)
+    caches = [torch.zeros(4, 8, 2, 64, dtype=dtype, device=device) for _ in range(4)]
+    store_kv_cache(key, value, caches[0], caches[1], slots)
+    reference.store_kv_cache(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert int((caches[0] != 0).any(-1).any(-1).sum()) == 3

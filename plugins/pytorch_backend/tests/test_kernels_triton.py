@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from core_pytorch_backend.attention_metadata import AttentionMetadata
-from core_pytorch_backend.kernel_cases import GQA, SCENARIOS, paged_problem, randn
+from core_pytorch_backend.kernel_cases import GQA, SCENARIOS, check_store_kv_cache, paged_problem, randn
 from core_pytorch_backend.kernel_cases import assert_close as _close
 from core_pytorch_backend.kernels import reference, select_ops
 from core_pytorch_backend.layers.rotary import RotaryEmbedding
@@ -117,15 +117,7 @@ def test_silu_and_mul(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_store_kv_cache_matches_reference_and_skips_negative_slots(dtype):
-    gen = torch.Generator().manual_seed(3)
-    kv = _randn(5, 2 * 2 * 64, dtype=dtype, gen=gen)
-    key, value = kv[:, :128].view(5, 2, 64), kv[:, 128:].view(5, 2, 64)  # strided, as from the projection
-    slots = torch.tensor([13, -1, 2, 31, -5], device=DEVICE)
-    caches = [torch.zeros(4, 8, 2, 64, dtype=dtype, device=DEVICE) for _ in range(4)]
-    TRITON.store_kv_cache(key, value, caches[0], caches[1], slots)
-    reference.store_kv_cache(key, value, caches[2], caches[3], slots)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
-    assert int((caches[0] != 0).any(-1).any(-1).sum()) == 3
+    check_store_kv_cache(TRITON.store_kv_cache, dtype, DEVICE)
 
 
 # ---------------------------------------------------------------- paged attention

@@ -38,7 +38,8 @@ from ..layers import (
     get_act_and_mul,
 )
 from ..layers.rotary import rope_parameters
-from .llama import DecoderSpec, LlamaForCausalLM, LlamaModel, head_dim_of, layer_types_windows
+from .llama import DecoderSpec, LlamaModel, head_dim_of, layer_types_of
+from .qwen3 import Qwen3ForCausalLM
 from .vision_language import VisionLanguageMixin
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -86,10 +87,6 @@ def rope_parameters_by_layer_type(config: Any) -> dict[str, dict[str, Any]]:
     local = getattr(config, "rope_local_base_freq", None) or DEFAULT_LOCAL_ROPE_THETA
     return {"full_attention": rope_parameters(config),
             "sliding_attention": {"rope_type": "default", "rope_theta": float(local)}}
-
-
-def layer_types_of(config: Any) -> list[str]:
-    return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
 
 
 class Gemma3Attention(nn.Module):
@@ -179,18 +176,11 @@ class Gemma3Model(LlamaModel):
         return hidden * self.embed_scale.to(hidden.dtype)
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
-    """Gemma 3 text decoder (``model_type`` gemma3_text)."""
+class Gemma3ForCausalLM(Qwen3ForCausalLM):
+    """Gemma 3 text decoder (``model_type`` gemma3_text): Qwen3's decoder spec (attention_bias, windows
+    per layer type) over its own decoder stack, with soft-capped logits."""
 
     model_class = Gemma3Model
-
-    @classmethod
-    def decoder_spec(cls, config: Any) -> DecoderSpec:
-        return DecoderSpec(
-            qkv_bias=bool(getattr(config, "attention_bias", False)),
-            qk_norm=True,
-            sliding_windows=layer_types_windows(config),
-        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits, soft-capped as ``cap * tanh(logits / cap)`` when the config sets a cap."""

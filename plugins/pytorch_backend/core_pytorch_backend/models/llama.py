@@ -47,9 +47,14 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def layer_types_of(config: Any) -> list[str]:
+    """``config.layer_types`` (transformers' Qwen2/Qwen3/Gemma 3 style), all full attention if absent."""
+    return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+
+
 def layer_types_windows(config: Any) -> tuple[int | None, ...]:
-    """Per-layer windows from ``config.layer_types`` (transformers' Qwen2/Qwen3 style); none if absent."""
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    """Per-layer windows from ``config.layer_types``; none if absent."""
+    types = layer_types_of(config)
     window = getattr(config, "sliding_window", None)
     return tuple(window if t == "sliding_attention" else None for t in types)
 
