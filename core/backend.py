@@ -63,6 +63,7 @@ class ModelInfo:
     generation_defaults: Mapping[str, Any] = field(default_factory=dict)
     dtype: str = "float32"
     vocab_size: int = 0
+    quantization: str = "none"  # how the weights are kept, in words (e.g. "int4 x120")
 
 
 @dataclass(frozen=True)

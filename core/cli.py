@@ -14,9 +14,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from core import __version__
+from core.config import QUANTIZATIONS
 from core.errors import CoreError, PluginError
 
-ENGINE_FLAGS = ("backend", "dtype", "device", "max_model_len", "block_size", "kv_cache_memory_gib",
+ENGINE_FLAGS = ("backend", "dtype", "quantization", "device", "max_model_len", "block_size", "kv_cache_memory_gib",
                 "max_num_seqs", "max_num_batched_tokens", "chat_template", "served_model_name", "seed")
 
 
@@ -25,6 +26,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--backend", help="backend name (see `core plugins`); default: best available")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
+                   help="auto: a GGUF file's quantized weights stay packed (CPU); none: dequantize them; "
+                        "int8 / int4: quantize a float checkpoint at load (CPU)")
     g.add_argument("--device", help="cpu, cuda or cuda:N (default: the backend's choice)")
     g.add_argument("--max-model-len", type=int, help="context window (default: the model's)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")

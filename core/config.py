@@ -18,6 +18,9 @@ from core.multimodal import MediaPolicy
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
+# How weights are kept: auto (a GGUF file's quantized tensors stay packed on the CPU), none (dequantized),
+# int8 / int4 (a float checkpoint quantized at load). Backends document what they support.
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 # Fallbacks for sampling fields left unset by both the request and the model's generation_config.json.
 SAMPLING_DEFAULTS: dict[str, Any] = {
@@ -183,6 +186,7 @@ class EngineConfig:
     """How to build an engine: which model, which backend, and the memory and batching limits.
 
     :param model: a Hugging Face folder or a .gguf file; None serves the backend's default model.
+    :param quantization: one of QUANTIZATIONS: how the backend keeps the weights.
     :param backend: a registered backend name; None picks the best available one by priority.
     :param kv_cache_memory_gib: absolute KV-cache budget; None uses kv_cache_memory_fraction on GPUs
         and a fixed default on the CPU.
@@ -193,6 +197,7 @@ class EngineConfig:
     model: str | None = None
     backend: str | None = None
     dtype: str = "auto"
+    quantization: str = "auto"
     device: str | None = None
     max_model_len: int | None = None
     block_size: int = 16
@@ -211,6 +216,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise _fail("dtype", self.dtype, "one of auto, float32, bfloat16, float16")
+        if self.quantization not in QUANTIZATIONS:
+            raise _fail("quantization", self.quantization, "one of " + ", ".join(QUANTIZATIONS))
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 1)
         _check_int("block_size", self.block_size, 1, 1024)

@@ -50,7 +50,7 @@ def startup_summary(engine: AsyncEngine, config: EngineConfig, url: str) -> str:
     backend = config.backend or getattr(engine.backend, "name", None) or type(engine.backend).__name__
     kv = f"{stats.kv_blocks_total} blocks x {stats.block_size} tokens = {stats.kv_blocks_total * stats.block_size} tokens"
     return (f"serving model {engine.model_name!r} ({info.architecture}, context {info.max_model_len}) "
-            f"on backend {backend}, dtype {info.dtype}, KV cache {kv}, at {url}")
+            f"on backend {backend}, dtype {info.dtype}, packed weights {info.quantization}, KV cache {kv}, at {url}")
 
 
 async def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:

@@ -81,7 +81,8 @@ class PytorchBackend(Backend):
 
     def _load(self) -> LoadedModel:
         return load_checkpoint(self.source, dtype=self.config.dtype, device=self.device,
-                               architectures=self._architectures, ops=self.ops)
+                               architectures=self._architectures, ops=self.ops,
+                               quantization=self.config.quantization)
 
     def _select_ops(self) -> Any:
         """The op set the model's layers run on; a backend with its own kernels overrides this."""
@@ -108,6 +109,7 @@ class PytorchBackend(Backend):
             max_model_len=max_len, eos_token_ids=eos_ids, chat_template=loaded.chat_template,
             generation_defaults=defaults, dtype=str(loaded.dtype).replace("torch.", ""),
             vocab_size=int(loaded.hf_config.get_text_config().vocab_size),  # VL configs nest it
+            quantization=loaded.quantization,
         )
 
     # -- the contract ---------------------------------------------------------------------------------

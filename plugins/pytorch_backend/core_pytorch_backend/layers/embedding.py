@@ -11,9 +11,10 @@ class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.lookup = F.embedding  # replaced when the table is kept quantized (layers.quantized.AffineRows)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        return self.lookup(input_ids, self.weight)
 
 
 class LMHead(nn.Module):

@@ -87,4 +87,5 @@ def use_matmul(model: nn.Module, matmul: Matmul | None) -> None:
 
 
 def _matmul_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "matmul")]
+    """Layers that multiply by a dense weight (packed ones keep their own kernels)."""
+    return [m for m in model.modules() if hasattr(m, "matmul") and isinstance(m.weight, torch.Tensor)]

@@ -22,6 +22,8 @@ from ..layers import (
     get_act_and_mul,
     get_rope,
 )
+from ..quant.affine import AffineWeight
+from ..quant.attach import attach_quantized
 
 # (fused module, HF module, shard) for HF's separate projections that we keep merged.
 STACKED_PARAMS = (
@@ -193,24 +195,33 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors; raises on unknown names and on parameters left unloaded."""
+        """Load HF-named tensors; raises on unknown names and on parameters left unloaded.
+
+        A tensor may come as an ``AffineWeight`` (a GGUF tensor kept quantized): its layer then keeps it
+        packed (``quant.attach``) instead of copying it into the dense parameter.
+        """
         params = dict(self.named_parameters())
         pending = {name: {None} for name in params}
+        quantized: dict[str, dict[str | None, AffineWeight]] = {}
         for name, tensor in weights:
             if name.endswith(SKIPPED_SUFFIXES) or (self.lm_head.tied and name.startswith("lm_head.")):
                 continue
             target, shard = _resolve(name, params)
             module_name, param_name = target.rsplit(".", 1)
             module = self.get_submodule(module_name)
-            with torch.no_grad():
-                if shard is None:
-                    _copy_param(params[target], tensor, name)
-                else:
-                    module.load_shard(param_name, tensor, shard)
+            if isinstance(tensor, AffineWeight):
+                quantized.setdefault(target, {})[shard] = tensor
+            else:
+                with torch.no_grad():
+                    if shard is None:
+                        _copy_param(params[target], tensor, name)
+                    else:
+                        module.load_shard(param_name, tensor, shard)
             _mark_loaded(pending, target, shard, module)
         missing = sorted(name for name, left in pending.items() if left)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+        attach_quantized(self, quantized)
 
 
 def _resolve(name: str, params: dict[str, nn.Parameter]) -> tuple[str, str | None]:

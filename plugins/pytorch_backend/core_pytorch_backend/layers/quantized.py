@@ -1,0 +1,146 @@
+"""Weights kept quantized in memory and multiplied by torch's weight-only CPU kernels.
+
+- ``Int4Weight``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (4-bit codes, one scale and zero per
+  32 inputs: ``w = (q - 8) * s + z``). Codes of up to 8 bits (GGUF Q8_0) are split into a low and a high
+  4-bit plane laid side by side along K, and the input is repeated to match: ``x @ [lo | hi]^T`` with
+  the high plane's scale 16x is the exact 8-bit product, in one kernel call at the same bytes per weight.
+- ``Int8Weight``: ``torch.ops.aten._weight_int8pack_mm`` (int8 codes, one scale per output channel).
+- ``AffineRows``: an embedding table kept as codes; a lookup dequantizes only the rows it reads.
+
+Both kernels take half-precision (or float32) activations with scales of the same dtype. On this
+project's AVX-512 CPUs the bfloat16 versions are the fast ones (float32 is 10-30x slower): see
+``quant.kernel_choice``, which measures them once per CPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..quant.affine import AffineWeight
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the CPU int4 kernel accepts
+ROW_MULTIPLE = 16  # the int4 packing wants N divisible by 16
+PACK_ROWS = 4096  # rows packed at a time (bounds the int32 staging copy); a multiple of 64
+
+
+def int4_fits(n: int, k: int, group_size: int = 32) -> bool:
+    """Whether an [n, k] weight in groups of ``group_size`` inputs fits the CPU int4 kernel."""
+    return group_size in INT4_GROUP_SIZES and k % group_size == 0 and n % ROW_MULTIPLE == 0
+
+
+def int4_packable(weight: AffineWeight) -> bool:
+    """Whether ``weight`` fits the CPU int4 kernel (shape, group size, one or two 4-bit planes)."""
+    return weight.bits <= 8 and int4_fits(*weight.shape, weight.group_size)
+
+
+class Int4Weight(nn.Module):
+    """A [N, K] weight packed for the CPU int4 kernel (one or two 4-bit planes)."""
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, shape: tuple[int, int],
+                 planes: int) -> None:
+        super().__init__()
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", scales_zeros)  # [planes * K / G, N, 2] in the activation dtype
+        self.group_size = group_size
+        self.shape = shape
+        self.planes = planes
+
+    @classmethod
+    def from_affine(cls, weight: AffineWeight, dtype: torch.dtype) -> Int4Weight:
+        if not int4_packable(weight):
+            raise ValueError(f"a {weight.bits}-bit weight {weight.shape} with groups of {weight.group_size} "
+                             "does not fit the int4 kernel")
+        planes = _planes(weight)
+        codes = np.concatenate([q for q, _, _ in planes], axis=1)  # [N, planes * K]
+        scale = np.concatenate([s for _, s, _ in planes], axis=1)
+        zero = np.concatenate([z for _, _, z in planes], axis=1)
+        scales_zeros = torch.from_numpy(np.stack((scale.T, zero.T), axis=-1)).to(dtype).contiguous()
+        return cls(_pack_int4(codes), scales_zeros, weight.group_size, weight.shape, len(planes))
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        flat = x.reshape(-1, self.shape[1]).to(self.scales_zeros.dtype)
+        if self.planes == 2:
+            flat = torch.cat((flat, flat), dim=-1)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), self.packed, self.group_size,
+                                                         self.scales_zeros)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        return out.view(*x.shape[:-1], self.shape[0]).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"shape={self.shape}, group_size={self.group_size}, planes={self.planes}"
+
+
+def _planes(weight: AffineWeight) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(codes 0..15, kernel scale, kernel zero) per 4-bit plane, so that sum of (code - 8) * s + z
+    over the planes equals ``q * scale + offset``."""
+    s, b = weight.scale, weight.offset
+    if weight.bits <= 4:
+        return [(weight.q, s, b + 8 * s)]
+    low, high = weight.q & 0x0F, weight.q >> 4
+    return [(low, s, b + 8 * s), (high, 16 * s, 128 * s)]
+
+
+def _pack_int4(codes: np.ndarray) -> torch.Tensor:
+    """Codes uint8 [N, K] -> the kernel's packed layout, a few thousand rows at a time."""
+    parts = []
+    for start in range(0, codes.shape[0], PACK_ROWS):
+        chunk = torch.from_numpy(np.ascontiguousarray(codes[start : start + PACK_ROWS])).to(torch.int32)
+        parts.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(chunk, 1))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+class Int8Weight(nn.Module):
+    """A [N, K] weight as int8 codes with one scale per output channel."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale)  # [N], in the activation dtype
+        self.shape = tuple(codes.shape)
+
+    @classmethod
+    def from_codes(cls, codes: np.ndarray, scale: np.ndarray, dtype: torch.dtype) -> Int8Weight:
+        return cls(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(scale).to(dtype))
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        flat = x.reshape(-1, self.shape[1]).to(self.scale.dtype).contiguous()
+        out = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scale)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        return out.view(*x.shape[:-1], self.shape[0]).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"shape={self.shape}"
+
+
+def packed_linear(x: torch.Tensor, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The ``matmul`` of a layer whose weight is packed (same signature as ``F.linear``)."""
+    return weight.linear(x, bias)
+
+
+class AffineRows(nn.Module):
+    """An embedding table kept as ``AffineWeight`` codes; ``lookup`` dequantizes the rows it reads."""
+
+    def __init__(self, weight: AffineWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("q", torch.from_numpy(np.ascontiguousarray(weight.q)))
+        self.register_buffer("scale", torch.from_numpy(np.ascontiguousarray(weight.scale)))
+        self.register_buffer("offset", torch.from_numpy(np.ascontiguousarray(weight.offset)))
+        self.group_size = weight.group_size
+        self.dtype = dtype
+        self.shape = weight.shape
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        n, g = ids.numel(), self.group_size
+        q = self.q.index_select(0, ids.reshape(-1)).view(n, -1, g).float()
+        rows = q * self.scale.index_select(0, ids.reshape(-1))[..., None] + self.offset.index_select(
+            0, ids.reshape(-1))[..., None]
+        return rows.view(*ids.shape, self.shape[1]).to(self.dtype)
+
+
+def affine_embedding(ids: torch.Tensor, weight: AffineRows) -> torch.Tensor:
+    """The ``lookup`` of an embedding whose table is ``AffineRows`` (same signature as ``F.embedding``)."""
+    return weight.lookup(ids)

@@ -1,0 +1,77 @@
+"""Group-wise affine quantized weights: the one form every packed weight passes through.
+
+``w[n, k] = q[n, k] * scale[n, k // G] + offset[n, k // G]`` with integer codes ``q`` in ``[0, 2**bits)``.
+GGUF's block formats (``gguf_blocks``) and core's own load-time quantization (``quantize_int4``) produce
+it; the packed kernels (``layers.quantized``) consume it. Pure numpy, so it is testable without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class AffineWeight:
+    """``q`` uint8 [N, K]; ``scale`` / ``offset`` float32 [N, K // group_size]."""
+
+    q: np.ndarray
+    scale: np.ndarray
+    offset: np.ndarray
+    bits: int
+    group_size: int
+
+    def __post_init__(self) -> None:
+        n, k = self.q.shape
+        if k % self.group_size:
+            raise ValueError(f"K={k} is not a multiple of the group size {self.group_size}")
+        groups = (n, k // self.group_size)
+        if self.scale.shape != groups or self.offset.shape != groups:
+            raise ValueError(f"scale/offset must be {groups}, got {self.scale.shape} / {self.offset.shape}")
+        if not 1 <= self.bits <= 8:
+            raise ValueError(f"bits must be 1..8, got {self.bits}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [N, K]: the weight this quantization stands for."""
+        n, k = self.q.shape
+        g = self.group_size
+        q = self.q.reshape(n, k // g, g).astype(np.float32)
+        return (q * self.scale[..., None] + self.offset[..., None]).reshape(n, k)
+
+    def rows(self, index: np.ndarray) -> AffineWeight:
+        """The weight with its output rows reordered (or selected) by ``index``."""
+        return AffineWeight(self.q[index], self.scale[index], self.offset[index], self.bits, self.group_size)
+
+    @staticmethod
+    def concat(parts: list[AffineWeight]) -> AffineWeight:
+        """Stack along the output rows (fused q/k/v or gate/up projections)."""
+        first = parts[0]
+        if any((p.group_size, p.shape[1]) != (first.group_size, first.shape[1]) for p in parts):
+            raise ValueError("only weights of the same group size and K can be stacked")
+        bits = max(p.bits for p in parts)  # a code of fewer bits is also a valid code of more
+        return AffineWeight(np.concatenate([p.q for p in parts]), np.concatenate([p.scale for p in parts]),
+                            np.concatenate([p.offset for p in parts]), bits, first.group_size)
+
+
+def quantize_int4(weight: np.ndarray, group_size: int = 32) -> AffineWeight:
+    """Asymmetric 4-bit codes per group of ``group_size`` inputs (min/max, as GGUF's Q4_1)."""
+    n, k = weight.shape
+    w = weight.astype(np.float32).reshape(n, k // group_size, group_size)
+    low, high = w.min(-1), w.max(-1)
+    scale = (high - low) / 15
+    inverse = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
+    q = np.clip(np.rint((w - low[..., None]) * inverse[..., None]), 0, 15).astype(np.uint8)
+    return AffineWeight(q.reshape(n, k), scale, low, 4, group_size)
+
+
+def quantize_int8(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-output-channel int8: (codes int8 [N, K], scale float32 [N])."""
+    w = weight.astype(np.float32)
+    scale = np.abs(w).max(-1) / 127
+    inverse = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
+    return np.clip(np.rint(w * inverse[:, None]), -127, 127).astype(np.int8), scale.astype(np.float32)

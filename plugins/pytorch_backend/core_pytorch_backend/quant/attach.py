@@ -1,0 +1,102 @@
+"""Put quantized weights into a built model: packed where a kernel takes them, dense where none does.
+
+Two ways in: ``attach_quantized`` for tensors that arrive quantized (a GGUF file's Q4_0 / Q4_1 / Q8_0 /
+Q4_K tensors, as ``AffineWeight``), and ``quantize_model`` for a float checkpoint quantized at load
+(``--quantization int8|int4``). Either way a layer's dense parameter is replaced by a packed module
+(``layers.quantized``) and its ``matmul`` (or an embedding's ``lookup``) by the packed version.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from ..layers.embedding import LMHead, VocabEmbedding
+from ..layers.quantized import (
+    AffineRows,
+    Int4Weight,
+    Int8Weight,
+    affine_embedding,
+    int4_fits,
+    int4_packable,
+    packed_linear,
+)
+from .affine import AffineWeight, quantize_int4, quantize_int8
+from .kernel_choice import packed_kernel_dtype
+
+log = logging.getLogger(__name__)
+MODES = ("int8", "int4")
+
+
+def attach_quantized(model: nn.Module, quantized: dict[str, dict[str | None, AffineWeight]]) -> None:
+    """Keep each layer's quantized tensors packed; ``quantized`` maps a parameter name to its shards."""
+    for target, shards in quantized.items():
+        module_name, param_name = target.rsplit(".", 1)
+        module = model.get_submodule(module_name)
+        dtype = getattr(module, param_name).dtype
+        names = getattr(module, "shard_names", [None])
+        if param_name != "weight" or set(shards) != set(names):  # partly dense: the layer stays dense
+            _load_dense(module, param_name, shards)
+            continue
+        weight = shards[None] if None in shards else AffineWeight.concat([shards[n] for n in names])
+        _attach(module, weight, dtype)
+        lm_head = getattr(model, "lm_head", None)
+        if isinstance(module, VocabEmbedding) and isinstance(lm_head, LMHead) and lm_head.tied:
+            _attach(lm_head, weight, dtype)  # the tied LM head multiplies by the same codes
+
+
+def _attach(module: nn.Module, weight: AffineWeight, dtype: torch.dtype) -> None:
+    if isinstance(module, VocabEmbedding):
+        _replace_weight(module, AffineRows(weight, dtype))
+        module.lookup = affine_embedding
+    elif hasattr(module, "matmul") and int4_packable(weight):
+        _replace_weight(module, Int4Weight.from_affine(weight, packed_kernel_dtype(dtype)))
+        module.matmul = packed_linear
+    else:
+        log.info("%s: %d-bit %s weight has no packed kernel; dequantized", type(module).__name__, weight.bits,
+                 weight.shape)
+        _load_dense(module, "weight", {None: weight})
+
+
+def _load_dense(module: nn.Module, param_name: str, shards: dict[str | None, AffineWeight]) -> None:
+    with torch.no_grad():
+        for shard, weight in shards.items():
+            tensor = torch.from_numpy(weight.dequantize())
+            if shard is None:
+                getattr(module, param_name).data.copy_(tensor)
+            else:
+                module.load_shard(param_name, tensor, shard)
+
+
+def _replace_weight(module: nn.Module, packed: nn.Module) -> None:
+    del module.weight  # the dense parameter (shared with a tied embedding: only this module's name goes)
+    module.weight = packed
+
+
+def quantize_model(model: nn.Module, mode: str) -> int:
+    """Quantize every dense linear layer and the LM head of a loaded float model; returns the count.
+
+    ``int8``: symmetric int8 per output channel. ``int4``: 4-bit codes per group of 32 inputs (min/max,
+    as GGUF's Q4_1), with the LM head in int8 as llama.cpp's 4-bit mixes keep their output layer at 8
+    bits. Embedding tables stay as they are.
+    """
+    if mode not in MODES:
+        raise ValueError(f"quantization must be one of {', '.join(MODES)}, got {mode!r}")
+    count = 0
+    for module in list(model.modules()):  # replacing weights adds modules
+        weight = getattr(module, "weight", None)
+        if not hasattr(module, "matmul") or not isinstance(weight, torch.Tensor):
+            continue
+        dense = weight.detach().float().numpy()
+        kernel_dtype = packed_kernel_dtype(weight.dtype)
+        if mode == "int4" and not isinstance(module, LMHead) and int4_fits(*dense.shape):
+            packed: nn.Module = Int4Weight.from_affine(quantize_int4(dense), kernel_dtype)
+        else:
+            packed = Int8Weight.from_codes(*quantize_int8(dense), kernel_dtype)
+        _replace_weight(module, packed)
+        module.matmul = packed_linear
+        count += 1
+    return count
+

@@ -1,0 +1,176 @@
+"""Packed weights: GGUF block layouts, the int4/int8 kernels' wrappers, load-time quantization, and the
+default model served from its packed Q4_1 / Q8_0 tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from core_pytorch_backend.layers.quantized import AffineRows, Int4Weight, Int8Weight, int4_packable
+from core_pytorch_backend.loader import load_checkpoint
+from core_pytorch_backend.quant import attach
+from core_pytorch_backend.quant.affine import AffineWeight, quantize_int4, quantize_int8
+from core_pytorch_backend.quant.gguf_blocks import unpack
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+RNG = np.random.default_rng(0)
+
+
+def _weights(n: int = 48, k: int = 256) -> np.ndarray:
+    return (RNG.standard_normal((n, k)) * 0.05).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_give_the_gguf_packages_dequantized_values(name):
+    qtype = GGMLQuantizationType[name]
+    raw = quantize(_weights(), qtype)
+    codes = unpack(name, raw)
+    expected = dequantize(raw, qtype)
+    np.testing.assert_allclose(codes.dequantize(), expected, rtol=1e-6, atol=1e-7)
+    assert codes.group_size == 32 and codes.bits == (8 if name == "Q8_0" else 4)
+
+
+def _random_q4_k_rows(rows: int, blocks: int) -> np.ndarray:
+    """Valid Q4_K super-blocks: fp16 d / dmin, random 6-bit scale bytes and codes."""
+    data = RNG.integers(0, 256, size=(rows, blocks, 144), dtype=np.uint8)
+    halves = (RNG.uniform(0.001, 0.01, size=(rows, blocks, 2))).astype(np.float16)
+    data[..., 0:4] = halves.view(np.uint8).reshape(rows, blocks, 4)
+    return data.reshape(rows, blocks * 144)
+
+
+def test_gguf_q4_k_codes_give_the_gguf_packages_dequantized_values():
+    raw = _random_q4_k_rows(16, 2)
+    codes = unpack("Q4_K", raw)
+    np.testing.assert_allclose(codes.dequantize(), dequantize(raw, GGMLQuantizationType.Q4_K), rtol=1e-6, atol=1e-7)
+
+
+def test_unsupported_gguf_types_are_not_unpacked():
+    assert unpack("Q6_K", np.zeros((1, 210), np.uint8)) is None
+    assert unpack("F32", np.zeros((1, 4), np.uint8)) is None
+
+
+def _dense_linear(x: torch.Tensor, codes: AffineWeight) -> torch.Tensor:
+    return x @ torch.from_numpy(codes.dequantize()).t()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int4_weight_multiplies_like_its_dequantized_weight(bits):
+    raw = quantize(_weights(), GGMLQuantizationType.Q4_1 if bits == 4 else GGMLQuantizationType.Q8_0)
+    codes = unpack("Q4_1" if bits == 4 else "Q8_0", raw)
+    x = torch.randn(3, 256)
+    packed = Int4Weight.from_affine(codes, torch.float32)
+    assert packed.planes == (1 if bits == 4 else 2)
+    torch.testing.assert_close(packed.linear(x, None), _dense_linear(x, codes), rtol=1e-4, atol=1e-4)
+    bias = torch.randn(48)
+    torch.testing.assert_close(packed.linear(x[None], bias)[0], _dense_linear(x, codes) + bias, rtol=1e-4, atol=1e-4)
+    half = Int4Weight.from_affine(codes, torch.bfloat16).linear(x.bfloat16(), None).float()
+    assert (half - _dense_linear(x, codes)).abs().max() < 0.02 * _dense_linear(x, codes).abs().max()
+
+
+def test_int4_kernel_limits_are_checked():
+    assert not int4_packable(AffineWeight(np.zeros((20, 64), np.uint8), np.zeros((20, 2), np.float32),
+                                          np.zeros((20, 2), np.float32), 4, 32))  # N not a multiple of 16
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        AffineWeight(np.zeros((16, 40), np.uint8), np.zeros((16, 1), np.float32), np.zeros((16, 1), np.float32), 4, 32)
+
+
+def test_int8_weight_and_load_time_int4_match_the_float_weight():
+    w = _weights()
+    x = torch.randn(2, 256)
+    ref = x @ torch.from_numpy(w).t()
+    int8 = Int8Weight.from_codes(*quantize_int8(w), torch.bfloat16).linear(x, None)
+    int4 = Int4Weight.from_affine(quantize_int4(w), torch.float32).linear(x, None)
+    assert int8.dtype == torch.float32 and (int8 - ref).abs().max() < 0.02 * ref.abs().max()
+    assert (int4 - ref).abs().max() < 0.15 * ref.abs().max()
+    codes = quantize_int4(w)
+    assert codes.q.max() <= 15 and np.abs(codes.dequantize() - w).max() <= codes.scale.max() / 2 + 1e-6
+
+
+def test_affine_rows_lookup_dequantizes_the_rows_it_reads():
+    codes = unpack("Q8_0", quantize(_weights(), GGMLQuantizationType.Q8_0))
+    rows = AffineRows(codes, torch.float32)
+    ids = torch.tensor([[3, 0], [47, 3]])
+    expected = torch.from_numpy(codes.dequantize())[ids]
+    torch.testing.assert_close(rows.lookup(ids), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantization_at_load_packs_every_linear_layer(tiny_checkpoint_factory, mode):
+    path = tiny_checkpoint_factory("llama", hidden_size=64, intermediate_size=128)
+    dense = load_checkpoint(path, dtype="float32").model
+    packed = load_checkpoint(path, dtype="float32", quantization=mode)
+    kinds = {type(m.weight) for m in packed.model.modules() if hasattr(m, "matmul")}
+    assert kinds <= {Int4Weight, Int8Weight} and (Int4Weight in kinds) == (mode == "int4")
+    assert isinstance(packed.model.model.embed_tokens.weight, torch.nn.Parameter)  # tables stay dense
+    assert mode in packed.quantization
+    ids = torch.arange(12) % 50
+    assert _hidden(packed.model, ids).shape == _hidden(dense, ids).shape
+
+
+def _hidden(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    from core_pytorch_backend.attention_metadata import AttentionMetadata
+    from core_pytorch_backend.layers.attention import allocate_kv_caches
+
+    allocate_kv_caches(model, 4, 16)
+    meta = AttentionMetadata.build([0], [len(ids)], [[0]], 16)
+    with torch.inference_mode():
+        return model.compute_logits(model(ids, meta.positions(), meta))
+
+
+def test_unknown_quantization_is_a_clear_error(tiny_checkpoint_factory):
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        load_checkpoint(tiny_checkpoint_factory("llama"), quantization="int3")
+    with pytest.raises(ValueError, match="runs on the CPU only"):
+        load_checkpoint(tiny_checkpoint_factory("llama"), quantization="int4", device="meta")
+
+
+@pytest.mark.slow
+def test_default_gguf_codes_are_transformers_dequantized_weights(default_gguf_path, default_model):
+    """Every packed tensor (after Llama's q/k row permutation) stands for exactly the weight that
+    transformers' own GGUF loader dequantizes."""
+    from core_pytorch_backend.quant.gguf_file import gguf_weights
+
+    dense = dict(default_model.model.named_parameters())
+    seen = 0
+    for name, value in gguf_weights(default_gguf_path, default_model.hf_config):
+        if not isinstance(value, AffineWeight):
+            continue
+        ours = torch.from_numpy(value.dequantize())
+        fused = _fused_slice(name, dense, default_model.hf_config)
+        torch.testing.assert_close(ours, fused, rtol=1e-6, atol=1e-7, msg=name)
+        seen += 1
+    assert seen == 211  # 210 Q4_1 + the Q8_0 embedding
+
+
+def _fused_slice(name: str, dense: dict, config) -> torch.Tensor:
+    heads, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    inter = config.intermediate_size
+    pieces = {"q_proj": ("qkv_proj", 0, heads * d), "k_proj": ("qkv_proj", heads * d, (heads + kv) * d),
+              "v_proj": ("qkv_proj", (heads + kv) * d, (heads + 2 * kv) * d),
+              "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, 2 * inter)}
+    for part, (fused, start, end) in pieces.items():
+        if f".{part}." in name:
+            return dense[name.replace(part, fused)][start:end]
+    return dense[name]
+
+
+@pytest.mark.slow
+def test_default_gguf_is_served_packed_and_matches_the_dequantized_model(default_gguf_path, default_model,
+                                                                        monkeypatch):
+    """With the packed kernels multiplying in float32, the packed model's logits are the dequantized
+    float32 model's up to rounding; by default (bf16 kernels where faster) its top-1 tokens agree."""
+    monkeypatch.setattr(attach, "packed_kernel_dtype", lambda dtype: torch.float32)
+    exact = load_checkpoint(default_gguf_path)
+    assert exact.dtype == torch.float32
+    assert exact.quantization == "codes x1, int4 x120, int8 as 2 int4 planes x1"
+    ids = torch.tensor(default_model.tokenizer("The capital of France is Paris, and the capital of Italy is").input_ids)
+    reference = _hidden(default_model.model, ids)
+    torch.testing.assert_close(_hidden(exact.model, ids), reference, rtol=0, atol=2e-3)
+    monkeypatch.undo()
+    fast = load_checkpoint(default_gguf_path)
+    agree = (_hidden(fast.model, ids).argmax(-1) == reference.argmax(-1)).float().mean()
+    assert agree >= 0.9
