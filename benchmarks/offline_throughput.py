@@ -43,7 +43,8 @@ async def run_core(args) -> dict:
     from core.response import collect
     from core_pytorch_backend.backend import PytorchBackend
 
-    engine = AsyncEngine(PytorchBackend(EngineConfig(dtype=args.dtype, max_num_batched_tokens=4096,
+    engine = AsyncEngine(PytorchBackend(EngineConfig(dtype=args.dtype, quantization=args.quantization,
+                                                     max_num_batched_tokens=4096,
                                                      max_num_seqs=max(args.concurrency))))
     vocab = engine.model_info.vocab_size
     config = GenerationConfig(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
@@ -122,7 +123,7 @@ def run_child(system: str, argv: list[str]) -> dict:
 def report(results: dict[str, dict], args) -> None:
     import torch
 
-    print(f"# offline throughput, {args.dtype}, prompt {args.prompt_len} / output {args.new_tokens} tokens; "
+    print(f"# offline throughput, {args.dtype}, core weights {args.quantization}, prompt {args.prompt_len} / output {args.new_tokens} tokens; "
           f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
     names = list(results)
@@ -144,14 +145,17 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float32", "float16"])
+    parser.add_argument("--quantization", default="none", choices=["auto", "none", "int8", "int4"],
+                        help="core's weights: none (dense, the transformers comparison), auto (the GGUF's packed "
+                             "tensors: what `core serve` does), int8 / int4")
     parser.add_argument("--systems", nargs="+", default=["core", "transformers"], choices=["core", "transformers"])
     parser.add_argument("--child", choices=["core", "transformers"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args)
     argv = ["--concurrency", *map(str, args.concurrency), "--prompt-len", str(args.prompt_len),
-            "--new-tokens", str(args.new_tokens), "--dtype", args.dtype]
+            "--new-tokens", str(args.new_tokens), "--dtype", args.dtype, "--quantization", args.quantization]
     report({system: run_child(system, argv) for system in args.systems}, args)
 
 

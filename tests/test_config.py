@@ -46,7 +46,7 @@ def test_from_dict_rejects_unknown_keys():
         GenerationConfig.from_dict({"max_tokens": 3})
 
 
-@pytest.mark.parametrize(("field", "value"), [("dtype", "int4"), ("block_size", 0), ("kv_cache_memory_gib", 0),
+@pytest.mark.parametrize(("field", "value"), [("dtype", "int4"), ("quantization", "q4"), ("block_size", 0), ("kv_cache_memory_gib", 0),
                                               ("max_num_seqs", 0), ("kv_cache_memory_fraction", 1.5)])
 def test_engine_config_validation(field, value):
     with pytest.raises(InvalidRequestError, match=field):
@@ -56,3 +56,16 @@ def test_engine_config_validation(field, value):
 def test_model_name():
     assert EngineConfig(model="/models/SmolLM2/").model_name == "SmolLM2"
     assert EngineConfig(model="x", served_model_name="alias").model_name == "alias"
+
+
+def test_quantization_flag_reaches_the_engine_config():
+    import argparse
+
+    from core.cli import add_engine_arguments, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_config(parser.parse_args([])).quantization == "auto"
+    assert engine_config(parser.parse_args(["--quantization", "int4"])).quantization == "int4"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int3"])

@@ -174,3 +174,27 @@ def test_default_gguf_is_served_packed_and_matches_the_dequantized_model(default
     fast = load_checkpoint(default_gguf_path)
     agree = (_hidden(fast.model, ids).argmax(-1) == reference.argmax(-1)).float().mean()
     assert agree >= 0.9
+
+
+@pytest.mark.slow
+def test_gguf_index_matches_the_gguf_packages_reader(default_gguf_path):
+    from gguf import GGUFReader
+
+    from core_pytorch_backend.quant.gguf_index import read_gguf_index
+
+    ours = read_gguf_index(default_gguf_path)
+    theirs = GGUFReader(str(default_gguf_path))
+    assert ours.architecture == "llama" and len(ours.tensors) == len(theirs.tensors) == 272
+    for mine, ref in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (mine.name, mine.type_name) == (ref.name, ref.tensor_type.name)
+        assert np.array_equal(np.asarray(mine.data).reshape(-1).view(np.uint8),
+                              np.asarray(ref.data).reshape(-1).view(np.uint8)), mine.name
+
+
+def test_gguf_index_refuses_other_files(tmp_path):
+    from core_pytorch_backend.quant.gguf_index import read_gguf_index
+
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"NOPE" + bytes(64))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_gguf_index(bad)

@@ -1,7 +1,7 @@
 """A GGUF file's tensors under Hugging Face names, quantized ones kept as ``AffineWeight`` codes.
 
-Names come from transformers' own GGUF mapping (``get_gguf_hf_weights_map`` over a meta-device skeleton
-of the model) and each tensor goes through transformers' per-architecture tensor processor, as its GGUF
+Names come from the gguf package's tensor-name map applied to the HF names of a meta-device skeleton of
+the model (what transformers' ``get_gguf_hf_weights_map`` does) and each tensor goes through transformers' per-architecture tensor processor, as its GGUF
 loader does (Llama's q/k projections, for one, are stored with their rows permuted). A quantized tensor
 cannot go through the processor as numbers, so the processor is run on its row indices instead, and the
 codes are reordered the same way; a processor that does more than reorder rows gets the tensor
@@ -19,42 +19,64 @@ import torch
 
 from .affine import AffineWeight
 from .gguf_blocks import unpack
+from .gguf_index import TensorEntry, read_gguf_index
 
 
 def gguf_weights(gguf: Path, config: Any) -> Iterator[tuple[str, torch.Tensor | AffineWeight]]:
     """(HF name, dense float32 tensor or quantized codes) for every tensor the model uses."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    reader = GGUFReader(str(gguf))
-    processor, names = _processor_and_names(reader, config)
-    for tensor in reader.tensors:
-        codes = unpack(tensor.tensor_type.name, tensor.data) if tensor.data.ndim == 2 else None
+    index = read_gguf_index(gguf)
+    processor, names = _processor_and_names(index.architecture, config)
+    for tensor in index.tensors:
+        codes = unpack(tensor.type_name, tensor.data) if len(tensor.shape) == 2 else None
         order, name = _row_order(processor, tensor.name, codes.shape[0], names) if codes is not None else (None, "")
         if order is not None:
             if name in names:
                 yield names[name], codes.rows(order)
             continue
-        result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
-                                   tensor_key_mapping=names, parsed_parameters={"tensors": {}})
+        result = processor.process(weights=_dequantized(tensor), name=tensor.name, tensor_key_mapping=names,
+                                   parsed_parameters={"tensors": {}})
         if result.name in names:
             yield names[result.name], torch.from_numpy(np.array(result.weights, dtype=np.float32))
 
 
-def _processor_and_names(reader: Any, config: Any) -> tuple[Any, dict[str, str]]:
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-    )
+def _dequantized(tensor: TensorEntry) -> np.ndarray:
+    if tensor.type_name in ("F32", "F16"):
+        return np.asarray(tensor.data, dtype=np.float32)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
 
-    field = reader.fields["general.architecture"]
-    architecture = bytes(field.parts[field.data[0]]).decode()
+    return dequantize(np.asarray(tensor.data), GGMLQuantizationType[tensor.type_name]).reshape(tensor.shape)
+
+
+def _processor_and_names(architecture: str, config: Any) -> tuple[Any, dict[str, str]]:
+    """transformers' tensor processor for the file's architecture, and GGUF name -> HF name.
+
+    The names follow transformers' ``get_gguf_hf_weights_map`` over a meta-device skeleton, with one
+    tensor-name map for the whole model (that function builds one per submodule: seconds here).
+    """
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == architecture), None)
+    if arch is None:
+        raise ValueError(f"GGUF architecture {architecture!r} is unknown to the gguf package")
+    text_config = config.get_text_config()
+    name_map = get_tensor_name_map(arch, text_config.num_hidden_layers)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    return processor, get_gguf_hf_weights_map(skeleton, processor)
+    names: dict[str, str] = {}
+    for hf_name in skeleton.state_dict():
+        hf_name = processor.preprocess_name(hf_name)
+        base, dot, suffix = hf_name.rpartition(".")
+        base, suffix = (base, dot + suffix) if suffix in ("weight", "bias") else (hf_name, "")
+        gguf_name = name_map.get_name(base)
+        if gguf_name is None:
+            processor.perform_fallback_tensor_mapping(names, suffix, "", hf_name)
+        else:
+            names[gguf_name + suffix] = hf_name
+    return processor, names
 
 
 def _row_order(processor: Any, name: str, rows: int, names: dict[str, str]) -> tuple[np.ndarray | None, str]:
