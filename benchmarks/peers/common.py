@@ -85,8 +85,9 @@ def default_gguf() -> Path:
 class Venv:
     """A virtualenv under the cache, built once per set of install steps (a stamp file records them)."""
 
-    def __init__(self, name: str, steps: Sequence[Sequence[str]]):
-        self.name, self.steps = name, [list(step) for step in steps]
+    def __init__(self, name: str, steps: Sequence[Sequence[str]], env: Mapping[str, str] | None = None):
+        """`env`: extra environment for every step (e.g. CMAKE_ARGS for a source build); part of the stamp."""
+        self.name, self.steps, self.env = name, [list(step) for step in steps], dict(env or {})
         self.path = cache_dir() / "venvs" / name
         self._stamp = self.path / ".core-bench-stamp"
 
@@ -98,7 +99,9 @@ class Venv:
         return self.path / "bin" / name
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.steps).encode()).hexdigest()
+        """What the stamp records: the steps, and the environment where there is one."""
+        asked = {"steps": self.steps, "env": self.env} if self.env else self.steps  # old stamps stay valid
+        return hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()
 
     def ensure(self) -> Venv:
         """Create the virtualenv and run each step once: `pip ARGS...` (e.g. ["install", ...]), or ["!", CMD...]."""
@@ -109,7 +112,7 @@ class Venv:
         run_logged([sys.executable, "-m", tool, "--clear", str(self.path)], f"venv-{self.name}")
         for step in self.steps:
             command = step[1:] if step[0] == "!" else [str(self.python), "-m", "pip", *step]
-            run_logged([self._resolve(part) for part in command], f"venv-{self.name}")
+            run_logged([self._resolve(part) for part in command], f"venv-{self.name}", env=self.env)
         self._stamp.write_text(self.digest())
         return self
 

@@ -1,16 +1,40 @@
-"""`core serve` on the default model in bfloat16, from the benchmark's own environment."""
+"""`core serve` on the default GGUF file, from the benchmark's own environment, in two rows: with no
+flags (exactly what a user gets) and with the harness's `--core-best-args` (core's fastest configuration).
+
+Only the address and the model name clients send are added; `OMP_NUM_THREADS` is the harness's
+`--threads`, as every peer gets its thread count.
+"""
 
 from __future__ import annotations
 
 import importlib.metadata
+import shlex
 import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from peers.peer import Context, Launch
 
 
-def launch(ctx: Context) -> Launch:
-    command = [sys.executable, "-m", "core.cli", "serve", "--dtype", "bfloat16", "--host", "127.0.0.1",
-               "--port", str(ctx.port), "--served-model-name", "smollm2",
-               "--max-num-seqs", str(max(64, ctx.max_concurrency))]
-    return Launch(command, model="smollm2", version=f"core-serve {importlib.metadata.version('core-serve')}",
-                  env={"OMP_NUM_THREADS": str(ctx.threads)}, start_timeout_s=180.0)
+def gguf_kind(gguf: Path) -> str:
+    """"Q4_1 GGUF" for SmolLM2-135M-Instruct.Q4_1.gguf (the file name's last part before .gguf)."""
+    return f"{gguf.stem.rsplit('.', 1)[-1]} GGUF" if "." in gguf.stem else "GGUF"
+
+
+def label(gguf: Path, extra: Sequence[str]) -> str:
+    """The row's name, saying what it served and how: `core serve Q4_1 GGUF (no flags)`."""
+    return f"core serve {gguf_kind(gguf)} " + (shlex.join(extra) if extra else "(no flags)")
+
+
+def command(ctx: Context, extra: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "core.cli", "serve", str(ctx.gguf), *extra, "--host", "127.0.0.1",
+            "--port", str(ctx.port), "--served-model-name", "smollm2"]
+
+
+def launcher(extra: Sequence[str] = ()) -> Callable[[Context], Launch]:
+    """The launch function of the row that adds `extra` to `core serve GGUF`."""
+    def launch(ctx: Context) -> Launch:
+        return Launch(command(ctx, extra), model="smollm2",
+                      version=f"core-serve {importlib.metadata.version('core-serve')}",
+                      env={"OMP_NUM_THREADS": str(ctx.threads)}, start_timeout_s=180.0)
+    return launch

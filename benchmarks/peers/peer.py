@@ -38,6 +38,7 @@ class Launch:
     start_timeout_s: float = 300.0
     extra_body: dict = field(default_factory=dict)  # per-server request fields (e.g. min_tokens)
     ignore_eos: bool = True  # send `ignore_eos` (servers that reject it get a fixed length through extra_body)
+    build_flags: list[str] = field(default_factory=list)  # the cmake flags of a peer built from source
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,17 @@ README's benchmark section (between two marker comments)."""
 from __future__ import annotations
 
 import json
-import os
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from peers.cpu import Cpu
+
 README_START, README_END = "<!-- side-by-side:start -->", "<!-- side-by-side:end -->"
+CORE_KEYS = ("core", "core-best")  # core's rows: each gets its own ratio table against the peers
+MODEL_NOTE = ("Model: SmolLM2-135M-Instruct: the Q4_1 GGUF for core, llama.cpp and llama-cpp-python (each "
+              "core row says how it served it); the same weights dequantized to bfloat16 for vLLM and "
+              "transformers.")
 
 
 @dataclass
@@ -28,24 +33,21 @@ class Row:
     hwm_sum_mib: float | None = None  # sum of each process's VmHWM: an upper bound
     prompt_tokens: float | None = None
     notes: list[str] = field(default_factory=list)
+    build_flags: list[str] = field(default_factory=list)  # cmake flags of a peer built here (llama.cpp)
+    cpu_busy_before: float | None = None  # how busy the CPUs were (0..1) just before the server started
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
 
 
-def machine() -> str:
+def machine(cpu: Cpu) -> str:
     """CPU model, cores, memory and OS, in one line."""
-    model = "unknown CPU"
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
         mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
     except (OSError, ValueError, IndexError):
         mem_kib = 0
-    return f"{model}, {os.cpu_count()} cores, {mem_kib / 2**20:.0f} GiB, {platform.platform()}"
+    return f"{cpu.model}, {cpu.cores} cores, {mem_kib / 2**20:.0f} GiB, {platform.platform()}"
 
 
 def _num(value: float | None, digits: int = 0) -> str:
@@ -72,12 +74,12 @@ def results_table(rows: list[Row], levels: list[int]) -> str:
 
 
 def ratio_table(rows: list[Row], levels: list[int], ours_key: str = "core") -> str:
-    """core's number divided by each peer's (above 1: core is faster, or for memory: uses more)."""
+    """One core row's numbers divided by each peer's (above 1: core is faster, or for memory: uses more)."""
     ours = next((r for r in rows if r.key == ours_key and r.ok), None)
     head = ["core / peer", "decode (1 stream)", *[f"out tok/s @{c}" for c in levels], "peak memory"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
-        if row.key == ours_key:
+        if row.key in CORE_KEYS:
             continue
         if ours is None or not row.ok:
             lines.append(f"| {row.label} |" + " - |" * (len(head) - 1))
@@ -89,18 +91,28 @@ def ratio_table(rows: list[Row], levels: list[int], ours_key: str = "core") -> s
     return "\n".join(lines)
 
 
+def ratio_tables(rows: list[Row], levels: list[int]) -> list[str]:
+    """A ratio table for each core row (none without core rows or peers), as page lines."""
+    if all(row.key in CORE_KEYS for row in rows):
+        return []
+    parts: list[str] = []
+    for ours in (row for row in rows if row.key in CORE_KEYS):
+        parts += [f"{ours.label}: its ratio to each peer (core / peer; above 1: core is faster, or for "
+                  "memory, uses more):", "", ratio_table(rows, levels, ours.key), ""]
+    return parts
+
+
 def notes(rows: list[Row]) -> str:
     return "\n".join(f"- {row.label}: {note}" for row in rows for note in row.notes)
 
 
-def markdown(rows: list[Row], levels: list[int], settings: dict, date: str, plot_name: str) -> str:
-    """The whole results page."""
+def markdown(rows: list[Row], levels: list[int], settings: dict, date: str, plot_name: str, cpu: Cpu) -> str:
+    """The whole results page (its third line on is the README's section)."""
     parts = [f"# Side-by-side benchmark, {date}", "",
-             f"Machine: {machine()}.", "",
-             "Model: SmolLM2-135M-Instruct (llama.cpp: the Q4_1 GGUF; the others: the same weights dequantized "
-             "to bfloat16). " + ", ".join(f"{k}: {v}" for k, v in settings.items()) + ".", "",
-             results_table(rows, levels), "", "Core's ratio to each peer (core / peer; above 1: core is faster, or for memory, uses more):", "",
-             ratio_table(rows, levels), "", f"![throughput against concurrency]({plot_name})", ""]
+             f"Machine: {machine(cpu)}.", f"{cpu.line()}.", "",
+             MODEL_NOTE + " " + ", ".join(f"{k}: {v}" for k, v in settings.items()) + ".", "",
+             results_table(rows, levels), "", *ratio_tables(rows, levels),
+             f"![throughput against concurrency]({plot_name})", ""]
     if any(row.notes for row in rows):
         parts += ["Notes:", "", notes(rows), ""]
     parts += ["Reproduce: `nox -s bench` (see benchmarks/side_by_side.py).", ""]
@@ -133,8 +145,8 @@ def plot(rows: list[Row], levels: list[int], path: Path, title: str) -> str:
     return ""
 
 
-def write_json(rows: list[Row], settings: dict, path: Path) -> None:
-    path.write_text(json.dumps({"machine": machine(), "settings": settings,
+def write_json(rows: list[Row], settings: dict, path: Path, cpu: Cpu) -> None:
+    path.write_text(json.dumps({"machine": machine(cpu), "cpu": asdict(cpu), "settings": settings,
                                 "rows": [asdict(r) for r in rows]}, indent=2))
 
 

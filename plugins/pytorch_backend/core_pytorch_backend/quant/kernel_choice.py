@@ -2,7 +2,7 @@
 
 torch's int4/int8 weight-only kernels take bfloat16, float16 or float32 activations (with scales of the
 same dtype), and their speed differs by up to two orders of magnitude between them depending on the
-CPU's instructions (on an AVX-512-BF16 EPYC: bf16 ~25 us, float32 ~700-6,000 us for a 1536x576 weight at
+CPU's instructions (on an AVX-512-BF16 EPYC: bf16 31 us, float32 1,260 us on one thread for a 1536x576 weight at
 one row). A half-precision model multiplies in its own dtype; a float32 model keeps its activations,
 norms, residual stream and KV cache in float32 and casts only each packed matmul's input to the fastest
 dtype measured here (the first packed layer built asks, and the choice is logged).
@@ -61,9 +61,15 @@ def packed_kernel_dtype(model_dtype: torch.dtype) -> torch.dtype:
 @functools.cache
 def fastest_packed_dtype() -> torch.dtype:
     """The fastest activation dtype of the int4 kernel at one row on this CPU (timed at first call)."""
-    timings = _timings()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: a busy machine delays a trial, never a barrier of two threads
+    try:
+        timings = _timings()
+    finally:
+        torch.set_num_threads(threads)
     best = min(timings, key=timings.get)
-    log.info("packed weights of float32 models multiply in %s (int4 kernel at one row, %s: %s; CPU capability %s)",
+    log.info("packed weights of float32 models multiply in %s (int4 kernel, one row, one thread, %s: %s; "
+             "CPU capability %s)",
              str(best).replace("torch.", ""), "x".join(map(str, PROBE_SHAPE)),
              ", ".join(f"{str(d).replace('torch.', '')} {t:.0f} us" for d, t in timings.items()),
              torch.backends.cpu.get_cpu_capability())

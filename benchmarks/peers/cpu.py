@@ -1,0 +1,114 @@
+"""What CPU the benchmark runs on: model, vendor, cores and the instruction sets that matter for LLM kernels.
+
+Read from /proc/cpuinfo (the flags the kernel exposes, which inside a VM are the ones the hypervisor
+passes through), plus torch's own view (`torch.backends.cpu.get_cpu_capability()`, asked in a
+subprocess so the harness never imports torch). The results name all of it: the same code runs at very
+different speeds with and without AVX-512, bf16 or AMX instructions.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# the /proc/cpuinfo flags the table's readers care about, in the order they are reported
+ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f", "avx512cd", "avx512bw",
+             "avx512dq", "avx512vl", "avx512vbmi", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+             "amx_tile", "amx_int8", "amx_bf16", "amx_fp16")
+TORCH_CAPABILITY = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+
+
+@dataclass(frozen=True)
+class Cpu:
+    """The CPU as /proc/cpuinfo and torch describe it."""
+
+    model: str
+    vendor: str
+    cores: int  # logical CPUs this process may run on
+    isa: tuple[str, ...]  # the ISA_FLAGS present, in ISA_FLAGS order
+    torch_capability: str | None  # e.g. "AVX512"; None where torch could not be asked
+    machine: str = platform.machine()
+
+    def has(self, *flags: str) -> bool:
+        return all(flag in self.isa for flag in flags)
+
+    def line(self) -> str:
+        """One line for the results page: `CPU: AMD EPYC (AuthenticAMD, x86_64), 2 cores; ISA: ...; ...`."""
+        amx = "AMX: " + ("yes" if self.has("amx_tile") else "none")
+        torch = f"torch CPU capability: {self.torch_capability or 'unknown'}"
+        isa = " ".join(self.isa) or "none of " + ", ".join(ISA_FLAGS[:3])
+        where = f"{self.model} ({self.vendor}, {self.machine}), {self.cores} cores"
+        return f"CPU: {where}; ISA: {isa}; {amx}; {torch}"
+
+
+def cpuinfo_fields(text: str) -> dict[str, str]:
+    """The first processor's `key: value` lines of /proc/cpuinfo."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def parse_cpu(text: str, cores: int, torch_capability: str | None) -> Cpu:
+    """A Cpu from the text of /proc/cpuinfo."""
+    fields = cpuinfo_fields(text)
+    flags = set(fields.get("flags", fields.get("Features", "")).split())
+    return Cpu(model=fields.get("model name", "unknown CPU"), vendor=fields.get("vendor_id", "unknown"),
+               cores=cores, isa=tuple(f for f in ISA_FLAGS if f in flags), torch_capability=torch_capability)
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def torch_capability(python: str = sys.executable) -> str | None:
+    """torch's CPU capability as `python` (core's environment) reports it; None if that fails."""
+    try:
+        done = subprocess.run([python, "-c", TORCH_CAPABILITY], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
+
+
+@functools.cache
+def this_cpu(with_torch: bool = True) -> Cpu:
+    """This machine's CPU (read once per process)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    return parse_cpu(text, usable_cores(), torch_capability() if with_torch else None)
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs since boot, from /proc/stat's first line."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+def busy_fraction(seconds: float = 2.0) -> float | None:
+    """How busy all CPUs are over `seconds` (0..1), to tell a run that shared the CPUs; None off Linux."""
+    try:
+        busy0, total0 = _cpu_ticks()
+        time.sleep(seconds)
+        busy1, total1 = _cpu_ticks()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (busy1 - busy0) / max(total1 - total0, 1)
