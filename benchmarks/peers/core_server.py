@@ -8,6 +8,7 @@ Only the address and the model name clients send are added; `OMP_NUM_THREADS` is
 from __future__ import annotations
 
 import importlib.metadata
+import re
 import shlex
 import sys
 from collections.abc import Callable, Sequence
@@ -15,10 +16,14 @@ from pathlib import Path
 
 from peers.peer import Context, Launch
 
+QUANT_NAME = re.compile(r"(?:^|[.\-_])((?:I?Q\d[\w]*)|F16|F32|BF16)$", re.IGNORECASE)
+
 
 def gguf_kind(gguf: Path) -> str:
-    """"Q4_1 GGUF" for SmolLM2-135M-Instruct.Q4_1.gguf (the file name's last part before .gguf)."""
-    return f"{gguf.stem.rsplit('.', 1)[-1]} GGUF" if "." in gguf.stem else "GGUF"
+    """"Q4_1 GGUF" for SmolLM2-135M-Instruct.Q4_1.gguf, "Q4_K_M GGUF" for Model-1.7B-Q4_K_M.gguf (the
+    quantization type that ends the file name), else "GGUF"."""
+    found = QUANT_NAME.search(gguf.stem)
+    return f"{found.group(1).upper()} GGUF" if found else "GGUF"
 
 
 def label(gguf: Path, extra: Sequence[str]) -> str:

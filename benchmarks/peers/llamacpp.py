@@ -103,7 +103,10 @@ def check_runs(binary: Path, flags: list[str]) -> None:
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise SetupError(f"{binary.name} --version: {exc}") from exc
     if done.returncode < 0:
-        name = signal.Signals(-done.returncode).name
+        try:
+            name = signal.Signals(-done.returncode).name
+        except ValueError:  # a signal Python has no name for (real-time signals)
+            name = f"signal {-done.returncode}"
         raise SetupError(f"{binary.name} dies with {name} on this CPU (built with {' '.join(flags)})")
 
 
