@@ -72,10 +72,9 @@ class AttentionMetadata:
             raise ValueError("num_computed, num_new and block_tables must have one entry per sequence")
         seq_lens = [c + n for c, n in zip(num_computed, num_new, strict=True)]
         slots = _slot_mapping(num_computed, num_new, block_tables, block_size)
-        max_blocks = max((len(t) for t in block_tables), default=0)
-        table = torch.zeros((len(block_tables), max(max_blocks, 1)), dtype=torch.int32)
-        for i, row in enumerate(block_tables):
-            table[i, : len(row)] = torch.tensor(list(row), dtype=torch.int32)
+        width = max(max((len(t) for t in block_tables), default=0), 1)
+        rows = [[*row, *[0] * (width - len(row))] for row in block_tables]  # one tensor, not one per row
+        table = torch.tensor(rows, dtype=torch.int32).view(len(rows), width)
         starts = [0]
         for n in num_new:
             starts.append(starts[-1] + n)

@@ -48,6 +48,17 @@ def test_rms_norm(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_is_hf_llamas_formula_bit_for_bit(dtype):
+    """The fused torch.rms_norm must give exactly HF's float32 steps (greedy parity rests on it)."""
+    x, res = torch.randn(5, 576).to(dtype), torch.randn(5, 576).to(dtype)
+    w = (torch.rand(576) + 0.5).to(dtype)
+    h = (x + res).float()
+    want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    out, new_res = ops.rms_norm(x, w, 1e-5, residual=res)
+    assert torch.equal(out, want) and torch.equal(new_res, x + res)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_rotary_matches_pairwise_rotation(dtype, head_dim):
     t, hq, hk = 9, 4, 2
@@ -66,6 +77,21 @@ def test_rotary_matches_pairwise_rotation(dtype, head_dim):
 
     torch.testing.assert_close(q_out.double(), naive(q), atol=TOL[dtype] * 3, rtol=TOL[dtype])
     torch.testing.assert_close(k_out.double(), naive(k), atol=TOL[dtype] * 3, rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_of_qkv_views_is_the_per_tensor_formula_bit_for_bit(dtype):
+    """q and k rotate as one tensor; each must still equal ``x * cos + roll(x) * [-sin, sin]`` exactly,
+    also for the strided views of a fused qkv projection that the models pass."""
+    angles = torch.outer(torch.arange(64, dtype=torch.float32), default_inv_freq(64, 10000.0))
+    qkv = torch.randn(4, (6 + 2 + 2) * 64).to(dtype)
+    q, k = qkv[:, : 6 * 64].view(4, 6, 64), qkv[:, 6 * 64 : 8 * 64].view(4, 2, 64)
+    positions = torch.tensor([0, 7, 8, 63])
+    cos = torch.cat((angles.cos(), angles.cos()), -1)[positions][:, None].to(dtype)
+    sin = torch.cat((-angles.sin(), angles.sin()), -1)[positions][:, None].to(dtype)
+    q_out, k_out = ops.apply_rotary(q, k, positions, angles.cos(), angles.sin())
+    assert torch.equal(q_out, q * cos + torch.roll(q, 32, -1) * sin)
+    assert torch.equal(k_out, k * cos + torch.roll(k, 32, -1) * sin)
 
 
 def test_rotary_rows_shared_within_a_step_follow_changed_positions():
@@ -104,6 +130,15 @@ def test_store_kv_cache_writes_slots_and_skips_negative():
     ops.store_kv_cache(key, value, k_cache, v_cache, torch.tensor([13, -1, 2]))
     assert torch.equal(k_cache[3, 1], key[0]) and torch.equal(v_cache[3, 1], value[0])
     assert torch.equal(k_cache[0, 2], key[2]) and torch.equal(v_cache[0, 2], value[2])
+    assert int((k_cache != 0).any(-1).any(-1).sum()) == 2
+
+
+def test_store_kv_cache_without_negative_slots_and_with_none():
+    k_cache, v_cache = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
+    key, value = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    ops.store_kv_cache(key, value, k_cache, v_cache, torch.tensor([5, 0]))
+    assert torch.equal(k_cache[1, 1], key[0]) and torch.equal(v_cache[0, 0], value[1])
+    ops.store_kv_cache(key[:0], value[:0], k_cache, v_cache, torch.tensor([], dtype=torch.int64))
     assert int((k_cache != 0).any(-1).any(-1).sum()) == 2
 
 
@@ -197,6 +232,9 @@ def test_attention_metadata_build():
     assert meta.positions().tolist() == [0, 1, 2, 3, 4, 6]
     assert meta.last_token_indices().tolist() == [4, 5]
     assert AttentionMetadata.build([3, 0], [1, 1], [[0], [1]], 4).is_decode
+    ragged = AttentionMetadata.build([4, 0, 2], [1, 1, 1], [[5, 6], [3], [7]], 4)
+    assert ragged.block_tables.tolist() == [[5, 6], [3, 0], [7, 0]]
+    assert AttentionMetadata.build([], [], [], 4).block_tables.shape == (0, 1)
     with pytest.raises(ValueError, match="blocks"):
         AttentionMetadata.build([0], [5], [[0]], 4)
     assert math.isclose(meta.num_tokens, 6)

@@ -5,6 +5,7 @@ Cache layout: ``k_cache`` / ``v_cache`` are ``[num_blocks, block_size, num_kv_he
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -23,12 +24,14 @@ def store_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write each new token's K/V ([T, Hkv, D]) into its cache slot; negative slots are skipped."""
-    num_blocks, block_size = k_cache.shape[:2]
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
+    slots = k_cache.shape[0] * k_cache.shape[1]
+    # One min (a host sync off the CPU) instead of a mask and .all(); a slot < 0 only comes from
+    # padded rows (CUDA graphs, tests), whose rows are then dropped.
+    if slot_mapping.numel() and int(slot_mapping.min()) < 0:
+        keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
+    k_cache.view(slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 def paged_attention(
@@ -86,7 +89,7 @@ class _DecodePlan(NamedTuple):
     blocks: torch.Tensor  # [B * nb] int64 block ids: each decode sequence's first nb blocks
     num_blocks: int  # nb: blocks of the longest decode context
     lens: torch.Tensor  # [B, 1] context length of each decode sequence
-    masks: dict  # sliding window (or None) -> [B, 1, 1, nb * block_size] bool
+    masks: dict  # (sliding window or None, dtype) -> [B, 1, 1, nb * block_size] additive mask
 
 
 def _decode_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _DecodePlan | None:
@@ -111,14 +114,17 @@ def _decode_plan(meta: AttentionMetadata, block_size: int, device: torch.device)
     return plan
 
 
-def _decode_mask(plan: _DecodePlan, block_size: int, window: int | None) -> torch.Tensor:
-    mask = plan.masks.get(window)
+def _decode_mask(plan: _DecodePlan, block_size: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, 1, L] additive mask (0 or -inf) in the query dtype: what SDPA would turn a bool mask into
+    at every call, built once per step."""
+    mask = plan.masks.get((window, dtype))
     if mask is None:
         j = torch.arange(plan.num_blocks * block_size, device=plan.lens.device)[None, :]
-        mask = j < plan.lens
+        keep = j < plan.lens
         if window is not None:
-            mask &= j > (plan.lens - 1 - window)
-        mask = plan.masks[window] = mask[:, None, None, :]
+            keep &= j > (plan.lens - 1 - window)
+        mask = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, -math.inf)
+        mask = plan.masks[(window, dtype)] = mask[:, None, None, :]
     return mask
 
 
@@ -131,7 +137,7 @@ def _decode_attention(q, k_cache, v_cache, plan: _DecodePlan, scale, window) -> 
     v = v_cache.index_select(0, plan.blocks).view(b, length, hkv, d).transpose(1, 2)
     # Grouped-query attention without copying K/V per query head: the G query heads that share a
     # KV head become G query rows of that head.
-    out = _sdpa(q.view(b, hkv, hq // hkv, d), k, v, _decode_mask(plan, block_size, window), scale)
+    out = _sdpa(q.view(b, hkv, hq // hkv, d), k, v, _decode_mask(plan, block_size, window, q.dtype), scale)
     return out.reshape(b, hq, d)
 
 
@@ -168,7 +174,9 @@ def _chunk_attention(q, k_cache, v_cache, table, seq_len, scale, window, spans=(
 
 def _sdpa(q, k, v, mask, scale) -> torch.Tensor:
     """SDPA over [B, H, Lq, D] queries and [B, H, L, D] keys/values (same number of heads)."""
-    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def rms_norm(
@@ -177,14 +185,18 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm in float32 as HF Llama; with ``residual``, returns ``(norm(x + residual), x + residual)``."""
+    """RMSNorm in float32 as HF Llama; with ``residual``, returns ``(norm(x + residual), x + residual)``.
+
+    ``torch.rms_norm`` runs HF's float32 formula (square, mean, + eps, rsqrt, multiply) as one op, bit
+    for bit. HF rounds the normalised rows to the input dtype before the weight multiplies them, so
+    the weight joins the fused op only in float32."""
     if residual is not None:
         x = x + residual
         residual = x
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(dtype)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        out = torch.rms_norm(x, x.shape[-1:], weight, eps)
+    else:
+        out = weight * torch.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
     return out if residual is None else (out, residual)
 
 
@@ -202,7 +214,11 @@ def apply_rotary(
     same products, bit for bit, in fewer ops.
     """
     cos, signed_sin = _rotary_rows(positions, cos_cache, sin_cache, query.dtype)
-    half = query.shape[-1] // 2
+    half, heads = query.shape[-1] // 2, query.shape[1]
+    if key.dtype == query.dtype:  # q and k rotate as one [T, Hq + Hkv, D] tensor: half the ops
+        both = torch.cat((query, key), dim=1)
+        both = both * cos + torch.roll(both, half, -1) * signed_sin
+        return both[:, :heads], both[:, heads:]
     q = query * cos + torch.roll(query, half, -1) * signed_sin
     k = key * cos.to(key.dtype) + torch.roll(key, half, -1) * signed_sin.to(key.dtype)
     return q, k
@@ -241,7 +257,7 @@ def _rotary_rows(positions, cos_cache, sin_cache, dtype) -> tuple[torch.Tensor, 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up] along the last dimension."""
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:

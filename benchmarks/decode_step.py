@@ -1,0 +1,154 @@
+"""Where one decode step of the pytorch backend goes: its phases timed, and its torch ops counted.
+
+    python benchmarks/decode_step.py [--batch 1 64] [--dtype bfloat16] [--steps 40] [--profile]
+
+Runs the engine loop's step by hand (scheduler -> ModelRunner.prepare -> execute -> SamplingBatch +
+sample -> scheduler.update) on the default model, greedy, after a 128-token prompt per sequence, on the
+calling thread. Per batch size it prints the median milliseconds of each phase over --steps decode
+steps. ``--profile`` adds a torch.profiler table of a few decode steps: ops per step and per layer, and
+the ops by self time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+PROMPT_LEN = 128
+
+
+def build(dtype: str, max_seqs: int):
+    from core.scheduling import BlockManager, Scheduler
+    from core_pytorch_backend.kernels import select_ops
+    from core_pytorch_backend.loader import default_model_path, load_checkpoint
+    from core_pytorch_backend.model_runner import ModelRunner, kv_cache_blocks
+
+    ops = select_ops("cpu")
+    loaded = load_checkpoint(default_model_path(), dtype=dtype, ops=ops)
+    block_size = 16
+    blocks = kv_cache_blocks(loaded.model, block_size, loaded.dtype, torch.device("cpu"), 1.0, 0.9)
+    runner = ModelRunner(loaded.model, block_size=block_size, num_blocks=blocks, device=torch.device("cpu"),
+                         dtype=loaded.dtype)
+    scheduler = Scheduler(BlockManager(blocks, block_size, False), max_num_seqs=max_seqs,
+                          max_num_batched_tokens=8192)
+    return runner, scheduler
+
+
+def stub_matmuls(model: torch.nn.Module) -> None:
+    """Every ``matmul`` (linear layers, LM head) returns cached zeros of its output's shape (learnt
+    from one real call per input shape, so packed weights of any layout work)."""
+    for module in model.modules():
+        if hasattr(module, "matmul"):
+            module.matmul = _zeros_like_output_of(module.matmul)
+
+
+def _zeros_like_output_of(matmul):
+    outputs: dict[tuple, torch.Tensor] = {}
+
+    def stub(x, weight, bias):
+        key = (tuple(x.shape), x.dtype)
+        if key not in outputs:
+            outputs[key] = torch.zeros_like(matmul(x, weight, bias))
+        return outputs[key]
+    return stub
+
+
+def step(runner, scheduler, times: dict[str, list[float]] | None = None) -> None:
+    """One engine step, as EngineLoop._step runs it (greedy rows, no logprobs, no penalties)."""
+    from core_pytorch_backend.sampling import SamplingBatch, SamplingParams, SamplingRow, sample
+
+    marks = [time.perf_counter()]
+    out = scheduler.schedule()
+    marks.append(time.perf_counter())
+    inputs = runner.prepare(out.scheduled)
+    marks.append(time.perf_counter())
+    logits = runner.execute(inputs)
+    marks.append(time.perf_counter())
+    greedy = SamplingParams(temperature=0.0)
+    rows = [SamplingRow(greedy, s.seq.prompt_token_ids, s.seq.output_token_ids) for s in inputs.sampling]
+    result = sample(logits, SamplingBatch.from_rows(rows, device=logits.device))
+    marks.append(time.perf_counter())
+    scheduler.update(out, {s.seq.seq_id: t for s, t in zip(inputs.sampling, result.token_ids, strict=True)})
+    marks.append(time.perf_counter())
+    if times is not None:
+        phases = ("schedule", "prepare", "execute", "sample", "update")
+        for name, a, b in zip(phases, marks, marks[1:], strict=True):
+            times.setdefault(name, []).append((b - a) * 1e3)
+        times.setdefault("total", []).append((marks[-1] - marks[0]) * 1e3)
+
+
+def start(runner, scheduler, batch: int, vocab: int) -> None:
+    """Add ``batch`` sequences and run until every one is decoding."""
+    from core.scheduling import Sequence
+
+    for i in range(batch):
+        scheduler.add(Sequence(f"s{i}", [(97 * i + 31 * j + 11) % (vocab - 100) + 50 for j in range(PROMPT_LEN)]))
+    while any(s.num_computed_tokens < s.num_tokens - 1 for s in scheduler.running + list(scheduler.waiting)):
+        step(runner, scheduler)
+
+
+def finish(scheduler) -> None:
+    for seq in list(scheduler.running):
+        scheduler.finish(seq)
+
+
+def profile(runner, scheduler, steps: int, num_layers: int) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step(runner, scheduler)
+    events = prof.key_averages()
+    aten = [e for e in events if e.key.startswith("aten::")]
+    # top-level aten ops only (an op called inside another op is counted by its caller)
+    top_level = sum(e.count for e in aten) - _nested_count(prof)
+    print(f"  aten ops per step: {top_level / steps:.0f} top level ({sum(e.count for e in aten) / steps:.0f} "
+          f"with nested); per layer ~{top_level / steps / num_layers:.1f}")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=40))
+
+
+def _nested_count(prof) -> int:
+    nested = 0
+    for event in prof.events():
+        if event.name.startswith("aten::"):
+            nested += sum(1 for child in event.cpu_children if child.name.startswith("aten::"))
+    return nested
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--stub-matmuls", action="store_true", help="time all but the matmuls")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    runner, scheduler = build(args.dtype, max(args.batch))
+    vocab = runner.model.config.vocab_size
+    if args.stub_matmuls:
+        stub_matmuls(runner.model)
+    print(f"# decode step, {args.dtype}{', matmuls stubbed' if args.stub_matmuls else ''}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    for batch in args.batch:
+        start(runner, scheduler, batch, vocab)
+        for _ in range(5):
+            step(runner, scheduler)  # warm-up
+        times: dict[str, list[float]] = {}
+        for _ in range(args.steps):
+            step(runner, scheduler, times)
+        medians = " ".join(f"{name} {statistics.median(v):.2f}" for name, v in times.items())
+        print(f"B={batch:<3} median ms: {medians}")
+        if args.profile:
+            profile(runner, scheduler, 5, runner.model.num_layers)
+        finish(scheduler)
+
+
+if __name__ == "__main__":
+    main()
