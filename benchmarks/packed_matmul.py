@@ -4,8 +4,8 @@
 
 For SmolLM2-135M's shapes (q/k/v fused, o, gate/up fused, down, the LM head) it times dense float32 and
 bfloat16 ``F.linear``, torch's int8 weight-only kernel (bf16 activations, per-channel scales) and its int4
-kernel in bf16 and float32 activations (4-bit codes per 32 inputs; the LM head also as two 4-bit planes,
-how core keeps GGUF's 8-bit Q8_0 codes), in microseconds per call (best of several trials). Numbers
+kernel in bf16 and float32 activations (4-bit codes per 32 inputs; also as two 4-bit planes, how core
+keeps 8-bit codes such as GGUF's Q8_0), in microseconds per call (best of several trials). Numbers
 only: what `quant/kernel_choice.py` decides at start-up is the int4 kernel's dtype.
 """
 
@@ -18,8 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from core_pytorch_backend.layers.quantized import Int4Weight, Int8Weight
-from core_pytorch_backend.quant.affine import AffineWeight, quantize_int4, quantize_int8
+from core_pytorch_backend.layers.quantized import Int4Weight
+from core_pytorch_backend.quant.affine import AffineWeight, quantize_int4
 
 SHAPES = {"qkv 960x576": (960, 576), "o 576x576": (576, 576), "gate_up 3072x576": (3072, 576),
           "down 576x1536": (576, 1536), "lm_head 49152x576": (49152, 576)}
@@ -40,13 +40,15 @@ def best_us(fn, trials: int = 5, calls: int = 10) -> float:
 def kernels(weight: np.ndarray):
     dense = torch.from_numpy(weight)
     dense16 = dense.bfloat16()
-    int8 = Int8Weight.from_codes(*quantize_int8(weight), torch.bfloat16)
+    scale = torch.from_numpy(np.abs(weight).max(-1) / 127)  # per-channel int8: torch's other kernel
+    codes8 = torch.round(dense / scale[:, None]).to(torch.int8)
+    scale16 = scale.bfloat16()
     codes = quantize_int4(weight)
     two_planes = AffineWeight(codes.q * 17, codes.scale / 17, codes.offset, 8, 32)  # an 8-bit code, same w
     return {
         "dense f32": lambda x: F.linear(x, dense),
         "dense bf16": lambda x: F.linear(x.bfloat16(), dense16),
-        "int8 bf16": lambda x: int8.linear(x, None),
+        "per-channel int8 bf16": lambda x: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), codes8, scale16),
         "int4 bf16": (lambda w: lambda x: w.linear(x, None))(Int4Weight.from_affine(codes, torch.bfloat16)),
         "int4 f32": (lambda w: lambda x: w.linear(x, None))(Int4Weight.from_affine(codes, torch.float32)),
         "8-bit as 2 int4 planes bf16": (lambda w: lambda x: w.linear(x, None))(

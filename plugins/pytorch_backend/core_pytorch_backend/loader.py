@@ -19,11 +19,12 @@ from tqdm.auto import tqdm
 
 from .kernels import select_ops
 from .layers.matmul import select_matmul, use_matmul
-from .layers.quantized import AffineRows, Int4Weight, Int8Weight
+from .layers.quantized import AffineRows, Int4Weight
 from .models import BUILTIN_ARCHITECTURES, resolve_class
 from .quant.attach import MODES as QUANTIZE_MODES
-from .quant.attach import quantize_model
+from .quant.attach import attach_quantized, quantize_model
 from .quant.gguf_file import gguf_weights
+from .quant.kernel_choice import packed_kernel_dtype
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +90,10 @@ def load_checkpoint(
       ``cache_dir`` unless ``use_cache`` is False).
     - ``int8`` / ``int4``: linear layers quantized at load (``quant.attach.quantize_model``), CPU only.
 
-    A float32 model's packed layers multiply in ``quant.kernel_choice.fastest_packed_dtype()`` (bfloat16
-    on CPUs with bf16 instructions); the rest of the model stays float32. ``architectures`` maps HF architecture names to classes or ``"module:Class"``
+    With ``dtype="auto"`` a float32 model's packed layers multiply in
+    ``quant.kernel_choice.fastest_packed_dtype()`` (bfloat16 on CPUs with bf16 instructions) while the
+    rest of the model stays float32; a dtype named explicitly is the packed layers' too (float32: exact,
+    and 40x slower on such CPUs). ``architectures`` maps HF architecture names to classes or ``"module:Class"``
     strings (built-ins by default).
     """
     if quantization not in QUANTIZATIONS:
@@ -107,10 +110,12 @@ def load_checkpoint(
     model = build_model(
         config, architectures or BUILTIN_ARCHITECTURES, ops or select_ops(device), device, torch_dtype
     )
+    named = dtype != "auto" or not (packed or quantization in QUANTIZE_MODES)  # no packed layer: no timing
+    kernel_dtype = torch_dtype if named else packed_kernel_dtype(torch_dtype)
     with torch.inference_mode():
-        model.load_weights(weights)
+        attach_quantized(model, model.load_weights(weights) or {}, kernel_dtype)
         if quantization in QUANTIZE_MODES:
-            count = quantize_model(model, quantization)
+            count = quantize_model(model, quantization, kernel_dtype)
             log.info("quantized %d linear layers to %s at load", count, quantization)
     _use_dense_matmul(model, device, torch_dtype)
     return LoadedModel(
@@ -149,13 +154,12 @@ def _use_dense_matmul(model: nn.Module, device: torch.device, dtype: torch.dtype
 
 
 def _describe_weights(model: nn.Module) -> str:
-    """``"none"``, or what the packed layers hold, e.g. ``"int4 x211, int8 x1"``."""
+    """``"none"``, or what the packed layers hold, e.g. ``"codes x1, int4 x120, int8 x1"`` (int8: 8-bit
+    codes as two 4-bit planes; codes: an embedding table kept quantized)."""
     kinds: dict[str, int] = {}
     for module in model.modules():
-        if isinstance(module, (Int4Weight, Int8Weight, AffineRows)):
-            name = {Int4Weight: "int4", Int8Weight: "int8", AffineRows: "codes"}[type(module)]
-            if isinstance(module, Int4Weight) and module.planes == 2:
-                name = "int8 as 2 int4 planes"
+        if isinstance(module, (Int4Weight, AffineRows)):
+            name = "codes" if isinstance(module, AffineRows) else ("int4" if module.planes == 1 else "int8")
             kinds[name] = kinds.get(name, 0) + 1
     return ", ".join(f"{k} x{n}" for k, n in kinds.items()) or "none"
 

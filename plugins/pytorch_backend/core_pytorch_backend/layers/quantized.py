@@ -4,12 +4,13 @@
   32 inputs: ``w = (q - 8) * s + z``). Codes of up to 8 bits (GGUF Q8_0) are split into a low and a high
   4-bit plane laid side by side along K, and the input is repeated to match: ``x @ [lo | hi]^T`` with
   the high plane's scale 16x is the exact 8-bit product, in one kernel call at the same bytes per weight.
-- ``Int8Weight``: ``torch.ops.aten._weight_int8pack_mm`` (int8 codes, one scale per output channel).
 - ``AffineRows``: an embedding table kept as codes; a lookup dequantizes only the rows it reads.
 
-Both kernels take half-precision (or float32) activations with scales of the same dtype. On this
-project's AVX-512 CPUs the bfloat16 versions are the fast ones (float32 is 10-30x slower): see
-``quant.kernel_choice``, which measures them once per CPU.
+The kernel takes bfloat16, float16 or float32 activations with scales of the same dtype. On this
+project's AVX-512 CPUs bfloat16 is the fast one (float32 and float16 are 40x slower): see
+``quant.kernel_choice``, which measures it once per CPU. (torch's per-channel int8 kernel,
+``_weight_int8pack_mm``, is faster at one row but per-channel codes lose too much: 8-bit codes per group
+of 32 as two planes agree with the float model far better.)
 """
 
 from __future__ import annotations
@@ -75,12 +76,17 @@ class Int4Weight(nn.Module):
 
 def _planes(weight: AffineWeight) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """(codes 0..15, kernel scale, kernel zero) per 4-bit plane, so that sum of (code - 8) * s + z
-    over the planes equals ``q * scale + offset``."""
+    over the planes equals ``q * scale + offset``.
+
+    Two planes: ``q * s + b = 16 s (high - 8) + s (low - 8) + (b + 136 s)``. The high plane is centred
+    (no zero term), so the kernel's half-precision scales and zeros carry no large terms that cancel:
+    a symmetric 8-bit code (``b = -128 s``) leaves the low plane a zero of ``8 s``.
+    """
     s, b = weight.scale, weight.offset
     if weight.bits <= 4:
         return [(weight.q, s, b + 8 * s)]
     low, high = weight.q & 0x0F, weight.q >> 4
-    return [(low, s, b + 8 * s), (high, 16 * s, 128 * s)]
+    return [(low, s, b + 136 * s), (high, 16 * s, np.zeros_like(s))]
 
 
 def _pack_int4(codes: np.ndarray) -> torch.Tensor:
@@ -92,31 +98,7 @@ def _pack_int4(codes: np.ndarray) -> torch.Tensor:
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-class Int8Weight(nn.Module):
-    """A [N, K] weight as int8 codes with one scale per output channel."""
-
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
-        super().__init__()
-        self.register_buffer("codes", codes)
-        self.register_buffer("scale", scale)  # [N], in the activation dtype
-        self.shape = tuple(codes.shape)
-
-    @classmethod
-    def from_codes(cls, codes: np.ndarray, scale: np.ndarray, dtype: torch.dtype) -> Int8Weight:
-        return cls(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(scale).to(dtype))
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        flat = x.reshape(-1, self.shape[1]).to(self.scale.dtype).contiguous()
-        out = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scale)
-        if bias is not None:
-            out = out + bias.to(out.dtype)
-        return out.view(*x.shape[:-1], self.shape[0]).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"shape={self.shape}"
-
-
-def packed_linear(x: torch.Tensor, weight: Int4Weight | Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, weight: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """The ``matmul`` of a layer whose weight is packed (same signature as ``F.linear``)."""
     return weight.linear(x, bias)
 

@@ -23,7 +23,7 @@ from ..layers import (
     get_rope,
 )
 from ..quant.affine import AffineWeight
-from ..quant.attach import attach_quantized
+from ..quant.attach import QuantizedShards
 
 # (fused module, HF module, shard) for HF's separate projections that we keep merged.
 STACKED_PARAMS = (
@@ -194,15 +194,15 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | AffineWeight]]) -> QuantizedShards:
         """Load HF-named tensors; raises on unknown names and on parameters left unloaded.
 
-        A tensor may come as an ``AffineWeight`` (a GGUF tensor kept quantized): its layer then keeps it
-        packed (``quant.attach``) instead of copying it into the dense parameter.
+        A tensor may come as an ``AffineWeight`` (a GGUF tensor kept quantized): it is not copied into
+        its dense parameter but returned, by parameter name and shard, for ``quant.attach`` to pack.
         """
         params = dict(self.named_parameters())
         pending = {name: {None} for name in params}
-        quantized: dict[str, dict[str | None, AffineWeight]] = {}
+        quantized: QuantizedShards = {}
         for name, tensor in weights:
             if name.endswith(SKIPPED_SUFFIXES) or (self.lm_head.tied and name.startswith("lm_head.")):
                 continue
@@ -221,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(name for name, left in pending.items() if left)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
-        attach_quantized(self, quantized)
+        return quantized
 
 
 def _resolve(name: str, params: dict[str, nn.Parameter]) -> tuple[str, str | None]:

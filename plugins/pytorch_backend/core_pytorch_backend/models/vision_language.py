@@ -72,8 +72,8 @@ class VisionLanguageMixin:
         super().__init__(text, ops)  # type: ignore[call-arg]
         self.vl_config = config
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(language_model_weights(weights))  # type: ignore[misc]
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
+        return super().load_weights(language_model_weights(weights))  # type: ignore[misc]
 
 
 class Qwen2VLForConditionalGeneration(VisionLanguageMixin, Qwen2ForCausalLM):

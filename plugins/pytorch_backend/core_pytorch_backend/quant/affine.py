@@ -69,9 +69,11 @@ def quantize_int4(weight: np.ndarray, group_size: int = 32) -> AffineWeight:
     return AffineWeight(q.reshape(n, k), scale, low, 4, group_size)
 
 
-def quantize_int8(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric per-output-channel int8: (codes int8 [N, K], scale float32 [N])."""
-    w = weight.astype(np.float32)
+def quantize_int8(weight: np.ndarray, group_size: int = 32) -> AffineWeight:
+    """Symmetric 8-bit codes per group of ``group_size`` inputs (absmax / 127, as GGUF's Q8_0)."""
+    n, k = weight.shape
+    w = weight.astype(np.float32).reshape(n, k // group_size, group_size)
     scale = np.abs(w).max(-1) / 127
     inverse = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
-    return np.clip(np.rint(w * inverse[:, None]), -127, 127).astype(np.int8), scale.astype(np.float32)
+    q = (np.clip(np.rint(w * inverse[..., None]), -127, 127) + 128).astype(np.uint8)
+    return AffineWeight(q.reshape(n, k), scale, -128 * scale, 8, group_size)

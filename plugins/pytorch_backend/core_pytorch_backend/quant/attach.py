@@ -3,7 +3,8 @@
 Two ways in: ``attach_quantized`` for tensors that arrive quantized (a GGUF file's Q4_0 / Q4_1 / Q8_0 /
 Q4_K tensors, as ``AffineWeight``), and ``quantize_model`` for a float checkpoint quantized at load
 (``--quantization int8|int4``). Either way a layer's dense parameter is replaced by a packed module
-(``layers.quantized``) and its ``matmul`` (or an embedding's ``lookup``) by the packed version.
+(``layers.quantized``) and its ``matmul`` (or an embedding's ``lookup``) by the packed version; the
+loader says which dtype the packed kernels multiply in.
 """
 
 from __future__ import annotations
@@ -17,21 +18,24 @@ from ..layers.embedding import LMHead, VocabEmbedding
 from ..layers.quantized import (
     AffineRows,
     Int4Weight,
-    Int8Weight,
     affine_embedding,
     int4_fits,
     int4_packable,
     packed_linear,
 )
 from .affine import AffineWeight, quantize_int4, quantize_int8
-from .kernel_choice import packed_kernel_dtype
 
 log = logging.getLogger(__name__)
 MODES = ("int8", "int4")
 
 
-def attach_quantized(model: nn.Module, quantized: dict[str, dict[str | None, AffineWeight]]) -> None:
-    """Keep each layer's quantized tensors packed; ``quantized`` maps a parameter name to its shards."""
+# parameter name -> shard name (None for an unfused parameter) -> codes: what a model's load_weights
+# returns for the tensors that arrived quantized
+QuantizedShards = dict[str, dict[str | None, AffineWeight]]
+
+
+def attach_quantized(model: nn.Module, quantized: QuantizedShards, kernel_dtype: torch.dtype) -> None:
+    """Keep each layer's quantized tensors packed, multiplied in ``kernel_dtype``."""
     for target, shards in quantized.items():
         module_name, param_name = target.rsplit(".", 1)
         module = model.get_submodule(module_name)
@@ -41,18 +45,18 @@ def attach_quantized(model: nn.Module, quantized: dict[str, dict[str | None, Aff
             _load_dense(module, param_name, shards)
             continue
         weight = shards[None] if None in shards else AffineWeight.concat([shards[n] for n in names])
-        _attach(module, weight, dtype)
+        _attach(module, weight, dtype, kernel_dtype)
         lm_head = getattr(model, "lm_head", None)
         if isinstance(module, VocabEmbedding) and isinstance(lm_head, LMHead) and lm_head.tied:
-            _attach(lm_head, weight, dtype)  # the tied LM head multiplies by the same codes
+            _attach(lm_head, weight, dtype, kernel_dtype)  # the tied LM head multiplies by the same codes
 
 
-def _attach(module: nn.Module, weight: AffineWeight, dtype: torch.dtype) -> None:
+def _attach(module: nn.Module, weight: AffineWeight, dtype: torch.dtype, kernel_dtype: torch.dtype) -> None:
     if isinstance(module, VocabEmbedding):
         _replace_weight(module, AffineRows(weight, dtype))
         module.lookup = affine_embedding
     elif hasattr(module, "matmul") and int4_packable(weight):
-        _replace_weight(module, Int4Weight.from_affine(weight, packed_kernel_dtype(dtype)))
+        _replace_weight(module, Int4Weight.from_affine(weight, kernel_dtype))
         module.matmul = packed_linear
     else:
         log.info("%s: %d-bit %s weight has no packed kernel; dequantized", type(module).__name__, weight.bits,
@@ -75,28 +79,23 @@ def _replace_weight(module: nn.Module, packed: nn.Module) -> None:
     module.weight = packed
 
 
-def quantize_model(model: nn.Module, mode: str) -> int:
+def quantize_model(model: nn.Module, mode: str, kernel_dtype: torch.dtype) -> int:
     """Quantize every dense linear layer and the LM head of a loaded float model; returns the count.
 
-    ``int8``: symmetric int8 per output channel. ``int4``: 4-bit codes per group of 32 inputs (min/max,
-    as GGUF's Q4_1), with the LM head in int8 as llama.cpp's 4-bit mixes keep their output layer at 8
-    bits. Embedding tables stay as they are.
+    Codes per group of 32 inputs, as GGUF's blocks: ``int8`` symmetric 8-bit (Q8_0's layout), ``int4``
+    min/max 4-bit (Q4_1's) with the LM head in 8 bits, as llama.cpp's 4-bit files keep their output
+    layer. Embedding tables stay as they are; a layer whose shape the kernel does not take stays dense.
     """
     if mode not in MODES:
         raise ValueError(f"quantization must be one of {', '.join(MODES)}, got {mode!r}")
     count = 0
     for module in list(model.modules()):  # replacing weights adds modules
         weight = getattr(module, "weight", None)
-        if not hasattr(module, "matmul") or not isinstance(weight, torch.Tensor):
+        if not hasattr(module, "matmul") or not isinstance(weight, torch.Tensor) or not int4_fits(*weight.shape):
             continue
         dense = weight.detach().float().numpy()
-        kernel_dtype = packed_kernel_dtype(weight.dtype)
-        if mode == "int4" and not isinstance(module, LMHead) and int4_fits(*dense.shape):
-            packed: nn.Module = Int4Weight.from_affine(quantize_int4(dense), kernel_dtype)
-        else:
-            packed = Int8Weight.from_codes(*quantize_int8(dense), kernel_dtype)
-        _replace_weight(module, packed)
+        codes = quantize_int4(dense) if mode == "int4" and not isinstance(module, LMHead) else quantize_int8(dense)
+        _replace_weight(module, Int4Weight.from_affine(codes, kernel_dtype))
         module.matmul = packed_linear
         count += 1
     return count
-
