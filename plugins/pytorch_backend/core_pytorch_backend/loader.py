@@ -24,7 +24,7 @@ from .models import BUILTIN_ARCHITECTURES, resolve_class
 from .quant.attach import MODES as QUANTIZE_MODES
 from .quant.attach import attach_quantized, quantize_model
 from .quant.gguf_file import gguf_weights
-from .quant.kernel_choice import packed_kernel_dtype
+from .quant.kernel_choice import fastest_packed_dtype
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +90,10 @@ def load_checkpoint(
       ``cache_dir`` unless ``use_cache`` is False).
     - ``int8`` / ``int4``: linear layers quantized at load (``quant.attach.quantize_model``), CPU only.
 
-    With ``dtype="auto"`` a float32 model's packed layers multiply in
-    ``quant.kernel_choice.fastest_packed_dtype()`` (bfloat16 on CPUs with bf16 instructions) while the
-    rest of the model stays float32; a dtype named explicitly is the packed layers' too (float32: exact,
-    and 40x slower on such CPUs). ``architectures`` maps HF architecture names to classes or ``"module:Class"``
+    A model with packed weights runs, with ``dtype="auto"``, in the dtype its kernels are fastest in on
+    this CPU (``quant.kernel_choice.fastest_packed_dtype()``: bfloat16 on CPUs with bf16 instructions);
+    a dtype named explicitly is the packed kernels' too (float32: exact, and 40x slower on such CPUs).
+    ``architectures`` maps HF architecture names to classes or ``"module:Class"``
     strings (built-ins by default).
     """
     if quantization not in QUANTIZATIONS:
@@ -106,16 +106,14 @@ def load_checkpoint(
     config, tokenizer, weights, generation = _open(path, gguf, packed, cache_dir, use_cache)
     if gguf is not None and gguf.name == Path(DEFAULT_MODEL_FILE).name:
         generation = {**DEFAULT_MODEL_GENERATION, **generation}
-    torch_dtype = resolve_dtype(dtype, config, gguf is not None)
+    torch_dtype = resolve_dtype(dtype, config, gguf is not None, packed or quantization in QUANTIZE_MODES)
     model = build_model(
         config, architectures or BUILTIN_ARCHITECTURES, ops or select_ops(device), device, torch_dtype
     )
-    named = dtype != "auto" or not (packed or quantization in QUANTIZE_MODES)  # no packed layer: no timing
-    kernel_dtype = torch_dtype if named else packed_kernel_dtype(torch_dtype)
     with torch.inference_mode():
-        attach_quantized(model, model.load_weights(weights) or {}, kernel_dtype)
+        attach_quantized(model, model.load_weights(weights) or {}, torch_dtype)
         if quantization in QUANTIZE_MODES:
-            count = quantize_model(model, quantization, kernel_dtype)
+            count = quantize_model(model, quantization, torch_dtype)
             log.info("quantized %d linear layers to %s at load", count, quantization)
     _use_dense_matmul(model, device, torch_dtype)
     return LoadedModel(
@@ -164,14 +162,17 @@ def _describe_weights(model: nn.Module) -> str:
     return ", ".join(f"{k} x{n}" for k, n in kinds.items()) or "none"
 
 
-def resolve_dtype(dtype: str | torch.dtype, config: Any, is_gguf: bool = False) -> torch.dtype:
-    """The dtype named, else float32 for a GGUF file (packed or not), else the checkpoint's own."""
+def resolve_dtype(dtype: str | torch.dtype, config: Any, is_gguf: bool = False, packed: bool = False) -> torch.dtype:
+    """The dtype named, else: the packed kernels' fastest on this CPU for a model with packed weights,
+    float32 for a dequantized GGUF file, the checkpoint's own."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
         return DTYPES[dtype]
+    if packed:
+        return fastest_packed_dtype()
     if is_gguf:
         return torch.float32
     found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)

@@ -2,10 +2,9 @@
 
 torch's int4/int8 weight-only kernels take bfloat16, float16 or float32 activations (with scales of the
 same dtype), and their speed differs by up to two orders of magnitude between them depending on the
-CPU's instructions (on an AVX-512-BF16 EPYC: bf16 31 us, float32 1,260 us on one thread for a 1536x576 weight at
-one row). A half-precision model multiplies in its own dtype; a float32 model keeps its activations,
-norms, residual stream and KV cache in float32 and casts only each packed matmul's input to the fastest
-dtype measured here (the first packed layer built asks, and the choice is logged).
+CPU's instructions (on an AVX-512-BF16 EPYC: bf16 31 us, float32 1,260 us on one thread for a 1536x576
+weight at one row). A model with packed weights and no dtype named runs in the dtype measured fastest
+here (the loader asks once per process, and the choice is logged).
 """
 
 from __future__ import annotations
@@ -53,11 +52,6 @@ def _timings() -> dict[torch.dtype, float]:
     return best
 
 
-def packed_kernel_dtype(model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype a packed layer of a ``model_dtype`` model multiplies in."""
-    return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else fastest_packed_dtype()
-
-
 @functools.cache
 def fastest_packed_dtype() -> torch.dtype:
     """The fastest activation dtype of the int4 kernel at one row on this CPU (timed at first call)."""
@@ -68,7 +62,7 @@ def fastest_packed_dtype() -> torch.dtype:
     finally:
         torch.set_num_threads(threads)
     best = min(timings, key=timings.get)
-    log.info("packed weights of float32 models multiply in %s (int4 kernel, one row, one thread, %s: %s; "
+    log.info("packed weights: the model runs in %s (int4 kernel, one row, one thread, %s: %s; "
              "CPU capability %s)",
              str(best).replace("torch.", ""), "x".join(map(str, PROBE_SHAPE)),
              ", ".join(f"{str(d).replace('torch.', '')} {t:.0f} us" for d, t in timings.items()),
