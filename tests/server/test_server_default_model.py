@@ -44,9 +44,11 @@ def client(smollm2: RunningServer) -> Iterator[openai.OpenAI]:
         yield c
 
 
-def test_startup_log_shows_model_backend_dtype_kv_capacity_and_url(smollm2: RunningServer):
+def test_startup_log_shows_model_backend_dtype_weights_kv_capacity_and_url(smollm2: RunningServer):
     line = next(line for line in smollm2.log().splitlines() if "serving model" in line)
-    assert "SmolLM2-135M-Instruct" in line and "backend pytorch" in line and "dtype float32" in line
+    assert "SmolLM2-135M-Instruct" in line and "backend pytorch" in line
+    # the GGUF's tensors served packed: 120 fused int4 layers, the Q8_0 embedding as codes and packed LM head
+    assert re.search(r"dtype (bfloat16|float32), packed weights codes x1, int4 x120, int8 x1,", line), line
     blocks, size, tokens = map(int, re.search(r"KV cache (\d+) blocks x (\d+) tokens = (\d+) tokens", line).groups())
     assert blocks * size == tokens > 0
     assert line.endswith(f"at {smollm2.base_url}")
