@@ -2,8 +2,8 @@
 
     python benchmarks/profile_core.py [--concurrency 32] [--num-prompts 64] [--output-len 128] [--top 25]
 
-Starts `core serve --dtype bfloat16` on the default model, waits for it, then records every thread of
-the server with py-spy (`pip install py-spy`; it needs ptrace rights, as root or with
+Starts `core serve` on the default model (no flags: what a user gets), waits for it, then records every
+thread of the server with py-spy (`pip install py-spy`; it needs ptrace rights, as root or with
 CAP_SYS_PTRACE) while the same fixed ~128-token prompts as the side-by-side run stream through it.
 Prints the run's throughput, then the top frames by self time (where the CPU is) and by total time
 (which calls contain it), and the share of samples per source area (torch ops, the engine loop, the
@@ -112,7 +112,7 @@ def py_spy() -> str:
 def run(args: argparse.Namespace) -> int:
     spy = py_spy()
     port = free_port()
-    command = [sys.executable, "-m", "core.cli", "serve", "--dtype", "bfloat16", "--port", str(port),
+    command = [sys.executable, "-m", "core.cli", "serve", "--port", str(port),
                "--served-model-name", "smollm2", *shlex.split(args.server_args)]
     server = PeerProcess("core-profiled", command).start()
     raw = args.raw or Path(tempfile.mkdtemp()) / "core-serve.collapsed"
