@@ -202,3 +202,24 @@ def test_gguf_index_refuses_other_files(tmp_path):
     bad.write_bytes(b"NOPE" + bytes(64))
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_gguf_index(bad)
+
+
+def test_a_dense_copy_serves_steps_of_many_rows():
+    codes = unpack("Q8_0", quantize(_weights(), GGMLQuantizationType.Q8_0))
+    packed = Int4Weight.from_affine(codes, torch.bfloat16)
+    packed.keep_dense_copy(codes, min_rows=4)
+    assert "dense" in dict(packed.named_buffers())
+    few, many = torch.randn(3, 256), torch.randn(5, 256)
+    packed.dense.zero_()  # a zeroed copy shows which path ran
+    assert packed.linear(few, None).abs().max() > 0  # below min_rows: the packed kernel
+    assert packed.linear(many, None).abs().max() == 0  # from min_rows on: the dense copy
+
+
+@pytest.mark.slow
+def test_default_gguf_lm_head_keeps_a_dense_copy_for_large_steps(default_gguf_path, default_model):
+    from core_pytorch_backend.quant.kernel_choice import fastest_packed_dtype
+
+    head = load_checkpoint(default_gguf_path).model.lm_head.weight
+    if fastest_packed_dtype() == torch.float32:
+        pytest.skip("no dense copy where the kernels run in float32")
+    torch.testing.assert_close(head.dense.float(), default_model.model.lm_head.weight, rtol=1e-2, atol=1e-3)

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..quant.affine import AffineWeight
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the CPU int4 kernel accepts
 ROW_MULTIPLE = 16  # the int4 packing wants N divisible by 16
+DENSE_MIN_ROWS = 6  # with a dense copy, steps of this many rows use it (break-even at 4-6 rows here)
 PACK_ROWS = 4096  # rows packed at a time (bounds the int32 staging copy); a multiple of 64
 
 
@@ -47,6 +49,8 @@ class Int4Weight(nn.Module):
         self.group_size = group_size
         self.shape = shape
         self.planes = planes
+        self.register_buffer("dense", None)  # see keep_dense_copy
+        self.dense_min_rows = 0
 
     @classmethod
     def from_affine(cls, weight: AffineWeight, dtype: torch.dtype) -> Int4Weight:
@@ -60,8 +64,18 @@ class Int4Weight(nn.Module):
         scales_zeros = torch.from_numpy(np.stack((scale.T, zero.T), axis=-1)).to(dtype).contiguous()
         return cls(_pack_int4(codes), scales_zeros, weight.group_size, weight.shape, len(planes))
 
+    def keep_dense_copy(self, weight: AffineWeight, min_rows: int = DENSE_MIN_ROWS) -> None:
+        """Also keep ``weight`` dense in the kernel dtype, for steps of ``min_rows`` rows or more: at many
+        rows a dense half-precision GEMM beats the int4 kernel (the LM head's two planes at 64 rows:
+        21.8 ms vs 4.9 ms here), at the cost of the dense copy's memory."""
+        self.dense = torch.from_numpy(weight.dequantize()).to(self.scales_zeros.dtype)
+        self.dense_min_rows = min_rows
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         flat = x.reshape(-1, self.shape[1]).to(self.scales_zeros.dtype)
+        if self.dense is not None and flat.shape[0] >= self.dense_min_rows:
+            out = F.linear(flat, self.dense, None if bias is None else bias.to(flat.dtype))
+            return out.view(*x.shape[:-1], self.shape[0]).to(x.dtype)
         if self.planes == 2:
             flat = torch.cat((flat, flat), dim=-1)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), self.packed, self.group_size,
@@ -71,7 +85,8 @@ class Int4Weight(nn.Module):
         return out.view(*x.shape[:-1], self.shape[0]).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"shape={self.shape}, group_size={self.group_size}, planes={self.planes}"
+        dense = f", dense copy from {self.dense_min_rows} rows" if self.dense is not None else ""
+        return f"shape={self.shape}, group_size={self.group_size}, planes={self.planes}{dense}"
 
 
 def _planes(weight: AffineWeight) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:

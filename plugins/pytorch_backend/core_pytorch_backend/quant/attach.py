@@ -49,6 +49,18 @@ def attach_quantized(model: nn.Module, quantized: QuantizedShards, kernel_dtype:
         lm_head = getattr(model, "lm_head", None)
         if isinstance(module, VocabEmbedding) and isinstance(lm_head, LMHead) and lm_head.tied:
             _attach(lm_head, weight, dtype, kernel_dtype)  # the tied LM head multiplies by the same codes
+    _keep_dense_lm_head(getattr(model, "lm_head", None), quantized, kernel_dtype)
+
+
+def _keep_dense_lm_head(lm_head: nn.Module | None, quantized: QuantizedShards, kernel_dtype: torch.dtype) -> None:
+    """The LM head (a fifth of a small model's weights, and the largest matmul of a decode step) also
+    keeps a dense half-precision copy for steps of many rows, where its packed kernel is 4x slower."""
+    weight = getattr(lm_head, "weight", None)
+    if not isinstance(weight, Int4Weight) or kernel_dtype not in (torch.bfloat16, torch.float16):
+        return
+    codes = quantized.get("lm_head.weight", quantized.get("model.embed_tokens.weight", {})).get(None)
+    if codes is not None:
+        weight.keep_dense_copy(codes)
 
 
 def _attach(module: nn.Module, weight: AffineWeight, dtype: torch.dtype, kernel_dtype: torch.dtype) -> None:
