@@ -147,14 +147,12 @@ def trim_heap() -> bool:
 def _open(path: Path, gguf: Path | None, packed: bool, cache_dir, use_cache: bool):
     """(config, tokenizer, weights, generation config) of a checkpoint; ``packed`` reads a GGUF file's
     tensors as they are stored."""
+    cache_root = Path(cache_dir) if cache_dir else None
     if gguf is not None and packed:
-        folder = cached_gguf_folder(gguf, Path(cache_dir) if cache_dir else None, with_weights=False)
-        config, tokenizer, _, generation = _open_hf_folder(folder)
+        config, tokenizer, _, generation = _open_hf_folder(cached_gguf_folder(gguf, cache_root, with_weights=False))
         return config, tokenizer, gguf_weights(gguf, config), generation
-    if gguf is not None and use_cache:
-        path = cached_gguf_folder(gguf, Path(cache_dir) if cache_dir else None)
-    if gguf is not None and not use_cache:
-        return _open_gguf(gguf)
+    if gguf is not None:
+        return _open_hf_folder(cached_gguf_folder(gguf, cache_root)) if use_cache else _open_gguf(gguf)
     return _open_hf_folder(path)
 
 

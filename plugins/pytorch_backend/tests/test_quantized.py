@@ -223,3 +223,19 @@ def test_default_gguf_lm_head_keeps_a_dense_copy_for_large_steps(default_gguf_pa
     if fastest_packed_dtype() == torch.float32:
         pytest.skip("no dense copy where the kernels run in float32")
     torch.testing.assert_close(head.dense.float(), default_model.model.lm_head.weight, rtol=1e-2, atol=1e-3)
+
+
+def test_backend_passes_quantization_through_and_bf16_lm_heads_keep_a_dense_copy(tiny_checkpoint_factory):
+    from core.config import EngineConfig
+    from core_pytorch_backend.backend import PytorchBackend
+
+    path = tiny_checkpoint_factory("llama", hidden_size=64, intermediate_size=128, vocab_size=272)  # fits
+    backend = PytorchBackend(EngineConfig(model=str(path), quantization="int4", dtype="bfloat16",
+                                          kv_cache_memory_gib=0.01))
+    try:
+        assert "int4 x" in backend.model_info.quantization and backend.model_info.dtype == "bfloat16"
+        head = backend.loop.runner.model.lm_head.weight
+        assert isinstance(head, Int4Weight) and head.planes == 2
+        assert head.dense is not None and head.dense.dtype == torch.bfloat16
+    finally:
+        backend.loop.stop()

@@ -131,10 +131,9 @@ class AffineRows(nn.Module):
         self.shape = weight.shape
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        n, g = ids.numel(), self.group_size
-        q = self.q.index_select(0, ids.reshape(-1)).view(n, -1, g).float()
-        rows = q * self.scale.index_select(0, ids.reshape(-1))[..., None] + self.offset.index_select(
-            0, ids.reshape(-1))[..., None]
+        flat = ids.reshape(-1)
+        q = self.q.index_select(0, flat).view(flat.numel(), -1, self.group_size).float()
+        rows = q * self.scale.index_select(0, flat)[..., None] + self.offset.index_select(0, flat)[..., None]
         return rows.view(*ids.shape, self.shape[1]).to(self.dtype)
 
 

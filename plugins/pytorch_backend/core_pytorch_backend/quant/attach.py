@@ -49,18 +49,6 @@ def attach_quantized(model: nn.Module, quantized: QuantizedShards, kernel_dtype:
         lm_head = getattr(model, "lm_head", None)
         if isinstance(module, VocabEmbedding) and isinstance(lm_head, LMHead) and lm_head.tied:
             _attach(lm_head, weight, dtype, kernel_dtype)  # the tied LM head multiplies by the same codes
-    _keep_dense_lm_head(getattr(model, "lm_head", None), quantized, kernel_dtype)
-
-
-def _keep_dense_lm_head(lm_head: nn.Module | None, quantized: QuantizedShards, kernel_dtype: torch.dtype) -> None:
-    """The LM head (a fifth of a small model's weights, and the largest matmul of a decode step) also
-    keeps a dense half-precision copy for steps of many rows, where its packed kernel is 4x slower."""
-    weight = getattr(lm_head, "weight", None)
-    if not isinstance(weight, Int4Weight) or kernel_dtype not in (torch.bfloat16, torch.float16):
-        return
-    codes = quantized.get("lm_head.weight", quantized.get("model.embed_tokens.weight", {})).get(None)
-    if codes is not None:
-        weight.keep_dense_copy(codes)
 
 
 def _attach(module: nn.Module, weight: AffineWeight, dtype: torch.dtype, kernel_dtype: torch.dtype) -> None:
@@ -68,12 +56,22 @@ def _attach(module: nn.Module, weight: AffineWeight, dtype: torch.dtype, kernel_
         _replace_weight(module, AffineRows(weight, dtype))
         module.lookup = affine_embedding
     elif hasattr(module, "matmul") and int4_packable(weight):
-        _replace_weight(module, Int4Weight.from_affine(weight, kernel_dtype))
-        module.matmul = packed_linear
+        _pack(module, weight, kernel_dtype)
     else:
         log.info("%s: %d-bit %s weight has no packed kernel; dequantized", type(module).__name__, weight.bits,
                  weight.shape)
         _load_dense(module, "weight", {None: weight})
+
+
+def _pack(module: nn.Module, weight: AffineWeight, kernel_dtype: torch.dtype) -> None:
+    """Replace a linear layer's dense weight by ``weight`` packed. The LM head (a fifth of a small model's
+    weights, and a decode step's largest matmul) also keeps a dense half-precision copy for steps of
+    many rows, where its packed kernel is 4x slower."""
+    packed = Int4Weight.from_affine(weight, kernel_dtype)
+    if isinstance(module, LMHead) and kernel_dtype in (torch.bfloat16, torch.float16):
+        packed.keep_dense_copy(weight)
+    _replace_weight(module, packed)
+    module.matmul = packed_linear
 
 
 def _load_dense(module: nn.Module, param_name: str, shards: dict[str | None, AffineWeight]) -> None:
@@ -106,8 +104,7 @@ def quantize_model(model: nn.Module, mode: str, kernel_dtype: torch.dtype) -> in
         if not hasattr(module, "matmul") or not isinstance(weight, torch.Tensor) or not int4_fits(*weight.shape):
             continue
         dense = weight.detach().float().numpy()
-        codes = quantize_int4(dense) if mode == "int4" and not isinstance(module, LMHead) else quantize_int8(dense)
-        _replace_weight(module, Int4Weight.from_affine(codes, kernel_dtype))
-        module.matmul = packed_linear
+        _pack(module, quantize_int4(dense) if mode == "int4" and not isinstance(module, LMHead)
+              else quantize_int8(dense), kernel_dtype)
         count += 1
     return count
