@@ -9,6 +9,7 @@ There is no sequence_start, sequence_end or step: each request carries its whole
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -144,6 +145,14 @@ class Backend(ABC):
     @abstractmethod
     async def abort(self, session_id: str) -> None:
         """Stop the session's work now and free its KV blocks; a no-op for unknown sessions."""
+
+    async def abort_many(self, session_ids: Sequence[str]) -> None:
+        """`abort` for each of `session_ids` (abort-all, sleep, shutdown), done together.
+
+        The default aborts them concurrently. A backend whose commands wait for an engine step
+        overrides it to abort them all in one command, so aborting N requests takes one step, not N.
+        """
+        await asyncio.gather(*(self.abort(session_id) for session_id in session_ids))
 
     @abstractmethod
     async def end(self, session_id: str) -> EndResult:

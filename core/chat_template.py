@@ -63,6 +63,33 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     return checked
 
 
+def validate_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """Check OpenAI function tools (what templates render); a clear error names the bad field."""
+    if tools is None:
+        return None
+    if not isinstance(tools, (list, tuple)):
+        raise InvalidRequestError("tools must be a list of tool objects", param="tools")
+    return [_validate_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+
+
+def _validate_tool(tool: Any, where: str) -> dict[str, Any]:
+    if not isinstance(tool, Mapping):
+        raise InvalidRequestError(f"{where} must be an object", param=where)
+    if tool.get("type") != "function":
+        raise InvalidRequestError(f'{where}.type must be "function", got {tool.get("type")!r}', param=f"{where}.type")
+    function = tool.get("function")
+    if not isinstance(function, Mapping):
+        raise InvalidRequestError(f"{where}.function must be an object with a name", param=f"{where}.function")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequestError(f"{where}.function.name must be a non-empty string, got {name!r}",
+                                  param=f"{where}.function.name")
+    for key, kind, expected in (("parameters", Mapping, "an object (a JSON schema)"), ("description", str, "a string")):
+        if function.get(key) is not None and not isinstance(function[key], kind):
+            raise InvalidRequestError(f"{where}.function.{key} must be {expected}", param=f"{where}.function.{key}")
+    return dict(tool)
+
+
 def resolve_chat_template(
     plugins: PluginHost, requested: str | None, model: ModelInfo, tokenizer: Tokenizer | None
 ) -> ChatTemplate | None:

@@ -18,7 +18,8 @@ from core.config import QUANTIZATIONS
 from core.errors import CoreError, PluginError
 
 ENGINE_FLAGS = ("backend", "dtype", "quantization", "device", "max_model_len", "block_size", "kv_cache_memory_gib",
-                "max_num_seqs", "max_num_batched_tokens", "chat_template", "served_model_name", "seed")
+                "max_num_seqs", "max_num_batched_tokens", "chat_template", "served_model_name", "seed",
+                "allow_special_tokens_in_content")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +42,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", help="a registered template name or a Jinja file")
     g.add_argument("--served-model-name", help="the model name clients use")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--allow-special-tokens-in-content", action="store_true", default=None,
+                   help="let control strings in message text (<|im_end|>, ...) become control tokens; by "
+                        "default they stay text, so a client cannot forge turns")
 
 
 def add_media_arguments(parser: argparse.ArgumentParser) -> None:
@@ -195,6 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", metavar="NAME",
                    help="a registered tool-call parser, or 'none' (default: chosen like --reasoning-parser); "
                         "used for requests that send tools")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, how long requests in flight may finish before the rest are aborted")
+    from core.server.limits import DEFAULT_MAX_QUEUED_REQUESTS, DEFAULT_MAX_REQUEST_BYTES  # light: no fastapi
+
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+                   help="largest request body; a larger one is a 413 (default: 8 MiB)")
+    p.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS, metavar="N",
+                   help="most generation requests held at once (preparing, waiting or running); past it a "
+                        "503 with Retry-After (default: 1024)")
     add_engine_arguments(p)
     add_media_arguments(p)
     p.set_defaults(run=cmd_serve)

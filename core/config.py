@@ -44,6 +44,11 @@ def _check_int(name: str, value: Any, low: int | None = None, high: int | None =
         raise _fail(name, value, f"an integer {bounds}")
 
 
+def _check_request_int(name: str, value: Any, low: int, high: int = INT64_MAX) -> None:
+    # Request integers reach backends as int64 tensors: a larger one would fail the whole batch step.
+    _check_int(name, value, low, high)
+
+
 def _check_float(name: str, value: Any, low: float, high: float, *, low_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise _fail(name, value, "a number")
@@ -108,8 +113,8 @@ class GenerationConfig:
     def _validate_counts(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
         if self.max_new_tokens is not None:
-            _check_int("max_new_tokens", self.max_new_tokens, 1)
-        _check_int("min_new_tokens", self.min_new_tokens, 0)
+            _check_request_int("max_new_tokens", self.max_new_tokens, 1)
+        _check_request_int("min_new_tokens", self.min_new_tokens, 0)
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise InvalidRequestError(
                 f"min_new_tokens ({self.min_new_tokens}) must not exceed max_new_tokens "
@@ -126,7 +131,7 @@ class GenerationConfig:
         if self.top_p is not None:
             _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
         if self.top_k is not None:
-            _check_int("top_k", self.top_k, -1)
+            _check_request_int("top_k", self.top_k, -1)
         if self.min_p is not None:
             _check_float("min_p", self.min_p, 0.0, 1.0)
         if self.repetition_penalty is not None:
@@ -136,7 +141,8 @@ class GenerationConfig:
         if not isinstance(self.logit_bias, Mapping):
             raise _fail("logit_bias", self.logit_bias, "a mapping of token id to bias")
         for token, bias in self.logit_bias.items():
-            _check_int("logit_bias key", token, 0)
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= INT64_MAX:
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {token!r}", param="logit_bias")
             _check_float(f"logit_bias[{token}]", bias, -100.0, 100.0)
 
     def _validate_stops(self) -> None:
@@ -144,7 +150,7 @@ class GenerationConfig:
             if not isinstance(s, str) or not s:
                 raise _fail("stop", s, "a non-empty string")
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids", t, 0)
+            _check_request_int("stop_token_ids", t, 0)
 
     def _validate_flags(self) -> None:
         for name in ("ignore_eos", "logprobs", "skip_special_tokens", "include_stop_str_in_output"):
@@ -192,6 +198,8 @@ class EngineConfig:
         and a fixed default on the CPU.
     :param backend_options: options only a particular backend understands (documented by it).
     :param media: where request images may come from and how large they may be (vision models).
+    :param allow_special_tokens_in_content: let control strings in message text (``<|im_end|>``)
+        become control tokens; off by default, so a client cannot forge turns (core.special_tokens).
     """
 
     model: str | None = None
@@ -212,6 +220,7 @@ class EngineConfig:
     enforce_eager: bool = False
     backend_options: Mapping[str, Any] = field(default_factory=dict)
     media: MediaPolicy = field(default_factory=MediaPolicy)
+    allow_special_tokens_in_content: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -228,6 +237,7 @@ class EngineConfig:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         _check_bool("enforce_eager", self.enforce_eager)
+        _check_bool("allow_special_tokens_in_content", self.allow_special_tokens_in_content)
         if not isinstance(self.media, MediaPolicy):
             raise _fail("media", self.media, "a core.multimodal.MediaPolicy")
 

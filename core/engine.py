@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
@@ -57,6 +58,8 @@ from core.session import Session, SessionManager, SessionState
 
 log = logging.getLogger(__name__)
 MEDIA_THREADS = 4  # concurrent image fetches and decodes
+PREPARE_THREADS = 2  # requests rendered and tokenized at once, off the event loop
+DRAIN_POLL_SECONDS = 0.05
 
 
 class AsyncEngine:
@@ -64,17 +67,21 @@ class AsyncEngine:
 
     def __init__(self, backend: Backend, *, chat_template: ChatTemplate | None = None,
                  model_name: str | None = None, vision: VisionProcessor | None = None,
-                 media_policy: MediaPolicy | None = None) -> None:
+                 media_policy: MediaPolicy | None = None, allow_special_tokens_in_content: bool = False) -> None:
         self.backend = backend
         self.model_name = model_name or backend.model_info.name
-        self.preparer = RequestPreparer(backend.model_info, backend.tokenizer, chat_template, vision, media_policy)
+        self.preparer = RequestPreparer(backend.model_info, backend.tokenizer, chat_template, vision, media_policy,
+                                        allow_special_tokens_in_content=allow_special_tokens_in_content)
         self.sessions = SessionManager(backend)
         self.vision = vision
         # One thread runs the vision encoder, off the event loop, once per request with images; a few
         # more fetch and decode images (load_media).
         self._vision_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._media_executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._prepare_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._asleep: set[str] = set()
+        self._transition = asyncio.Lock()  # one sleep or wakeup at a time
+        self._draining = False
         self._closed = False
 
     @classmethod
@@ -89,7 +96,7 @@ class AsyncEngine:
         vision = find_vision_processor(plugins, backend.model_info.architecture, config.model)
         release_openmp_pool()  # loading is done on this thread; see core.openmp
         return cls(backend, chat_template=template, model_name=config.served_model_name, vision=vision,
-                   media_policy=config.media)
+                   media_policy=config.media, allow_special_tokens_in_content=config.allow_special_tokens_in_content)
 
     # -- properties ---------------------------------------------------------------------------------
 
@@ -103,7 +110,9 @@ class AsyncEngine:
 
     @property
     def is_sleeping(self) -> bool:
-        return bool(self._asleep)
+        """True while the gate is closed (a sleep started, a part is not awake again) or the backend
+        itself reports a part asleep: the state the server reports is never more awake than the backend."""
+        return bool(self._asleep) or self.backend.is_sleeping
 
     @property
     def is_closed(self) -> bool:
@@ -145,6 +154,54 @@ class AsyncEngine:
         )
         return RequestStream(self, self.sessions.create(session_id), prepared)
 
+    async def generate_async(
+        self,
+        inputs: Inputs,
+        config: GenerationConfig | None = None,
+        *,
+        session_id: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> RequestStream:
+        """`generate`, with the slow part off the event loop: images fetched on the media threads, the
+        prompt rendered and tokenized on a preparation thread (what the server uses: a 20 MB message
+        delays only its own request).
+
+        The session exists from the call on (stamped with the epoch), so an abort by id or `stop_all`
+        during preparation ends the request with "abort"; a request that fails preparation leaves none.
+        """
+        reject_removed_keywords("generate", kwargs)
+        self._check_gate()
+        config = merge_config(config, kwargs)
+        session = self.sessions.create(session_id)
+        try:
+            inputs = await self.load_media(inputs)
+            prepared = await self._off_loop(self.preparer.prepare, inputs, config,
+                                            add_generation_prompt=add_generation_prompt, tools=tools,
+                                            chat_template_kwargs=chat_template_kwargs)
+        except BaseException:
+            self.sessions.remove(session)
+            raise
+        return RequestStream(self, session, prepared)
+
+    async def tokenize_async(self, inputs: Inputs, *, add_special_tokens: bool = True,
+                             **render_options: Any) -> list[int]:
+        """`tokenize` off the event loop (images loaded on the media threads); `add_special_tokens`
+        False tokenizes a prompt string without the tokenizer's bos."""
+        inputs = await self.load_media(inputs)
+        if isinstance(inputs, str) and not add_special_tokens:
+            return list(await self._off_loop(self.tokenizer.encode, inputs, add_special_tokens=False))
+        return await self._off_loop(self.tokenize, inputs, **render_options)
+
+    async def _off_loop(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._prepare_executor is None:
+            self._prepare_executor = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS,
+                                                                           thread_name_prefix="core-prepare")
+        call = functools.partial(function, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_executor, call)
+
     async def load_media(self, inputs: Inputs) -> Inputs:
         """``inputs`` with their images fetched and decoded on the media threads, off the event loop.
 
@@ -165,9 +222,9 @@ class AsyncEngine:
         return with_loaded_images(inputs, images)
 
     def _check_gate(self) -> None:
-        if self._closed:
-            raise EngineUnavailableError("the engine is shut down")
-        if self._asleep:
+        if self._closed or self._draining:
+            raise EngineUnavailableError("the engine is shut down" if self._closed else "the server is shutting down")
+        if self.is_sleeping:
             raise EngineSleepingError(self._asleep)
 
     async def _run(self, session: Session, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:
@@ -254,28 +311,41 @@ class AsyncEngine:
         return await self.sessions.stop_all()
 
     async def sleep(self, level: int = 1) -> None:
-        """Close the gate, abort in-flight requests, then free memory (level 1 or 2)."""
+        """Close the gate, abort in-flight requests, then free memory (level 1 or 2).
+
+        Sleep and wakeup are serialised: one called while the other (or another sleep) runs waits for
+        it to finish. Sleeping while asleep does nothing, and returns only once the memory is released.
+        """
         if isinstance(level, bool) or level not in (1, 2):
             raise InvalidRequestError(f"level must be 1 or 2, got {level!r}", param="level")
-        self._check_gate()
-        self._asleep = set(WAKE_TAGS)
-        await self.sessions.stop_all()
-        await self.backend.sleep(level)
+        async with self._transition:
+            if self._closed:
+                raise EngineUnavailableError("the engine is shut down")
+            if self.is_sleeping:
+                return
+            self._asleep = set(WAKE_TAGS)
+            await self.sessions.stop_all()
+            await self.backend.sleep(level)
 
     async def wakeup(self, tags: Iterable[str] | None = None) -> None:
-        """Restore the parts named by tags (default: all); serving resumes when every part is awake."""
-        wanted = list(WAKE_TAGS if tags is None else tags)
-        unknown = sorted(set(wanted) - WAKE_TAGS)
+        """Restore the parts named by tags (default: all); serving resumes when every part is awake.
+
+        Waits for a sleep (or wakeup) in progress to finish first.
+        """
+        wanted = set(WAKE_TAGS if tags is None else tags)
+        unknown = sorted(wanted - WAKE_TAGS)
         if unknown or not wanted:
             raise InvalidRequestError(
                 f"unknown wakeup tag {unknown[0]!r}; use weights and/or kv_cache" if unknown
                 else "tags must name weights and/or kv_cache",
                 param="tags",
             )
-        to_wake = [t for t in sorted(set(wanted)) if t in self._asleep]
-        if to_wake:
-            await self.backend.wakeup(to_wake)
-            self._asleep -= set(to_wake)
+        async with self._transition:
+            # A backend that reports itself asleep is woken even if the gate thinks it is awake.
+            to_wake = sorted(wanted & self._asleep or (wanted if self.backend.is_sleeping else set()))
+            if to_wake:
+                await self.backend.wakeup(to_wake)
+                self._asleep -= set(to_wake)
 
     def tokenize(self, inputs: Inputs, **render_options: Any) -> list[int]:
         """Token ids for a prompt string or chat messages, exactly as generate would see them."""
@@ -285,14 +355,28 @@ class AsyncEngine:
         """Text for token ids."""
         return self.tokenizer.decode(list(token_ids))
 
+    async def drain(self, timeout: float) -> int:
+        """Stop accepting requests (EngineUnavailableError), let those in flight finish for up to
+        `timeout` seconds, then abort the rest; returns how many were aborted. For a graceful shutdown."""
+        self._draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while len(self.sessions) and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_SECONDS)
+        return await self.abort_all() if len(self.sessions) else 0
+
     async def close(self) -> None:
-        """Abort everything and close the backend. Idempotent."""
+        """Abort everything and close the backend. Idempotent; the backend is closed even if the abort
+        fails (a backend whose engine died)."""
         if self._closed:
             return
         self._closed = True
-        await self.sessions.stop_all()
+        try:
+            await self.sessions.stop_all()
+        except Exception:
+            log.exception("aborting the requests in flight failed while closing")
         await self.backend.close()
-        for executor in (self._vision_executor, self._media_executor):
+        for executor in (self._vision_executor, self._media_executor, self._prepare_executor):
             if executor is not None:
                 executor.shutdown(wait=False, cancel_futures=True)
 
@@ -318,6 +402,12 @@ class RequestStream:
     @property
     def prompt_token_ids(self) -> tuple[int, ...]:
         return self.prepared.prompt_token_ids
+
+    @property
+    def reached_backend(self) -> bool:
+        """False for a request that ended before the backend saw it (stop_all, sleep or an abort ran
+        first: it finished "abort" with nothing generated)."""
+        return self.session.reached_backend
 
     def __aiter__(self) -> RequestStream:
         return self

@@ -18,9 +18,12 @@ class ErrorCode(enum.Enum):
     UNSUPPORTED = 400
     UNAUTHORIZED = 401
     MODEL_NOT_FOUND = 404
+    REQUEST_NOT_FOUND = 404
     CONFLICT = 409
+    REQUEST_TOO_LARGE = 413
     UNAVAILABLE = 503
     SLEEPING = 503
+    OVERLOADED = 503
     INTERNAL = 500
 
     # Two members share a status, so Enum would alias them; a per-member tag keeps them distinct.
@@ -44,6 +47,8 @@ class CoreError(Exception):
     """
 
     code: ErrorCode = ErrorCode.INTERNAL
+    #: Seconds after which a retry may succeed (sent as the Retry-After header), when that is known.
+    retry_after_s: int | None = None
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -83,6 +88,28 @@ class ModelNotFoundError(CoreError):
     """The request names a model this server does not serve."""
 
     code = ErrorCode.MODEL_NOT_FOUND
+
+
+class RequestNotFoundError(CoreError):
+    """The request id names no request in flight (e.g. /abort of one that already ended)."""
+
+    code = ErrorCode.REQUEST_NOT_FOUND
+
+
+class RequestTooLargeError(CoreError):
+    """The request body is larger than the server accepts."""
+
+    code = ErrorCode.REQUEST_TOO_LARGE
+
+
+class OverloadedError(CoreError):
+    """The server already holds as many requests as it queues; retry after `retry_after_s` seconds."""
+
+    code = ErrorCode.OVERLOADED
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class EngineSleepingError(CoreError):

@@ -16,13 +16,16 @@ from typing import Any, TypeVar
 
 from core.config import EngineConfig, GenerationConfig
 from core.engine import AsyncEngine
+from core.errors import CoreError, EngineUnavailableError
 from core.multimodal import image_prompt_messages
 from core.request import RequestOutput, reject_removed_keywords
-from core.response import Response, collect
+from core.response import Response
 
 T = TypeVar("T")
 _DONE = object()
 FAILED_FINISH_REASONS = ("abort", "error")
+DROPPED_MESSAGE = ("the engine was stopped (stop_all, sleep or an abort) before this request started; "
+                   "nothing was generated: send it again once the engine is awake")
 
 
 class _LoopThread:
@@ -117,29 +120,53 @@ class Pipeline:
         A prompt is a string, a list of token ids, a list of chat messages (whose content may hold
         image parts), or a ``(text, image_or_images)`` pair for a vision model. `gen_config` is one
         GenerationConfig for all prompts or one per prompt; generation fields may be keywords.
+
+        In a batch each item ends on its own: one that fails (too long, invalid, a backend error, or
+        stopped by `stop_all`/sleep before it started) comes back with finish_reason "error" and its
+        message in `Response.error`, the others normally. A single prompt raises its error instead.
+        An unexpected exception (a bug, not a `CoreError`) is raised after the other items are
+        cancelled and cleaned up.
         """
         reject_removed_keywords("infer", kwargs)
         batch, single = _as_batch(prompts)
         configs = _configs_for(batch, gen_config, kwargs)
         show = len(batch) > 1 if use_tqdm is None else use_tqdm
-        responses = self._loop.run(self._infer_all(batch, configs, show))
+        responses = self._loop.run(self._infer_all(batch, configs, show, raise_errors=single))
         return responses[0] if single else responses
 
-    async def _infer_all(self, batch: list[Any], configs: list[GenerationConfig], show: bool) -> list[Response]:
-        streams = [self.engine.generate(_engine_inputs(p), c) for p, c in zip(batch, configs, strict=True)]
-        progress = _progress(len(streams), show)
-
-        async def run(i: int) -> Response:
-            response = await collect(streams[i], index=i)
-            progress.update(1)
-            return response
-
+    async def _infer_all(self, batch: list[Any], configs: list[GenerationConfig], show: bool,
+                         raise_errors: bool) -> list[Response]:
+        progress = _progress(len(batch), show)
+        tasks = [asyncio.ensure_future(self._infer_one(i, prompt, config, raise_errors))
+                 for i, (prompt, config) in enumerate(zip(batch, configs, strict=True))]
+        for task in tasks:
+            task.add_done_callback(lambda _: progress.update(1))
         try:
-            return list(await asyncio.gather(*(run(i) for i in range(len(streams)))))
-        finally:
-            for stream in streams:
-                await stream.aclose()
+            return list(await asyncio.gather(*tasks))
+        finally:  # after a failure or a cancellation: the other items are stopped and cleaned up here
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             progress.close()
+
+    async def _infer_one(self, index: int, prompt: Any, config: GenerationConfig, raise_errors: bool) -> Response:
+        """One batch item, start to end; a CoreError ends it as a failed Response (see infer)."""
+        response = Response(index=index)
+        try:
+            stream = self.engine.generate(_engine_inputs(prompt), config)
+            try:
+                async for output in stream:
+                    response.add(output)
+            finally:
+                await stream.aclose()
+            if response.finish_reason == "abort" and not stream.reached_backend:
+                response = Response(index=index)  # its "abort" choices hold nothing: they become errors
+                raise EngineUnavailableError(DROPPED_MESSAGE)
+        except CoreError as exc:
+            if raise_errors:
+                raise
+            response.fail(str(exc), config.n)
+        return response
 
     def stream_infer(self, prompts: Any, gen_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
                      **kwargs: Any) -> Iterator[tuple[int, RequestOutput]]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from core.backend import ModelInfo, Tokenizer, TokenLogprob
-from core.chat_template import ChatTemplate, validate_messages
+from core.chat_template import ChatTemplate, validate_messages, validate_tools
 from core.config import GenerationConfig
 from core.errors import ContextTooLongError, InvalidRequestError
 from core.multimodal import (
@@ -23,8 +23,11 @@ from core.multimodal import (
     extract_images,
     load_images,
 )
+from core.special_tokens import ContentGuard
 
 REMOVED_KEYWORDS = ("sequence_start", "sequence_end", "step", "interactive")
+# The same, as HTTP bodies spelled them (LMDeploy's interactive_mode).
+REMOVED_HTTP_FIELDS = (*REMOVED_KEYWORDS, "interactive_mode")
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
 GENERATION_FIELDS = frozenset(f.name for f in fields(GenerationConfig))
 
@@ -95,16 +98,22 @@ class RequestPreparer:
     the chat template, their images loaded under `media_policy` and handed with the text to the
     model's vision processor, whose expanded token ids become the prompt (so usage counts image
     tokens). A model without a vision processor refuses images with a request error.
+
+    Control strings in message text stay text (core.special_tokens) unless
+    `allow_special_tokens_in_content`; with images, where the vision processor tokenizes, they are refused.
     """
 
     def __init__(self, model: ModelInfo, tokenizer: Tokenizer, template: ChatTemplate | None,
-                 vision: VisionProcessor | None = None, media_policy: MediaPolicy | None = None) -> None:
+                 vision: VisionProcessor | None = None, media_policy: MediaPolicy | None = None, *,
+                 allow_special_tokens_in_content: bool = False) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.template = template
         self.vision = vision
         self.media_policy = media_policy or MediaPolicy()
         self.template_stop_ids, self.template_stop_strings = self._split_template_stops()
+        stops = template.stop_strings if template else ()
+        self.guard = None if allow_special_tokens_in_content else ContentGuard(tokenizer, stops)
 
     def _split_template_stops(self) -> tuple[frozenset[int], tuple[str, ...]]:
         # An end-of-turn marker that is one token stops on the token; a longer one on its text.
@@ -133,8 +142,8 @@ class RequestPreparer:
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {reserved[0]!r}; it is a request field",
                                       param="chat_template_kwargs")
-        return self.template.render(checked, add_generation_prompt=add_generation_prompt, tools=tools,
-                                    **dict(chat_template_kwargs or {}))
+        return self.template.render(checked, add_generation_prompt=add_generation_prompt,
+                                    tools=validate_tools(tools), **dict(chat_template_kwargs or {}))
 
     def tokenize(self, inputs: Inputs, **render_options: Any) -> tuple[tuple[int, ...], bool]:
         """Prompt token ids (image placeholders expanded) and whether the inputs were chat messages."""
@@ -150,16 +159,23 @@ class RequestPreparer:
             if sources:
                 multimodal = self._multimodal(rendered, sources, render_options)
                 return tuple(multimodal.prompt_token_ids), True, multimodal
-            text = self.render(inputs, **render_options)
-            add_special = self.template is not None and self.template.encode_with_special_tokens
-            return tuple(self.tokenizer.encode(text, add_special_tokens=add_special)), True, None
+            return self._encode_chat(inputs, render_options), True, None
         if isinstance(inputs, Sequence) and inputs and all(_is_token(t) for t in inputs):
-            self._check_token_ids(inputs)
+            self._check_token_ids(inputs, "prompt")
             return tuple(inputs), False, None
         raise InvalidRequestError(
             "the prompt must be a non-empty string, a list of token ids or a list of chat messages",
             param="prompt",
         )
+
+    def _encode_chat(self, messages: Any, render_options: Mapping[str, Any]) -> tuple[int, ...]:
+        """Rendered and tokenized; control strings in the messages' text stay text (the guard)."""
+        tools, mark = validate_tools(render_options.get("tools")), None
+        if self.guard is not None:
+            (messages, tools), mark = self.guard.mark((messages, tools))
+        text = self.render(messages, **{**render_options, "tools": tools})
+        add_special = self.template is not None and self.template.encode_with_special_tokens
+        return tuple(ContentGuard.encode(self.tokenizer, text, mark, add_special))
 
     def _multimodal(self, rendered: list[dict[str, Any]], sources: list[ImageSource],
                     render_options: Mapping[str, Any]) -> MultiModalInputs:
@@ -167,14 +183,20 @@ class RequestPreparer:
             raise InvalidRequestError(
                 f"{sources[0].field} is an image, but model {self.model.name!r} ({self.model.architecture}) "
                 "is a text-only model and does not accept images", param=sources[0].field)
+        control = self.guard.found_in((rendered, render_options.get("tools"))) if self.guard else None
+        if control is not None:
+            raise InvalidRequestError(
+                f"the messages hold the control string {control!r}; with images this server does not accept "
+                "control strings in message text", param="messages")
         images = load_images(sources, self.media_policy)
         return self.vision.preprocess(self.render(rendered, **render_options), images)
 
-    def _check_token_ids(self, token_ids: Sequence[int]) -> None:
+    def _check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
         vocab = self.model.vocab_size
         for t in token_ids:
             if t < 0 or (vocab and t >= vocab):
-                raise InvalidRequestError(f"token id {t} is outside the vocabulary [0, {vocab})", param="prompt")
+                raise InvalidRequestError(f"{param}: token id {t} is outside the vocabulary [0, {vocab})",
+                                          param=param)
 
     def prepare(self, inputs: Inputs, config: GenerationConfig, **render_options: Any) -> PreparedRequest:
         """Everything the backend needs, or a clear request error."""
@@ -183,6 +205,7 @@ class RequestPreparer:
             raise InvalidRequestError("the prompt is empty after tokenization", param="prompt")
         max_new = self._max_new_tokens(len(prompt), config)
         self._check_logit_bias(config)
+        self._check_token_ids(config.stop_token_ids, "stop_token_ids")  # banned before min_new_tokens
         config = config.with_defaults(self.model.generation_defaults)
         stop_ids = set(config.stop_token_ids)
         if not config.ignore_eos:

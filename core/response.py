@@ -27,13 +27,18 @@ class Completion:
 
 @dataclass
 class Response:
-    """A finished request: its choices, token counts, and the index of its prompt in a batch."""
+    """A finished request: its choices, token counts, and the index of its prompt in a batch.
+
+    `error` is the message of a request that failed (its unfinished choices end with finish_reason
+    "error"); `Pipeline.infer` answers a batch item that way instead of failing the batch.
+    """
 
     session_id: str = ""
     index: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     choices: list[Completion] = field(default_factory=list)
+    error: str | None = None
 
     @property
     def text(self) -> str:
@@ -65,6 +70,16 @@ class Response:
             choice.logprobs = (choice.logprobs or []) + list(output.logprobs)
         if output.finish_reason is not None:
             choice.finish_reason, choice.stop_reason = output.finish_reason, output.stop_reason
+
+
+    def fail(self, message: str, n: int = 1) -> None:
+        """Record a failure: `message`, and finish_reason "error" on every one of the n choices still open."""
+        self.error = message
+        while len(self.choices) < n:
+            self.choices.append(Completion(index=len(self.choices)))
+        for choice in self.choices:
+            if choice.finish_reason is None:
+                choice.finish_reason = "error"
 
 
 async def collect(stream: AsyncIterable[RequestOutput], index: int = 0) -> Response:

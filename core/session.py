@@ -92,11 +92,17 @@ class SessionManager:
 
     async def abort(self, session: Session) -> None:
         """Mark aborted and, if the backend has it, ask the backend to stop (at most once)."""
+        if self._mark_aborted(session):
+            await self._backend.abort(session.id)
+
+    def _mark_aborted(self, session: Session) -> bool:
+        """Mark `session` aborted; True when the backend still has to be told (once per session)."""
         if session.state is not SessionState.FINISHED:
             session.state = SessionState.ABORTED
         if session.reached_backend and not session.abort_sent and not session.ended:
             session.abort_sent = True
-            await self._backend.abort(session.id)
+            return True
+        return False
 
     async def abort_id(self, session_id: str) -> bool:
         """Abort the session with this id; False when there is none."""
@@ -107,10 +113,11 @@ class SessionManager:
         return True
 
     async def abort_all(self) -> int:
-        """Abort every session in flight; returns how many."""
+        """Abort every session in flight, in one backend call (`Backend.abort_many`); returns how many."""
         sessions = list(self._sessions.values())
-        for session in sessions:
-            await self.abort(session)
+        to_backend = [session.id for session in sessions if self._mark_aborted(session)]
+        if to_backend:
+            await self._backend.abort_many(to_backend)
         return len(sessions)
 
     async def stop_all(self) -> int:

@@ -14,7 +14,10 @@ from core.errors import InvalidRequestError
      ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2),
      ("repetition_penalty", 0), ("presence_penalty", 3), ("frequency_penalty", -2.5), ("seed", 2**63),
      ("top_logprobs", 21), ("stop", [""]), ("stop", 5), ("stop_token_ids", [-1]), ("ignore_eos", "yes"),
-     ("logprobs", 1), ("logit_bias", {1: 200}), ("logit_bias", {-1: 1.0}), ("skip_special_tokens", None)],
+     ("logprobs", 1), ("logit_bias", {1: 200}), ("logit_bias", {-1: 1.0}), ("skip_special_tokens", None),
+     # past int64: a backend's tensors would overflow (and fail every request of the batch step)
+     ("top_k", 2**70), ("stop_token_ids", [2**70]), ("logit_bias", {2**70: 1.0}), ("max_new_tokens", 2**70),
+     ("min_new_tokens", 2**70)],
 )
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(InvalidRequestError) as info:

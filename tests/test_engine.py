@@ -157,3 +157,31 @@ async def test_chat_template_kwargs_cannot_override_request_fields():
     engine = AsyncEngine(FakeBackend(), chat_template=BracketTemplate())
     with pytest.raises(InvalidRequestError, match="'tools'"):
         engine.generate([{"role": "user", "content": "hi"}], GREEDY, chat_template_kwargs={"tools": []})
+
+
+@pytest.mark.parametrize("ids", [(999,), (2**62,)])
+async def test_stop_token_ids_outside_the_vocabulary(engine, ids):
+    """A banned stop id outside the vocabulary would fail the whole batch step in a backend."""
+    with pytest.raises(InvalidRequestError, match="vocabulary") as info:
+        engine.generate("hi", GREEDY.replace(stop_token_ids=ids, min_new_tokens=1))
+    assert info.value.param == "stop_token_ids"
+    assert len(engine.sessions) == 0
+
+
+async def test_tool_definitions_are_checked_by_name():
+    engine = AsyncEngine(FakeBackend(), chat_template=BracketTemplate())
+    messages = [{"role": "user", "content": "hi"}]
+    cases = [(["x"], "tools[0]"), ([{}], "tools[0].type"), ([{"type": "function"}], "tools[0].function"),
+             ([{"type": "function", "function": {}}], "tools[0].function.name"),
+             ([{"type": "function", "function": {"name": 5}}], "tools[0].function.name"),
+             ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], "tools[0].function.parameters"),
+             ([{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": ""}}],
+              "tools[1].function.name"),
+             ({"type": "function"}, "tools")]
+    for tools, param in cases:
+        with pytest.raises(InvalidRequestError) as info:
+            engine.generate(messages, GREEDY, tools=tools)
+        assert info.value.param == param, (tools, info.value)
+    fine = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}]
+    assert engine.tokenize(messages, tools=fine)
+    await engine.close()

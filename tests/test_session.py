@@ -76,3 +76,14 @@ async def test_stop_all_bumps_the_epoch_and_aborts_everything(manager):
     assert first.state is SessionState.ABORTED
     assert not manager.is_stale(manager.create())
     assert not await manager.abort_id("missing")
+
+
+async def test_abort_all_is_one_backend_call(manager, backend):
+    sessions = [manager.create() for _ in range(16)]
+    for session in sessions[:12]:
+        session.reached_backend = True
+    assert await manager.abort_all() == 16
+    assert await manager.abort_all() == 16  # nothing is sent twice
+    assert backend.count("abort_many", "") == 1
+    assert [backend.count("abort", s.id) for s in sessions] == [1] * 12 + [0] * 4
+    assert all(s.state is SessionState.ABORTED for s in sessions)

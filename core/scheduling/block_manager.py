@@ -9,6 +9,9 @@ from collections.abc import Sequence as SequenceABC
 
 from core.scheduling.sequence import Sequence
 
+# With lazy memory, blocks ever touched may reach this many times the peak in use (the rest caches).
+CACHE_HEADROOM = 2
+
 # Parent "hash" of a sequence's first block: fixed width keeps the hashed byte
 # layout unambiguous (parent digest | token ids | cache keys).
 _ROOT_HASH = bytes(32)
@@ -42,19 +45,31 @@ class _Block:
 class BlockManager:
     """Hands out fixed-size KV blocks to sequences and caches full blocks by content.
 
-    A block is in exactly one of three states: *used* (ref count > 0), *free*
-    (ref count 0, no hash: never used, or its content is not worth keeping) or
-    *evictable* (ref count 0, registered in the hash table; reused on a prefix
-    hit, otherwise recycled least-recently-freed first).  ``num_free_blocks``
-    counts free plus evictable blocks.
+    A block is in exactly one of four states: *used* (ref count > 0), *unused*
+    (never handed out since the start or the last reset), *free* (ref count 0,
+    no hash: its content is not worth keeping) or *evictable* (ref count 0,
+    registered in the hash table; reused on a prefix hit, otherwise recycled
+    least-recently-freed first).  ``num_free_blocks`` counts all but used ones.
+
+    New content goes to a free block first.  Then, with ``lazy_memory`` (a
+    cache whose memory is reached as blocks are first used: the CPU's), an
+    unused block only while the blocks ever touched stay under
+    ``CACHE_HEADROOM`` times the peak number in use at once, else the least
+    recently freed evictable block: resident memory follows the working set,
+    and the prefix cache keeps about as many freed blocks as that peak.
+    Without it (a cache reserved up front: a GPU's), unused blocks go first
+    and cached content is evicted only when none is left: the whole budget
+    caches.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
+                 lazy_memory: bool = True) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.lazy_memory = lazy_memory
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._init_blocks()
@@ -62,16 +77,18 @@ class BlockManager:
     def _init_blocks(self) -> None:
         self._blocks = [_Block(i) for i in range(self.num_blocks)]
         # Reversed so that pop() hands out low block ids first (easier to read in logs).
-        self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))
+        self._unused: list[int] = list(range(self.num_blocks - 1, -1, -1))
+        self._free: list[int] = []
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[bytes, int] = {}
+        self._peak_used = 0
 
     # ------------------------------------------------------------------ stats
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks a new allocation can take: free plus evictable cached blocks."""
-        return len(self._free) + len(self._evictable)
+        """Blocks a new allocation can take: unused, free and evictable cached blocks."""
+        return len(self._unused) + len(self._free) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
@@ -244,15 +261,29 @@ class BlockManager:
         block.ref_count += 1
 
     def _take_new(self) -> int:
+        """A block for new content, in the order the class docstring gives."""
+        self._peak_used = max(self._peak_used, self.num_used_blocks + 1)
         if self._free:
             block_id = self._free.pop()
+        elif self._evictable and (not self._unused or self._touched_enough()):
+            block_id = self._evict()
         else:
-            block_id, _ = self._evictable.popitem(last=False)  # least recently freed
-            block = self._blocks[block_id]
-            assert block.hash is not None
-            del self._hash_to_block[block.hash]
-            block.hash = None
+            block_id = self._unused.pop()
         self._blocks[block_id].ref_count = 1
+        return block_id
+
+    def _touched_enough(self) -> bool:
+        """Lazy memory only: the blocks ever touched reached their allowance (see the class docstring)."""
+        touched = self.num_blocks - len(self._unused)
+        return self.lazy_memory and touched >= CACHE_HEADROOM * self._peak_used
+
+    def _evict(self) -> int:
+        """Drop the least recently freed cached block from the hash table; its id."""
+        block_id, _ = self._evictable.popitem(last=False)
+        block = self._blocks[block_id]
+        assert block.hash is not None
+        del self._hash_to_block[block.hash]
+        block.hash = None
         return block_id
 
     def _release(self, block_id: int) -> None:

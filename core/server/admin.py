@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from core import __version__
 from core.engine import AsyncEngine
-from core.errors import InvalidRequestError
+from core.errors import InvalidRequestError, RequestNotFoundError
 from core.server.openai_protocol import AbortRequest, DetokenizeRequest, TokenizeRequest
 from core.server.serving import check_model, parse_body, state_of
 
@@ -66,17 +66,21 @@ def parse_level(raw: str | None) -> int:
 
 @router.post("/sleep")
 async def sleep(request: Request) -> dict[str, Any]:
-    """Release memory: level 1 drops the KV cache and offloads weights, level 2 drops both."""
+    """Release memory: level 1 drops the KV cache and offloads weights, level 2 drops both.
+
+    Idempotent; a call made while a sleep or wakeup runs waits for it, so the answer always describes
+    memory already released (AsyncEngine.sleep).
+    """
     engine = state_of(request).engine
     level = parse_level(request.query_params.get("level"))
-    if not engine.is_sleeping:
-        await engine.sleep(level)
+    await engine.sleep(level)
     return {"is_sleeping": engine.is_sleeping, "asleep": sorted(engine.asleep_tags)}
 
 
 @router.post("/wakeup")
 async def wakeup(request: Request) -> dict[str, Any]:
-    """Restore `tags` (weights, kv_cache; none given = all); serving resumes when all are awake."""
+    """Restore `tags` (weights, kv_cache; none given = all); serving resumes when all are awake. A call
+    made while a sleep runs waits for it to finish, then wakes."""
     engine = state_of(request).engine
     tags = request.query_params.getlist("tags") or None
     await engine.wakeup(tags)
@@ -90,14 +94,17 @@ async def is_sleeping(request: Request) -> dict[str, bool]:
 
 @router.post("/abort")
 async def abort(request: Request) -> dict[str, Any]:
-    """Abort one request by id ({"request_id": ...}) or all ({"all": true})."""
+    """Abort one request by id ({"request_id": ...}; 404 when none is in flight) or all ({"all": true})."""
     engine = state_of(request).engine
     body = await parse_body(request, AbortRequest)
     if body.all:
         return {"aborted": await engine.abort_all()}
     if body.request_id is None:
         raise InvalidRequestError('give "request_id" or "all": true', param="request_id")
-    return {"aborted": int(await engine.abort(body.request_id))}  # 0: not (or no longer) in flight
+    if not await engine.abort(body.request_id):
+        raise RequestNotFoundError(f"no request {body.request_id!r} is in flight (it may have finished)",
+                                   param="request_id")
+    return {"aborted": 1}
 
 
 # -- tokenizer -------------------------------------------------------------------------------------
@@ -105,7 +112,7 @@ async def abort(request: Request) -> dict[str, Any]:
 
 @router.post("/tokenize")
 async def tokenize(request: Request) -> dict[str, Any]:
-    """Token ids of a prompt, or of chat messages rendered with the chat template."""
+    """Token ids of a prompt, or of chat messages rendered with the chat template (off the event loop)."""
     state = state_of(request)
     body = await parse_body(request, TokenizeRequest)
     check_model(state, body.model)
@@ -113,12 +120,10 @@ async def tokenize(request: Request) -> dict[str, Any]:
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequestError('give exactly one of "prompt" and "messages"', param="prompt")
     if body.messages is not None:
-        tokens = engine.tokenize(body.messages, add_generation_prompt=body.add_generation_prompt, tools=body.tools,
-                                 chat_template_kwargs=body.chat_template_kwargs)
-    elif body.add_special_tokens:
-        tokens = engine.tokenize(body.prompt or "")
+        tokens = await engine.tokenize_async(body.messages, add_generation_prompt=body.add_generation_prompt,
+                                             tools=body.tools, chat_template_kwargs=body.chat_template_kwargs)
     else:
-        tokens = list(engine.tokenizer.encode(body.prompt or "", add_special_tokens=False))
+        tokens = await engine.tokenize_async(body.prompt or "", add_special_tokens=body.add_special_tokens)
     return {"count": len(tokens), "max_model_len": engine.model_info.max_model_len, "tokens": tokens}
 
 

@@ -13,7 +13,7 @@ from core.errors import CoreError
 from core.request import RequestOutput
 from core.server import anthropic_protocol as ap
 from core.server.anthropic_stream import ContentBlockEvents
-from core.server.errors import Protocol, core_error_body, renamed_params
+from core.server.errors import Protocol, core_error_body, renamed_fields, renamed_params
 from core.server.postprocess import ChatPostprocessor
 from core.server.serving import (
     EventStreamResponse,
@@ -46,8 +46,10 @@ async def messages(request: Request) -> Response:
     with renamed_params(ap.PARAM_NAMES):
         config = ap.generation_config(req)
         tools, template_kwargs = ap.chat_tools(req), ap.chat_template_kwargs(req)
-        [stream] = await start_requests(state.engine, [ap.to_chat_messages(req)], config, [rid], tools=tools,
-                                        chat_template_kwargs=template_kwargs)
+        chat, names = ap.translate_messages(req)
+        with renamed_fields(names):
+            [stream] = await start_requests(request, [chat], config, [rid], tools=tools,
+                                            chat_template_kwargs=template_kwargs)
     message_id = f"msg_{rid or uuid.uuid4().hex}"
     post = state.postprocessors.for_request(stream.prompt_token_ids, tools, template_kwargs)
     source = state.metrics.track(stream)
@@ -55,7 +57,7 @@ async def messages(request: Request) -> Response:
         events = _message_events(message_id, state.model_name, len(stream.prompt_token_ids), source, post,
                                  req.stop_sequences)
         return EventStreamResponse(guarded_events(events, anthropic_error_event, None),
-                                   headers={"X-Request-Id": message_id})
+                                   headers={"X-Request-Id": message_id}, closing=[source])
     [result] = await until_disconnected(request, collect_all([source]))
     parts = post.final(result.text)
     return JSONResponse(ap.message_response(message_id, state.model_name, result, req.stop_sequences, parts),
@@ -89,6 +91,8 @@ async def count_tokens(request: Request) -> dict[str, int]:
     state = state_of(request)
     req = await parse_body(request, ap.CountTokensRequest)
     check_model(state, req.model)
-    ids = state.engine.tokenize(ap.to_chat_messages(req), tools=ap.chat_tools(req),
-                                chat_template_kwargs=ap.chat_template_kwargs(req))
+    chat, names = ap.translate_messages(req)
+    with renamed_fields(names):
+        ids = await state.engine.tokenize_async(chat, tools=ap.chat_tools(req),
+                                                chat_template_kwargs=ap.chat_template_kwargs(req))
     return {"input_tokens": len(ids)}

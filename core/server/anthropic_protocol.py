@@ -100,24 +100,27 @@ def _unsupported_block(block: ContentBlock, role: str, param: str) -> Unsupporte
                             f"(only {allowed})", param=param)
 
 
-def _user_messages(blocks: list[ContentBlock], param: str) -> list[dict[str, Any]]:
+def _user_messages(blocks: list[ContentBlock], param: str) -> tuple[list[dict[str, Any]], list[int]]:
     """Tool results become role "tool" messages (in order), then the text is one user message (with its
-    image blocks, when it has any, as content parts that the engine's media intake loads)."""
-    messages, texts, parts = [], [], []
+    image blocks, when it has any, as content parts that the engine's media intake loads). Also returns
+    the block index of each of those parts."""
+    messages, texts, parts, origins = [], [], [], []
     for i, block in enumerate(blocks):
         if block.type == "text" and block.text is not None:
             texts.append(block.text)
             parts.append({"type": "text", "text": block.text})
+            origins.append(i)
         elif block.type == "image":
             parts.append(block.model_dump(exclude_none=True))
+            origins.append(i)
         elif block.type == "tool_result" and block.tool_use_id:
             messages.append({"role": "tool", "tool_call_id": block.tool_use_id,
                              "content": block_text(block.content, f"{param}.{i}.content")})
         else:
             raise _unsupported_block(block, "user", f"{param}.{i}")
     if len(parts) > len(texts):  # images
-        return [*messages, {"role": "user", "content": parts}]
-    return messages + ([{"role": "user", "content": "".join(texts)}] if texts or not messages else [])
+        return [*messages, {"role": "user", "content": parts}], origins
+    return messages + ([{"role": "user", "content": "".join(texts)}] if texts or not messages else []), []
 
 
 def _assistant_message(blocks: list[ContentBlock], param: str) -> dict[str, Any]:
@@ -144,18 +147,29 @@ def _assistant_message(blocks: list[ContentBlock], param: str) -> dict[str, Any]
 def to_chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
     """OpenAI-style messages for the chat template: the system prompt first, then the turns; tool_use
     blocks become tool_calls and tool_result blocks role "tool" messages, as the templates expect."""
+    return translate_messages(req)[0]
+
+
+def translate_messages(req: MessagesRequest | CountTokensRequest) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """`to_chat_messages`, and the client's name of each translated message and content part
+    (``messages[1].content[0]`` -> ``messages[0].content[2]``), for error messages."""
     messages: list[dict[str, Any]] = []
+    names: dict[str, str] = {}
     if req.system is not None:
         messages.append({"role": "system", "content": block_text(req.system, "system")})
     for i, message in enumerate(req.messages):
-        param = f"messages.{i}.content"
+        param, first = f"messages.{i}.content", len(messages)
         if isinstance(message.content, str):
             messages.append({"role": message.role, "content": message.content})
         elif message.role == "assistant":
             messages.append(_assistant_message(message.content, param))
         else:
-            messages.extend(_user_messages(message.content, param))
-    return messages
+            turn, origins = _user_messages(message.content, param)
+            messages.extend(turn)
+            names.update({f"messages[{len(messages) - 1}].content[{j}]": f"messages[{i}].content[{block}]"
+                          for j, block in enumerate(origins)})
+        names.update({f"messages[{c}]": f"messages[{i}]" for c in range(first, len(messages))})
+    return messages, names
 
 
 def chat_tools(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]] | None:

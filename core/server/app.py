@@ -13,6 +13,7 @@ from core import __version__
 from core.engine import AsyncEngine
 from core.server import admin, anthropic, openai
 from core.server.errors import error_body, install_error_handlers, protocol_for_path
+from core.server.limits import ServerLimits
 from core.server.metrics import Metrics
 from core.server.postprocess import Postprocessors
 from core.server.serving import ClientDisconnected, ServerState
@@ -53,7 +54,7 @@ async def _on_client_disconnected(request: Request, exc: Exception) -> Response:
 
 def build_app(engine: AsyncEngine, *, api_key: str | None = None, reasoning_parser: str | None = None,
               tool_call_parser: str | None = None, metrics: Metrics | None = None, plugins: Any = None,
-              **fastapi_options: Any) -> FastAPI:
+              limits: ServerLimits | None = None, **fastapi_options: Any) -> FastAPI:
     """An app serving `engine` over the OpenAI, Anthropic and admin routes.
 
     :param api_key: when set, required on every route except /health.
@@ -61,6 +62,7 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, reasoning_pars
         for the automatic choice by the model's architecture and chat template.
     :param tool_call_parser: the same for tool-call parsers (used for requests that send tools).
     :param plugins: the PluginHost whose parsers are used (default: the process-wide one).
+    :param limits: request-size and back-pressure limits (default: ServerLimits()).
     :raises PluginError: when a parser name is not registered.
     """
     if plugins is None:
@@ -70,7 +72,7 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, reasoning_pars
     postprocessors = Postprocessors.choose(plugins, engine, reasoning_parser, tool_call_parser)
     app = FastAPI(title="core", version=__version__, **fastapi_options)
     app.state.core = ServerState(engine=engine, metrics=metrics or Metrics(), postprocessors=postprocessors,
-                                 api_key=api_key)
+                                 api_key=api_key, limits=limits or ServerLimits())
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _on_client_disconnected)
     for router in (openai.router, anthropic.router, admin.router):

@@ -28,11 +28,13 @@ ANTHROPIC_PREFIX = "/v1/messages"
 GENERIC_500 = "The server had an internal error while processing the request; see the server log."
 
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 409: "conflict_error", 500: "internal_error",
-                503: "service_unavailable_error"}
+                405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+                500: "internal_error", 503: "service_unavailable_error"}
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                   405: "invalid_request_error", 409: "invalid_request_error", 500: "api_error",
-                   503: "overloaded_error"}
+                   405: "invalid_request_error", 409: "invalid_request_error", 413: "request_too_large",
+                   500: "api_error", 503: "overloaded_error"}
+# OpenAI's own `code` where it has one (clients check context_length_exceeded to truncate and retry).
+OPENAI_CODES = {ErrorCode.CONTEXT_TOO_LONG: "context_length_exceeded"}
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
@@ -71,12 +73,15 @@ def error_body(protocol: Protocol, status: int, message: str, *, param: str | No
 def core_error_body(protocol: Protocol, exc: CoreError) -> dict[str, Any]:
     """The body for a CoreError: its message, its `param`, its code's name."""
     message = exc.message if exc.code is not ErrorCode.INTERNAL else GENERIC_500
-    return error_body(protocol, exc.http_status, message, param=exc.param, code=exc.code.type_name)
+    code = OPENAI_CODES.get(exc.code, exc.code.type_name)
+    return error_body(protocol, exc.http_status, message, param=exc.param, code=code)
 
 
 def error_response(protocol: Protocol, exc: CoreError, headers: Mapping[str, str] | None = None) -> JSONResponse:
-    """A JSON response for a CoreError."""
-    return JSONResponse(core_error_body(protocol, exc), status_code=exc.http_status, headers=headers)
+    """A JSON response for a CoreError (with Retry-After when the error knows when to retry)."""
+    retry = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else {}
+    return JSONResponse(core_error_body(protocol, exc), status_code=exc.http_status,
+                        headers={**retry, **(headers or {})})
 
 
 # -- validation errors -----------------------------------------------------------------------------
@@ -116,6 +121,22 @@ def renamed_params(names: Mapping[str, str]) -> Iterator[None]:
             for engine_name, protocol_name in names.items():
                 exc.message = exc.message.replace(engine_name, protocol_name)
             exc.param = names[exc.param]
+        raise
+
+
+@contextmanager
+def renamed_fields(prefixes: Mapping[str, str]) -> Iterator[None]:
+    """Report fields of a translated request (``messages[1].content[0]``, after a system prompt was put
+    first) under the client's own names (``messages[0].content[0]``); the longest matching prefix wins."""
+    try:
+        yield
+    except CoreError as exc:
+        param = exc.param or ""
+        matches = [p for p in prefixes if param == p or param.startswith((p + ".", p + "["))]
+        if matches:
+            old = max(matches, key=len)
+            exc.message = exc.message.replace(old, prefixes[old], 1)
+            exc.param = prefixes[old] + param[len(old):]
         raise
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from core.backend import BackendStats
@@ -65,29 +65,9 @@ class Metrics:
         self.generation_tokens += generation_tokens
         self.e2e.observe(time.perf_counter() - started)
 
-    async def track(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
-        """Yield the stream's outputs while timing them; always closes the stream (freeing its blocks)."""
-        started = last = time.perf_counter()
-        counts: dict[int, int] = {}
-        reasons: dict[int, str] = {}
-        first = True
-        try:
-            async for output in stream:
-                now = time.perf_counter()
-                if output.token_ids:
-                    (self.ttft if first else self.itl).observe(now - (started if first else last))
-                    first, last = False, now
-                counts[output.index] = output.completion_tokens
-                if output.finish_reason:
-                    reasons[output.index] = output.finish_reason
-                yield output
-        except Exception:
-            reasons.setdefault(0, "error")
-            raise  # cancellation and early close fall through to "abort"
-        finally:
-            await stream.aclose()
-            reason = reasons.get(0, "abort")
-            self.finish(reason, len(stream.prompt_token_ids), sum(counts.values()), started)
+    def track(self, stream: RequestStream) -> TrackedStream:
+        """The stream's outputs, timed; closing it (iterated or not) closes the stream and counts it."""
+        return TrackedStream(self, stream)
 
     def render(self, stats: BackendStats, model_name: str) -> str:
         """The whole scrape in Prometheus text format."""
@@ -119,6 +99,60 @@ class Metrics:
         lines += [f"# HELP {PREFIX}model_info The served model.", f"# TYPE {PREFIX}model_info gauge"]
         lines.append(f'{PREFIX}model_info{{model_name="{_escape(model_name)}"}} 1')
         return "\n".join(lines) + "\n"
+
+
+class TrackedStream:
+    """One request's outputs, timed into `Metrics` as they pass; finished, failed or closed early, the
+    request is counted exactly once and its stream closed (freeing its blocks), even when it is closed
+    before its first output (a client that left while it was being prepared)."""
+
+    def __init__(self, metrics: Metrics, stream: RequestStream) -> None:
+        self._metrics, self._stream = metrics, stream
+        self._started = self._last = time.perf_counter()
+        self._first = True
+        self._counts: dict[int, int] = {}
+        self._reasons: dict[int, str] = {}
+        self._closed = False
+
+    def __aiter__(self) -> TrackedStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        try:
+            output = await self._stream.__anext__()
+        except StopAsyncIteration:
+            await self.aclose()
+            raise
+        except Exception:
+            self._reasons.setdefault(0, "error")
+            await self.aclose()
+            raise
+        except BaseException:  # cancelled: counted as "abort"
+            await self.aclose()
+            raise
+        self._observe(output)
+        return output
+
+    def _observe(self, output: RequestOutput) -> None:
+        now = time.perf_counter()
+        if output.token_ids:
+            metrics = self._metrics
+            (metrics.ttft if self._first else metrics.itl).observe(now - (self._started if self._first else self._last))
+            self._first, self._last = False, now
+        self._counts[output.index] = output.completion_tokens
+        if output.finish_reason:
+            self._reasons[output.index] = output.finish_reason
+
+    async def aclose(self) -> None:
+        """Close the stream and count the request (once)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._stream.aclose()
+        finally:
+            self._metrics.finish(self._reasons.get(0, "abort"), len(self._stream.prompt_token_ids),
+                                 sum(self._counts.values()), self._started)
 
 
 def _sample(name: str, kind: str, help_text: str, value: float) -> list[str]:

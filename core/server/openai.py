@@ -46,8 +46,9 @@ def openai_error_event(exc: CoreError) -> str:
     return sse_data(core_error_body(Protocol.OPENAI, exc))
 
 
-def _stream(events: AsyncIterator[str], request_id: str) -> EventStreamResponse:
-    return EventStreamResponse(guarded_events(events, openai_error_event, DONE), headers={"X-Request-Id": request_id})
+def _stream(events: AsyncIterator[str], request_id: str, sources: Sequence[AsyncIterator[Any]]) -> EventStreamResponse:
+    return EventStreamResponse(guarded_events(events, openai_error_event, DONE), headers={"X-Request-Id": request_id},
+                               closing=sources)
 
 
 @router.get("/v1/models")
@@ -74,14 +75,14 @@ async def chat_completions(request: Request) -> Response:
         tools = tr.check_tool_choice(req)
         tr.check_response_format(req)
         [stream] = await start_requests(
-            state.engine, [req.messages], config, [rid], tools=tools,
+            request, [req.messages], config, [rid], tools=tools,
             chat_template_kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt)
     response_id = f"chatcmpl-{rid or uuid.uuid4().hex}"
     post = state.postprocessors.for_request(stream.prompt_token_ids, tools, req.chat_template_kwargs)
     source = state.metrics.track(stream)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(_chat_events(state, response_id, source, post, include_usage), response_id)
+        return _stream(_chat_events(state, response_id, source, post, include_usage), response_id, [source])
     [result] = await until_disconnected(request, collect_all([source]))
     return JSONResponse(chat_response(state, response_id, result, post), headers={"X-Request-Id": response_id})
 
@@ -155,12 +156,12 @@ async def completions(request: Request) -> Response:
     with renamed_params(tr.COMPLETION_PARAM_NAMES):
         config = tr.completion_generation_config(req)
         prompts = tr.completion_prompts(req.prompt)
-        streams = await start_requests(state.engine, prompts, config, session_ids(rid, len(prompts)))
+        streams = await start_requests(request, prompts, config, session_ids(rid, len(prompts)))
     response_id = f"cmpl-{rid or uuid.uuid4().hex}"
     sources = [state.metrics.track(s) for s in streams]
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(_completion_events(state, response_id, sources, config.n, include_usage), response_id)
+        return _stream(_completion_events(state, response_id, sources, config.n, include_usage), response_id, sources)
     results = await until_disconnected(request, collect_all(sources))
     return JSONResponse(completion_response(state, response_id, results, config.n),
                         headers={"X-Request-Id": response_id})

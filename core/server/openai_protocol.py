@@ -57,7 +57,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None  # checked by core.chat_template.validate_tools (names tools[i]...)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
@@ -84,7 +84,7 @@ class TokenizeRequest(BaseModel):
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None  # checked by core.chat_template.validate_tools (names tools[i]...)
     chat_template_kwargs: dict[str, Any] | None = None
 
 

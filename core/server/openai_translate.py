@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from core.backend import TokenLogprob
+from core.chat_template import validate_tools
 from core.config import GenerationConfig
 from core.errors import InvalidRequestError, UnsupportedError
 from core.parsers import ToolCall
@@ -96,9 +97,10 @@ def completion_generation_config(req: CompletionRequest) -> GenerationConfig:
 
 
 def check_tool_choice(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """The tools to render into the prompt; "none" hides them. Forced choices need a parser (later)."""
+    """The tools to render into the prompt, checked; "none" hides them. Forced choices need a parser
+    (later)."""
     if req.tool_choice in (None, "auto"):
-        return req.tools
+        return validate_tools(req.tools)
     if req.tool_choice == "none":
         return None
     raise UnsupportedError('tool_choice must be "auto" or "none" on this server', param="tool_choice")

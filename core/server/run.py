@@ -1,4 +1,5 @@
-"""`core serve`: build the engine, log what is served, run uvicorn, and shut down cleanly on Ctrl-C."""
+"""`core serve`: build the engine, log what is served, run uvicorn, shut down cleanly on Ctrl-C (abort)
+or SIGTERM (drain), and exit non-zero when the engine dies."""
 
 from __future__ import annotations
 
@@ -6,36 +7,72 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
+from types import FrameType
 from typing import Any
 
 import uvicorn
 
 from core.config import EngineConfig
 from core.engine import AsyncEngine
+from core.server.admin import engine_alive
 from core.server.app import build_app
+from core.server.limits import ServerLimits
 
 log = logging.getLogger("core.server")
 API_KEY_VARIABLE = "CORE_API_KEY"
 GRACEFUL_SHUTDOWN_S = 5
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0  # how long SIGTERM lets requests in flight finish
+WATCHDOG_TICKS = 10  # uvicorn ticks every 0.1 s: check the engine once a second
+EXIT_ENGINE_DIED = 1
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, but in-flight requests are aborted first on shutdown so open streams end promptly, and
-    the engine is closed as part of the shutdown.
+    """uvicorn with the engine's shutdown: Ctrl-C aborts the requests in flight at once, SIGTERM drains
+    them (no new requests; those in flight finish for up to `shutdown_timeout` seconds, then the rest are
+    aborted); either way the engine is closed as part of the shutdown. A watchdog stops the server when
+    the engine dies (`engine_died`), so the process exits non-zero and a supervisor restarts it.
 
-    Closing it here, not after `serve()` returns, matters: uvicorn re-raises the Ctrl-C it captured as
-    `serve()` ends, and asyncio.run answers that by cancelling the main task, which would cut the
-    engine's close short (the backend's loop thread would never be stopped).
+    Closing the engine here, not after `serve()` returns, matters: uvicorn re-raises the signal it
+    captured as `serve()` ends, and asyncio.run answers that by cancelling the main task, which would
+    cut the engine's close short (the backend's loop thread would never be stopped).
     """
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout: float) -> None:
         super().__init__(config)
         self._engine = engine
+        self._shutdown_timeout = shutdown_timeout
+        self._drain = False
+        self.engine_died = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._drain = self._drain or sig == signal.SIGTERM
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if counter % WATCHDOG_TICKS == 0 and not self.engine_died and not engine_alive(self._engine):
+            log.error("the engine has died; stopping the server")
+            self.engine_died = True
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets: Any = None) -> None:
-        await self._engine.abort_all()
+        if not self.engine_died:
+            await self._stop_requests()
         await super().shutdown(sockets=sockets)
         await _close(self._engine)
+
+    async def _stop_requests(self) -> None:
+        if not self._drain:
+            await self._engine.abort_all()
+            return
+        for server in self.servers:
+            server.close()  # stop accepting connections
+        log.info("draining: waiting up to %g s for %d request(s) in flight", self._shutdown_timeout,
+                 len(self._engine.sessions))
+        aborted = await self._engine.drain(self._shutdown_timeout)
+        if aborted:
+            log.warning("shutdown timeout: aborted %d request(s) still in flight", aborted)
 
 
 async def _close(engine: AsyncEngine) -> None:
@@ -53,25 +90,32 @@ def startup_summary(engine: AsyncEngine, config: EngineConfig, url: str) -> str:
             f"on backend {backend}, dtype {info.dtype}, packed weights {info.quantization}, KV cache {kv}, at {url}")
 
 
-async def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> None:
+async def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     engine = AsyncEngine.from_config(engine_config)
     try:
         api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_VARIABLE) or None
         app = build_app(engine, api_key=api_key, reasoning_parser=getattr(args, "reasoning_parser", None),
-                        tool_call_parser=getattr(args, "tool_call_parser", None))
+                        tool_call_parser=getattr(args, "tool_call_parser", None),
+                        limits=ServerLimits.from_args(args))
         log.info(startup_summary(engine, engine_config, f"http://{args.host}:{args.port}"))
         config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="off", access_log=False,
                                 log_level="debug" if getattr(args, "verbose", False) else "info",
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-        await _Server(config, engine).serve()
+        server = _Server(config, engine, getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S))
+        await server.serve()
+        return EXIT_ENGINE_DIED if server.engine_died else 0
     finally:
         await _close(engine)  # when start-up failed (shutdown closes it otherwise)
 
 
 def serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
-    """Run the server until Ctrl-C (or SIGTERM); returns the exit status."""
+    """Run the server until Ctrl-C or SIGTERM (exit status 0), or until the engine dies (1)."""
+    # uvicorn re-raises the signal it handled once it has shut down; SIGTERM's default action would
+    # kill the process (status -15) after a clean drain, so it raises KeyboardInterrupt, as Ctrl-C does.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        asyncio.run(_serve(args, engine_config))
+        return asyncio.run(_serve(args, engine_config))
     except KeyboardInterrupt:
-        pass
-    return 0
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -17,9 +18,10 @@ from starlette.types import Receive, Scope, Send
 from core.config import GenerationConfig
 from core.engine import AsyncEngine, RequestStream
 from core.errors import CoreError, InvalidRequestError, ModelNotFoundError
-from core.request import Inputs
+from core.request import REMOVED_HTTP_FIELDS, Inputs
 from core.response import Response
 from core.server.errors import validation_to_core_error
+from core.server.limits import ServerLimits
 from core.server.metrics import Metrics
 from core.server.postprocess import Postprocessors
 from core.server.sse import SSE_HEADERS
@@ -27,6 +29,7 @@ from core.server.sse import SSE_HEADERS
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 REQUEST_ID_HEADER = "X-Request-Id"
+PARSE_OFF_LOOP_BYTES = 64 * 1024  # larger bodies are parsed on a thread, so the event loop runs on
 
 
 @dataclass
@@ -37,6 +40,7 @@ class ServerState:
     metrics: Metrics
     postprocessors: Postprocessors
     api_key: str | None = None
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
     @property
     def model_name(self) -> str:
@@ -53,14 +57,33 @@ class ClientDisconnected(Exception):
 
 
 async def parse_body(request: Request, model: type[T]) -> T:
-    """The JSON body validated as `model`; malformed JSON or a wrong type is a 400 naming the field."""
+    """The JSON body validated as `model`; malformed JSON or a wrong type is a 400 naming the field, a
+    body over --max-request-bytes a 413 (before any parsing), a removed interactive-state field a 400
+    naming it. A large body is parsed on a thread."""
+    raw = await state_of(request).limits.read_body(request.headers.get("content-length"), request.stream())
+    if len(raw) > PARSE_OFF_LOOP_BYTES:
+        parsed = await asyncio.to_thread(_validate_json, model, raw)
+    else:
+        parsed = _validate_json(model, raw)
+    _reject_removed_fields(getattr(parsed, "model_extra", None) or {})
+    return parsed
+
+
+def _validate_json(model: type[T], raw: bytes) -> T:
     from pydantic import ValidationError
 
-    raw = await request.body()
     try:
         return model.model_validate_json(raw or b"{}")  # type: ignore[attr-defined]
     except ValidationError as exc:
         raise validation_to_core_error(exc.errors()) from None
+
+
+def _reject_removed_fields(extra: dict[str, Any]) -> None:
+    for name in extra:
+        if name in REMOVED_HTTP_FIELDS:
+            raise InvalidRequestError(
+                f"{name} was removed: requests are stateless, so send the whole conversation with every "
+                "request (prefix caching makes the repeat cheap)", param=name)
 
 
 def check_model(state: ServerState, name: str | None) -> None:
@@ -86,14 +109,32 @@ def session_ids(request_id: str | None, count: int) -> list[str | None]:
     return [request_id] if count == 1 else [f"{request_id}-{i}" for i in range(count)]
 
 
-async def start_requests(engine: AsyncEngine, prompts: Sequence[Inputs], config: GenerationConfig,
+async def start_requests(request: Request, prompts: Sequence[Inputs], config: GenerationConfig,
                          session_ids: Sequence[str | None], **options: Any) -> list[RequestStream]:
-    """One engine request per prompt; if one is rejected, the ones already started are dropped."""
+    """One engine request per prompt, prepared off the event loop (AsyncEngine.generate_async).
+
+    Past --max-queued-requests it is a 503 with Retry-After. If one prompt is rejected, the ones
+    already started are dropped; a client that leaves meanwhile cancels them all, and they are counted
+    as aborted in /metrics.
+    """
+    state = state_of(request)
+    state.limits.admit(len(state.engine.sessions), len(prompts))
+    started = time.perf_counter()
+    try:
+        starting = _start(state.engine, prompts, config, session_ids, **options)
+        return await until_disconnected(request, starting)
+    except ClientDisconnected:
+        for _ in prompts:
+            state.metrics.finish("abort", 0, 0, started)
+        raise
+
+
+async def _start(engine: AsyncEngine, prompts: Sequence[Inputs], config: GenerationConfig,
+                 session_ids: Sequence[str | None], **options: Any) -> list[RequestStream]:
     streams: list[RequestStream] = []
     try:
         for prompt, session_id in zip(prompts, session_ids, strict=True):
-            prompt = await engine.load_media(prompt)  # images fetched off the event loop
-            streams.append(engine.generate(prompt, config, session_id=session_id, **options))
+            streams.append(await engine.generate_async(prompt, config, session_id=session_id, **options))
     except BaseException:
         for stream in streams:
             await stream.aclose()
@@ -139,7 +180,8 @@ async def merge(iterators: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[in
 
 
 async def collect_all(sources: Sequence[AsyncIterator[Any]]) -> list[Response]:
-    """Whole responses of several requests run concurrently (one error cancels the others)."""
+    """Whole responses of several requests run concurrently (one error cancels the others); every
+    source is closed at the end, even one that never ran."""
     responses = [Response(index=i) for i in range(len(sources))]
     merged = merge(sources)
     try:
@@ -147,7 +189,16 @@ async def collect_all(sources: Sequence[AsyncIterator[Any]]) -> list[Response]:
             responses[i].add(output)
     finally:
         await merged.aclose()
+        await close_all(sources)
     return responses
+
+
+async def close_all(sources: Sequence[AsyncIterator[Any]]) -> None:
+    """Close every source that can be closed (closing twice is harmless)."""
+    for source in sources:
+        aclose = getattr(source, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 async def _wait_for_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
@@ -175,9 +226,11 @@ class EventStreamResponse(StreamingResponse):
     """An SSE response that notices a client leaving even between tokens, and always closes its source
     (which aborts the request and frees its KV blocks)."""
 
-    def __init__(self, content: AsyncIterator[str], headers: dict[str, str] | None = None) -> None:
+    def __init__(self, content: AsyncIterator[str], headers: dict[str, str] | None = None,
+                 closing: Sequence[AsyncIterator[Any]] = ()) -> None:
         super().__init__(content, media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
         self._source = content
+        self._closing = closing  # the requests' streams: closed even if the events never started
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streamer = asyncio.ensure_future(self.stream_response(send))
@@ -189,6 +242,7 @@ class EventStreamResponse(StreamingResponse):
                 t.cancel()
             results = await asyncio.gather(streamer, watcher, return_exceptions=True)
             await self._source.aclose()  # type: ignore[attr-defined]
+            await close_all(self._closing)
         if isinstance(results[0], Exception) and not isinstance(results[0], OSError):
             log.warning("streaming response failed: %r", results[0])
 

@@ -40,7 +40,8 @@ GREEDY = GenerationConfig(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 
 
 class SpyBackend(Backend):
-    """Delegates to a real backend and counts generate/abort/end calls per session."""
+    """Delegates to a real backend and counts generate/abort/end calls per session (and batched aborts
+    as ("abort_many", ""))."""
 
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
@@ -57,6 +58,12 @@ class SpyBackend(Backend):
     async def abort(self, session_id: str) -> None:
         self.calls["abort", session_id] += 1
         await self.inner.abort(session_id)
+
+    async def abort_many(self, session_ids: Sequence[str]) -> None:
+        self.calls["abort_many", ""] += 1
+        for session_id in session_ids:
+            self.calls["abort", session_id] += 1
+        await self.inner.abort_many(session_ids)
 
     async def end(self, session_id: str) -> EndResult:
         self.calls["end", session_id] += 1
@@ -169,6 +176,18 @@ class BackendContractTests:
                 assert await engine.abort(stream.session_id)
         assert outputs[-1].finish_reason == "abort"
         assert spy.calls["abort", stream.session_id] == 1 and spy.calls["end", stream.session_id] == 1
+        assert_idle(engine, await wait_idle(engine))
+
+    async def test_abort_all_is_one_backend_call_and_ends_every_stream(self, engine, spy, prompt_token_ids):
+        config = GREEDY.replace(max_new_tokens=engine.model_info.max_model_len - len(prompt_token_ids))
+        streams = [engine.generate(prompt_token_ids[i:], config) for i in range(6)]
+        firsts = [await stream.__anext__() for stream in streams]
+        assert await engine.abort_all() == len(streams)
+        outputs = await asyncio.gather(*(collect(stream) for stream in streams))
+        assert all(first.finish_reason is None for first in firsts)
+        assert [o.finish_reason for o in outputs] == ["abort"] * len(streams)
+        assert spy.calls["abort_many", ""] == 1
+        assert all(spy.calls["abort", s.session_id] == 1 for s in streams)
         assert_idle(engine, await wait_idle(engine))
 
     async def test_closing_the_stream_early_ends_the_session(self, engine, spy, prompt_token_ids):

@@ -173,6 +173,14 @@ class FakeBackend(Backend):
     # -- control ----------------------------------------------------------------------------------
 
     async def abort(self, session_id: str) -> None:
+        self._abort(session_id)
+
+    async def abort_many(self, session_ids: Sequence[str]) -> None:
+        self.calls["abort_many", ""] += 1
+        for session_id in session_ids:
+            self._abort(session_id)
+
+    def _abort(self, session_id: str) -> None:
         self.calls["abort", session_id] += 1
         run = self._running.get(session_id)
         if run is not None:
@@ -212,5 +220,6 @@ class FakeBackend(Backend):
         self.closed = True
 
     def count(self, call: str, session_id: str) -> int:
-        """How many times `call` ("generate", "abort", "end") was made for a session."""
+        """How many times `call` ("generate", "abort", "end") was made for a session; ("abort_many", "")
+        counts batched aborts."""
         return self.calls[call, session_id]

@@ -121,8 +121,8 @@ def test_freed_blocks_stay_cached_and_are_reused():
     assert b.num_cached_tokens == 8
 
 
-def test_free_list_is_used_before_evicting_cached_blocks():
-    bm = BlockManager(num_blocks=6, block_size=4)
+def test_a_cache_reserved_up_front_uses_unused_blocks_before_evicting_cached_ones():
+    bm = BlockManager(num_blocks=6, block_size=4, lazy_memory=False)
     a = make_seq(range(8), "a")
     prefill(bm, a)
     a_blocks = list(a.block_table)
@@ -131,6 +131,49 @@ def test_free_list_is_used_before_evicting_cached_blocks():
     prefill(bm, b)
     assert not set(b.block_table) & set(a_blocks)
     assert bm.match_prefix(make_seq(range(9), "c")) == a_blocks
+
+
+def test_memory_follows_the_working_set_with_prefix_caching():
+    """180 blocks of distinct content through a 100-block cache, 3 at a time: the blocks ever touched
+    stay at CACHE_HEADROOM x 3; the most recently freed of them stay cached."""
+    bm = BlockManager(num_blocks=100, block_size=4)
+    touched: set[int] = set()
+    for i in range(60):
+        seq = make_seq(range(1000 * i, 1000 * i + 12), f"s{i}")
+        assert prefill(bm, seq) == []
+        touched |= set(seq.block_table)
+        bm.free(seq)
+    assert touched == set(range(block_manager_module.CACHE_HEADROOM * 3))
+    assert bm.num_cached_blocks == len(touched) and bm.num_free_blocks == 100
+    assert len(prefill(bm, make_seq(range(59000, 59013), "again"))) == 3  # the last one still hits
+
+
+def test_a_cache_reserved_up_front_caches_in_its_whole_budget():
+    bm = BlockManager(num_blocks=100, block_size=4, lazy_memory=False)
+    for i in range(30):
+        seq = make_seq(range(1000 * i, 1000 * i + 12), f"s{i}")
+        prefill(bm, seq)
+        bm.free(seq)
+    assert bm.num_cached_blocks == 90
+    assert len(prefill(bm, make_seq(range(0, 13), "first"))) == 3
+
+
+def test_past_the_allowance_free_blocks_go_first_then_the_least_recently_freed_cached():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a, b = make_seq(range(0, 8), "a"), make_seq(range(100, 108), "b")
+    prefill(bm, a)
+    prefill(bm, b)  # peak 4 in use: up to 8 blocks may be touched
+    a_blocks, b_blocks = list(a.block_table), list(b.block_table)
+    bm.free(a)
+    bm.free(b)
+    c = make_seq(range(300, 314), "c")  # 4 blocks: the 4 unused ones of the allowance (3 full + 1 partial)
+    prefill(bm, c)
+    bm.free(c)  # its partial block is free, uncached
+    d = make_seq(range(400, 412), "d")  # 3 blocks: the free one, then a's (the least recently freed)
+    assert bm.allocate(d, 12)
+    assert d.block_table == [7, *reversed(a_blocks)]  # a freed tail first
+    assert bm.match_prefix(make_seq(range(100, 109), "pb")) == b_blocks  # still a hit
+    assert bm.match_prefix(make_seq(range(0, 9), "pa")) == []
 
 
 def test_lru_eviction_least_recently_freed_first_and_tail_first():

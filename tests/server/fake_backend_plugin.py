@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,6 +21,8 @@ from core.testing.fake import FakeBackend, next_token_rule
 TEMPLATE_NAME = "tiny-chatml"
 FAIL_MARKER = list(b"BOOM")
 FAIL_AFTER_TOKENS = 3
+# A message holding "SLOW_RENDER:<seconds>" takes that long to render: a stand-in for a huge prompt.
+SLOW_RENDER = re.compile(r"SLOW_RENDER:([0-9.]+)")
 
 
 class TinyChatML(ChatTemplate):
@@ -29,6 +33,9 @@ class TinyChatML(ChatTemplate):
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                tools: Sequence[Mapping[str, Any]] | None = None, **template_kwargs: Any) -> str:
         parts = []
+        for message in messages:
+            if slow := SLOW_RENDER.search(_text(message.get("content"))):
+                time.sleep(float(slow.group(1)))
         if tools:
             parts.append(f"<|im_start|>system\nTools: {json.dumps(list(tools), sort_keys=True)}<|im_end|>\n")
         for message in messages:

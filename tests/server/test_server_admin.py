@@ -73,7 +73,8 @@ def test_abort_by_id_ends_the_stream_and_frees_blocks(http: httpx.Client, long_t
     assert not thread.is_alive() and received[-1] == "data: [DONE]"
     assert '"finish_reason":"abort"' in "".join(received)
     wait_idle(http)
-    assert http.post("/abort", json={"request_id": "to-abort"}).json() == {"aborted": 0}
+    error = assert_openai_error(http.post("/abort", json={"request_id": "to-abort"}), 404, "request_id")
+    assert "'to-abort'" in error["message"]  # no longer in flight: named, not a silent {"aborted": 0}
     assert http.post("/abort", json={"all": True}).json() == {"aborted": 0}
     assert_openai_error(http.post("/abort", json={}), 400, "request_id")
 

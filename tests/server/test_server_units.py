@@ -10,7 +10,7 @@ import pytest
 
 from core.backend import TokenLogprob
 from core.engine import AsyncEngine
-from core.errors import EngineSleepingError, InvalidRequestError
+from core.errors import ContextTooLongError, EngineSleepingError, InvalidRequestError
 from core.server import anthropic_protocol as ap
 from core.server import openai_translate as tr
 from core.server.app import build_app
@@ -106,6 +106,8 @@ def test_error_bodies():
     assert core_error_body(Protocol.OPENAI, exc)["error"]["code"] == "sleeping"
     body = core_error_body(Protocol.ANTHROPIC, exc)
     assert body["type"] == "error" and body["error"]["type"] == "overloaded_error"
+    too_long = ContextTooLongError("the prompt is too long", param="prompt")
+    assert core_error_body(Protocol.OPENAI, too_long)["error"]["code"] == "context_length_exceeded"  # OpenAI's
     assert param_of(("body", "prompt", "list[int]", 1)) == "prompt.1"
     assert validation_to_core_error([{"type": "json_invalid", "loc": (), "msg": "x"}]).param == "body"
 
@@ -168,3 +170,20 @@ async def test_a_real_backend_whose_engine_loop_died_is_unhealthy(tiny_llama_che
             assert (await http.get("/health")).status_code == 200
     finally:
         await engine.close()
+
+
+async def test_a_request_closed_before_its_first_output_is_counted():
+    """A client that leaves before the first token (while its request was being prepared) still counts."""
+    from core.server.metrics import Metrics
+
+    engine = AsyncEngine(FakeBackend())
+    metrics = Metrics()
+    tracked = metrics.track(engine.generate("hi", max_new_tokens=3))
+    await tracked.aclose()
+    await tracked.aclose()  # once only
+    assert metrics.requests == {"abort": 1} and len(engine.sessions) == 0
+    whole = metrics.track(engine.generate("hi", max_new_tokens=3))
+    assert len([o async for o in whole]) == 3
+    await whole.aclose()
+    assert metrics.requests == {"abort": 1, "length": 1}
+    await engine.close()

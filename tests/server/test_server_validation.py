@@ -32,6 +32,28 @@ CHAT_ERRORS = [
     ({"min_tokens": 10, "max_tokens": 2}, "min_tokens"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"max_tokens": 100000}, "max_tokens"),
+    # past int64, or outside the vocabulary: validated up front, never a failed batch step
+    ({"top_k": 2**70}, "top_k"),
+    ({"stop_token_ids": [2**70]}, "stop_token_ids"),
+    ({"stop_token_ids": [999999], "min_tokens": 1}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"logit_bias": {str(2**70): 1}}, "logit_bias"),
+    ({"max_tokens": 2**70}, "max_tokens"),
+    ({"min_tokens": 2**70}, "min_tokens"),
+    ({"n": 2**70}, "n"),
+    ({"top_logprobs": 2**70, "logprobs": True}, "top_logprobs"),
+    # broken tool definitions
+    ({"tools": [{}]}, "tools[0].type"),
+    ({"tools": ["get_weather"]}, "tools[0]"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": 7}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
+    # the removed interactive-state fields are rejected by name
+    ({"sequence_start": True}, "sequence_start"),
+    ({"sequence_end": True}, "sequence_end"),
+    ({"step": 3}, "step"),
+    ({"interactive_mode": True}, "interactive_mode"),
 ]
 
 COMPLETION_ERRORS = [
@@ -43,6 +65,13 @@ COMPLETION_ERRORS = [
     ({"prompt": [-1]}, "prompt"),
     ({"stream_options": {"include_usage": True}, "stream": False}, "stream_options"),
     ({"echo": True}, "echo"),
+    ({"top_k": 2**70}, "top_k"),
+    ({"stop_token_ids": [2**70]}, "stop_token_ids"),
+    ({"stop_token_ids": [999999], "min_tokens": 1}, "stop_token_ids"),
+    ({"seed": 2**70}, "seed"),
+    ({"logprobs": 2**70}, "logprobs"),
+    ({"sequence_start": True}, "sequence_start"),
+    ({"interactive_mode": False}, "interactive_mode"),
 ]
 
 
@@ -67,6 +96,7 @@ def test_prompt_longer_than_the_context_window_says_so(http: httpx.Client, model
     chat = {"messages": [{"role": "user", "content": text}]}
     error = assert_openai_error(http.post("/v1/chat/completions", json=chat), 400, "prompt")
     assert "context window" in error["message"]
+    assert error["code"] == "context_length_exceeded"  # what OpenAI clients check to truncate
     error = assert_anthropic_error(http.post("/v1/messages", json={**chat, "max_tokens": 4}), 400)
     assert "context window" in error["message"]
     error = assert_openai_error(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": window}), 400,
@@ -94,10 +124,36 @@ def test_unknown_model_is_404(http: httpx.Client):
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 4}, "text"),
     ({"messages": [{"role": "system", "content": "x"}], "max_tokens": 4}, "role"),
     ({"messages": MESSAGES, "max_tokens": 4, "temperature": -2}, "temperature"),
+    ({"messages": MESSAGES, "max_tokens": 4, "top_k": 2**70}, "top_k"),
+    ({"messages": MESSAGES, "max_tokens": 2**70}, "max_tokens"),
+    ({"messages": MESSAGES, "max_tokens": 4, "tools": [{}]}, "tools.0.name"),
+    ({"messages": MESSAGES, "max_tokens": 4, "tools": [{"name": 5, "input_schema": {}}]}, "tools.0.name"),
+    ({"messages": MESSAGES, "max_tokens": 4, "tools": [{"name": "f"}]}, "tools.0.input_schema"),
+    ({"messages": MESSAGES, "max_tokens": 4, "tools": [{"name": "f", "input_schema": "x"}]}, "tools.0.input_schema"),
+    ({"messages": MESSAGES, "max_tokens": 4, "sequence_start": True}, "sequence_start"),
+    ({"messages": MESSAGES, "max_tokens": 4, "interactive_mode": True}, "interactive_mode"),
 ])
 def test_anthropic_validation_errors_use_its_shape(http: httpx.Client, body: dict, needle: str):
     error = assert_anthropic_error(http.post("/v1/messages", json=body), 400)
     assert error["type"] == "invalid_request_error" and needle in error["message"]
+
+
+def test_anthropic_image_errors_name_the_clients_message_index(http: httpx.Client):
+    """A top-level system prompt is no message of the client's: it must not shift the indices."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "bad"}}
+    body = {"system": "Be brief.", "max_tokens": 4,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "look"}, image]}]}
+    error = assert_anthropic_error(http.post("/v1/messages", json=body), 400)
+    assert "messages[0].content[1]" in error["message"] and "messages[1]" not in error["message"]
+    for system in ("Be brief.", None):
+        count = http.post("/v1/messages/count_tokens", json={**body, "system": system})
+        assert "messages[0].content[1]" in assert_anthropic_error(count, 400)["message"]
+
+
+def test_tokenize_checks_tools_and_removed_fields(http: httpx.Client):
+    tokenize = {"messages": MESSAGES}
+    assert_openai_error(http.post("/tokenize", json={**tokenize, "tools": [{}]}), 400, "tools[0].type")
+    assert_openai_error(http.post("/tokenize", json={**tokenize, "step": 1}), 400, "step")
 
 
 def test_unknown_route_and_method_keep_the_protocol_shape(http: httpx.Client):

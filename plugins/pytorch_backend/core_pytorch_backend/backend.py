@@ -17,7 +17,7 @@ import torch
 
 from core.backend import Backend, BackendOutput, BackendStats, EndResult, GenerateRequest, ModelInfo
 from core.config import EngineConfig
-from core.errors import BackendError, InvalidRequestError
+from core.errors import EngineSleepingError, InvalidRequestError
 from core.openmp import release_openmp_pool
 from core_pytorch_backend.cuda_graphs import make_decode_graphs
 from core_pytorch_backend.engine_loop import EngineLoop
@@ -119,7 +119,7 @@ class PytorchBackend(Backend):
 
     async def _generate(self, request: GenerateRequest) -> AsyncIterator[BackendOutput]:
         if self._asleep:
-            raise BackendError("the backend is asleep; wake it up first")
+            raise EngineSleepingError(self._asleep)  # a request that raced a sleep: a 503, not a 500
         state = RequestState(request, asyncio.get_running_loop(), asyncio.Queue(), sampling_params(request),
                              self.model_info.max_model_len)
         try:
@@ -139,6 +139,11 @@ class PytorchBackend(Backend):
 
     async def abort(self, session_id: str) -> None:
         await asyncio.wrap_future(self.loop.call(lambda: self.loop.abort(session_id)))
+
+    async def abort_many(self, session_ids: Sequence[str]) -> None:
+        """All of them in one command: done within one engine step, however many there are."""
+        ids = list(session_ids)
+        await asyncio.wrap_future(self.loop.call(lambda: self.loop.abort_many(ids)))
 
     async def end(self, session_id: str) -> EndResult:
         return await asyncio.wrap_future(self.loop.call(lambda: self.loop.end(session_id)))
@@ -162,17 +167,22 @@ class PytorchBackend(Backend):
     # -- sleep (run on the loop thread) ----------------------------------------------------------------
 
     def _sleep(self, level: int) -> None:
+        """Each part is marked asleep as soon as it is released, so `is_sleeping` is the real state
+        even if a later part fails."""
         self.loop.abort_all()
         runner = self.loop.runner
         if runner.has_kv_cache:
             runner.free_kv_cache()
             self.loop.block_manager.reset()
+        self._asleep.add("kv_cache")
+        if "weights" in self._asleep:
+            return
         if level == 2:
             runner.model.to("meta")  # weights dropped; re-read from the checkpoint on wakeup
         elif self.device.type != "cpu":
             runner.model.to("cpu")  # level 1: weights kept in host memory
-        self._asleep = {"weights", "kv_cache"}
         self._weights_dropped = level == 2
+        self._asleep.add("weights")
 
     def _wakeup(self, tags: Sequence[str]) -> None:
         runner = self.loop.runner

@@ -18,7 +18,7 @@ import torch
 
 from core.backend import BackendStats, EndResult, FinishReason
 from core.errors import BackendError
-from core.scheduling import BlockManager, Scheduler, Sequence
+from core.scheduling import BlockManager, ScheduledSequence, Scheduler, SchedulerOutput, Sequence
 from core_pytorch_backend.model_runner import ModelRunner
 from core_pytorch_backend.multimodal_inputs import SequenceImages, cache_keys
 from core_pytorch_backend.request_state import END_OF_STREAM, RequestState
@@ -37,7 +37,8 @@ class EngineLoop:
         self.runner = runner
         self.sample_kernel = sample_kernel  # the op set's fused sampler, if it has one
         self.max_model_len = max_model_len
-        self.block_manager = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching)
+        self.block_manager = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching,
+                                          lazy_memory=runner.kv_memory_is_lazy)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max(max_num_batched_tokens, 1))
         self.requests: dict[str, RequestState] = {}  # in flight
@@ -55,6 +56,8 @@ class EngineLoop:
         future: concurrent.futures.Future = concurrent.futures.Future()
         if self._stopping:
             future.set_exception(BackendError("the backend is closed"))
+        elif not self._thread.is_alive():  # nobody would ever run it
+            future.set_exception(BackendError("the engine loop thread has died; see the log"))
         else:
             self._commands.put((fn, future))
         return future
@@ -78,13 +81,27 @@ class EngineLoop:
     # -- the thread -----------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            if not self._stopping:  # dying (a BaseException): nobody will answer the requests in flight
+                self._fail_on_death()
+
+    def _fail_on_death(self) -> None:
+        log.critical("the engine loop thread is dying; failing %d request(s) in flight", len(self.requests))
+        error = BackendError("the engine loop thread has died; see the log")
+        for state in list(self.requests.values()):
+            state.send(error)
+            state.send(END_OF_STREAM)
+
+    def _serve(self) -> None:
         while not self._stopping:
             self._drain_commands(block=not self.scheduler.has_unfinished)
             if self._stopping or not self.scheduler.has_unfinished:
                 continue
             try:
                 self._step()
-            except Exception as exc:  # fail the affected requests; the loop keeps serving
+            except Exception as exc:  # outside the isolated part of a step: fail all; the loop keeps serving
                 log.exception("engine step failed")
                 self._fail_all(exc)
 
@@ -147,6 +164,10 @@ class EngineLoop:
             return EndResult.ENDED
         return EndResult.NOT_FOUND
 
+    def abort_many(self, session_ids: list[str]) -> None:
+        for session_id in session_ids:
+            self.abort(session_id)
+
     def abort_all(self) -> None:
         for state in list(self.requests.values()):
             self._finish_request(state, FinishReason.ABORT)
@@ -163,19 +184,53 @@ class EngineLoop:
         if not self.runner.has_kv_cache:
             self._fail_all(BackendError("the KV cache is released (the backend is asleep); wake it up"))
             return
-        inputs = self.runner.prepare(out.scheduled)
+        self._run_chunks(out.scheduled)
+
+    def _run_chunks(self, chunks: list[ScheduledSequence]) -> None:
+        """Forward and sample `chunks`, then record the results; a failure of the forward or the
+        sampler is isolated to the requests that cause it (`_isolate_failure`)."""
+        try:
+            sampling, groups, result = self._compute(chunks)
+        except Exception as exc:
+            self._isolate_failure(chunks, exc)
+            return
+        tokens = {seq.seq_id: result.token_ids[g[0]] for seq, g in zip(sampling, groups, strict=True)}
+        self.scheduler.update(SchedulerOutput(scheduled=chunks), tokens)
+        if sampling:
+            self._emit(sampling, groups, result)
+
+    def _compute(self, chunks: list[ScheduledSequence]) -> tuple[list[Sequence], list[list[int]], Any]:
+        """The forward pass and the sampler: no scheduler state changes, so it can be run again."""
+        inputs = self.runner.prepare(chunks)
         logits = self.runner.execute(inputs)
         sampling = [s.seq for s in inputs.sampling]
         if not sampling:
-            self.scheduler.update(out, {})
-            return
+            return [], [], None
         rows, groups = self._sampling_rows(sampling)
         if len(rows) != len(sampling):  # a first sample of an n > 1 request reads its logits n times
             owners = [i for i, group in enumerate(groups) for _ in group]
             logits = logits.index_select(0, torch.tensor(owners, device=logits.device))
-        result = sample(logits, SamplingBatch.from_rows(rows, device=logits.device), self.sample_kernel)
-        self.scheduler.update(out, {seq.seq_id: result.token_ids[g[0]] for seq, g in zip(sampling, groups, strict=True)})
-        self._emit(sampling, groups, result)
+        return sampling, groups, sample(logits, SamplingBatch.from_rows(rows, device=logits.device), self.sample_kernel)
+
+    def _isolate_failure(self, chunks: list[ScheduledSequence], exc: Exception) -> None:
+        """A step failed: bisect. Each half runs again on its own; a request that fails alone ends with
+        the error, so one bad request costs the others a few recomputed steps, never their results."""
+        states = {id(state): state for state in (self._owner(c) for c in chunks) if state is not None}
+        if len(states) <= 1:
+            for state in states.values():
+                log.error("request %s failed its engine step: %r", state.session_id, exc)
+                self._fail_request(state, exc)
+            return
+        middle = len(chunks) // 2
+        for half in (chunks[:middle], chunks[middle:]):
+            live = [c for c in half if self._owner(c) is not None]  # a failed request's forks are gone
+            if live:
+                self._run_chunks(live)
+
+    def _owner(self, chunk: ScheduledSequence) -> RequestState | None:
+        """The request in flight that `chunk` belongs to; None once it ended."""
+        state, _ = self._by_seq.get(chunk.seq.seq_id, (None, None))
+        return state
 
     def _sampling_rows(self, sampling: list[Sequence]) -> tuple[list[SamplingRow], list[list[int]]]:
         """Sampler rows, and which rows belong to each sequence (n rows for an n > 1 request's first
@@ -251,7 +306,10 @@ class EngineLoop:
             state.send(END_OF_STREAM)
 
     def _fail_all(self, exc: Exception) -> None:
-        error = exc if isinstance(exc, BackendError) else BackendError(f"engine step failed ({type(exc).__name__})")
         for state in list(self.requests.values()):
-            state.send(error)
-            self._finish_request(state, FinishReason.ERROR)
+            self._fail_request(state, exc)
+
+    def _fail_request(self, state: RequestState, exc: Exception) -> None:
+        error = exc if isinstance(exc, BackendError) else BackendError(f"engine step failed ({type(exc).__name__})")
+        state.send(error)
+        self._finish_request(state, FinishReason.ERROR)

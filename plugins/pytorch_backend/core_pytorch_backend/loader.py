@@ -124,11 +124,26 @@ def load_checkpoint(
         hf_config=config,
         generation_config=generation,
         dtype=torch_dtype,
-        chat_template=getattr(tokenizer, "chat_template", None),
+        chat_template=getattr(tokenizer, "chat_template", None) or legacy_chat_template(path),
         max_model_len=int(getattr(config.get_text_config(), "max_position_embeddings", None) or 2048),
         source=str(gguf or path),
         quantization=_describe_weights(model),
     )
+
+
+def legacy_chat_template(path: Path) -> str | None:
+    """The template of a folder's ``chat_template.json`` (``{"chat_template": "..."}``), the processor file
+    older vision checkpoints ship instead of a tokenizer template; transformers' AutoProcessor reads it.
+    A list or mapping of named templates gives the one named "default"."""
+    legacy = path / "chat_template.json"
+    if not path.is_dir() or not legacy.is_file():
+        return None
+    template = json.loads(legacy.read_text(encoding="utf-8")).get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}], as tokenizer_config.json allows
+        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    if isinstance(template, dict):
+        template = template.get("default")
+    return template if isinstance(template, str) and template else None
 
 
 def trim_heap() -> bool:

@@ -84,11 +84,16 @@ class ModelRunner:
     def has_kv_cache(self) -> bool:
         return self.kv_caches is not None
 
+    @property
+    def kv_memory_is_lazy(self) -> bool:
+        """The cache's memory is reached as blocks are first used (see allocate_kv_cache)."""
+        return self.device.type == "cpu"
+
     def allocate_kv_cache(self) -> None:
         """The CPU cache starts unzeroed and is zeroed block by block as steps reach it, so that the
         process's resident memory follows the blocks in use rather than the whole budget. A GPU cache
         is zeroed at once: its memory is reserved either way."""
-        lazy = self.device.type == "cpu"
+        lazy = self.kv_memory_is_lazy
         self.kv_caches = allocate_kv_caches(self.model, self.num_blocks, self.block_size, self.dtype,
                                             self.device, zeroed=not lazy)
         self.zeroed_blocks = 0 if lazy else self.num_blocks

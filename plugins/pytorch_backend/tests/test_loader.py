@@ -152,3 +152,21 @@ def test_trim_heap_returns_freed_memory_to_the_os():
     assert trim_heap()
     assert before - _rss_kib() > 64 << 10  # more than half of the 128 MiB went back
     libc.free(blocks[-1])
+
+
+def test_a_template_only_in_chat_template_json_is_used(tiny_checkpoint_factory, tmp_path):
+    """Older vision checkpoints ship their template in the processor's chat_template.json only (transformers'
+    AutoProcessor reads it); the tokenizer then has none."""
+    import json
+    import shutil
+
+    folder = tmp_path / "legacy"
+    shutil.copytree(tiny_checkpoint_factory("llama"), folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_checkpoint(folder).chat_template is None
+    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    assert load_checkpoint(folder).chat_template == template
