@@ -75,7 +75,7 @@ def step(runner, scheduler, times: dict[str, list[float]] | None = None) -> None
     marks.append(time.perf_counter())
     if times is not None:
         phases = ("schedule", "prepare", "execute", "sample", "update")
-        for name, a, b in zip(phases, marks, marks[1:], strict=True):
+        for name, a, b in zip(phases, marks[:-1], marks[1:], strict=True):
             times.setdefault(name, []).append((b - a) * 1e3)
         times.setdefault("total", []).append((marks[-1] - marks[0]) * 1e3)
 

@@ -22,6 +22,7 @@ from .kernels import select_ops
 from .layers.matmul import select_matmul, use_matmul
 from .layers.quantized import AffineRows, Int4Weight
 from .models import BUILTIN_ARCHITECTURES, resolve_class
+from .native.packed_weight import NativeWeight
 from .quant.attach import MODES as QUANTIZE_MODES
 from .quant.attach import attach_quantized, quantize_model
 from .quant.gguf_file import gguf_weights
@@ -180,12 +181,13 @@ def _use_dense_matmul(model: nn.Module, device: torch.device, dtype: torch.dtype
 
 
 def _describe_weights(model: nn.Module) -> str:
-    """``"none"``, or what the packed layers hold, e.g. ``"codes x1, int4 x120, int8 x1"`` (int8: 8-bit
-    codes as two 4-bit planes; codes: an embedding table kept quantized)."""
+    """``"none"``, or what the packed layers hold, e.g. ``"codes x1, int4 x120, int8-native x1"`` (int8:
+    8-bit codes as two 4-bit planes for torch's kernel; -native: the plugin's own kernel; codes: an
+    embedding table kept quantized)."""
     kinds: dict[str, int] = {}
     for module in model.modules():
-        if isinstance(module, (Int4Weight, AffineRows)):
-            name = "codes" if isinstance(module, AffineRows) else ("int4" if module.planes == 1 else "int8")
+        if isinstance(module, (AffineRows, Int4Weight, NativeWeight)):
+            name = "codes" if isinstance(module, AffineRows) else module.kind
             kinds[name] = kinds.get(name, 0) + 1
     return ", ".join(f"{k} x{n}" for k, n in kinds.items()) or "none"
 

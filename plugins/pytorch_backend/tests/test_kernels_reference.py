@@ -23,10 +23,14 @@ ATTN_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def test_select_ops_gives_reference_on_cpu():
-    chosen = select_ops("cpu")
+def test_select_ops_gives_reference_when_asked_or_where_the_native_kernels_cannot_build(monkeypatch):
+    chosen = select_ops("cpu", kind="reference")
     assert chosen.name == "reference"
     assert chosen.paged_attention is ops.paged_attention
+    import core_pytorch_backend.kernels as kernels
+
+    monkeypatch.setattr(kernels, "native_available", lambda: False)
+    assert select_ops("cpu").name == "reference"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

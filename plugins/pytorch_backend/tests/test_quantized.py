@@ -9,6 +9,8 @@ import torch
 
 from core_pytorch_backend.layers.quantized import AffineRows, Int4Weight, int4_packable
 from core_pytorch_backend.loader import load_checkpoint
+from core_pytorch_backend.native.library import available
+from core_pytorch_backend.native.packed_weight import NativeWeight
 from core_pytorch_backend.quant.affine import AffineWeight, quantize_int4, quantize_int8
 from core_pytorch_backend.quant.gguf_blocks import unpack
 
@@ -207,7 +209,7 @@ def test_gguf_index_refuses_other_files(tmp_path):
 def test_a_dense_copy_serves_steps_of_many_rows():
     codes = unpack("Q8_0", quantize(_weights(), GGMLQuantizationType.Q8_0))
     packed = Int4Weight.from_affine(codes, torch.bfloat16)
-    packed.keep_dense_copy(codes, min_rows=4)
+    packed.keep_dense_copy(codes, torch.bfloat16, min_rows=4)
     assert "dense" in dict(packed.named_buffers())
     few, many = torch.randn(3, 256), torch.randn(5, 256)
     packed.dense.zero_()  # a zeroed copy shows which path ran
@@ -234,8 +236,11 @@ def test_backend_passes_quantization_through_and_bf16_lm_heads_keep_a_dense_copy
                                           kv_cache_memory_gib=0.01))
     try:
         assert "int4 x" in backend.model_info.quantization and backend.model_info.dtype == "bfloat16"
-        head = backend.loop.runner.model.lm_head.weight
-        assert isinstance(head, Int4Weight) and head.planes == 2
+        head = backend.loop.runner.model.lm_head.weight  # 8-bit codes: the native kernel where it builds
+        if available() is not None:
+            assert isinstance(head, NativeWeight) and head.bits == 8 and "int8-native x1" in backend.model_info.quantization
+        else:
+            assert isinstance(head, Int4Weight) and head.planes == 2
         assert head.dense is not None and head.dense.dtype == torch.bfloat16
     finally:
         backend.loop.stop()

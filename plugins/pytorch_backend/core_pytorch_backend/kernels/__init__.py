@@ -1,9 +1,11 @@
 """The one place that picks the hot ops for a device; layers only ever see the ops object.
 
-Two sets exist: ``reference`` (plain torch: the CPU path and the oracle) and ``triton`` (Triton kernels:
-the CUDA path). The set is chosen once, when the model is built: Triton on a CUDA device when triton
-imports, the reference elsewhere. ``CORE_KERNELS=reference|triton`` or ``select_ops(device, kind=...)``
-forces a set (the tests run the Triton set on the CPU under ``TRITON_INTERPRET=1``).
+Three sets exist: ``reference`` (plain torch: the oracle, and the fallback everywhere), ``native`` (the
+CPU path: the reference with a decode step's per-layer ops in the plugin's C kernels, built on first use
+with the system compiler) and ``triton`` (Triton kernels: the CUDA path). The set is chosen once, when
+the model is built: Triton on a CUDA device when triton imports, native on the CPU when its kernels
+build, the reference elsewhere. ``CORE_KERNELS=reference|native|triton`` or ``select_ops(device,
+kind=...)`` forces a set (the tests run the Triton set on the CPU under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from . import reference
 
 OP_NAMES = ("store_kv_cache", "paged_attention", "rms_norm", "apply_rotary", "silu_and_mul",
             "gelu_tanh_and_mul")
-KINDS = ("reference", "triton")
+KINDS = ("reference", "native", "triton")
 KERNELS_ENV = "CORE_KERNELS"
 
 
@@ -35,8 +37,18 @@ def triton_available() -> bool:
 
 
 def default_kind(device: torch.device) -> str:
-    """``triton`` on a CUDA device when triton is installed, else ``reference``."""
-    return "triton" if device.type == "cuda" and triton_available() else "reference"
+    """``triton`` on a CUDA device when triton is installed; ``native`` on the CPU when its kernels
+    build (:func:`native_available`); else ``reference``."""
+    if device.type == "cuda":
+        return "triton" if triton_available() else "reference"
+    return "native" if device.type == "cpu" and native_available() else "reference"
+
+
+def native_available() -> bool:
+    """Whether the native CPU kernels load (built now if need be; a failure is logged once)."""
+    from ..native.library import available
+
+    return available() is not None
 
 
 def _load_triton(device: torch.device) -> ModuleType:
@@ -62,6 +74,10 @@ def select_ops(device: torch.device | str = "cpu", kind: str | None = None) -> S
     kind = kind or os.environ.get(KERNELS_ENV) or default_kind(device)
     if kind not in KINDS:
         raise ValueError(f"kind (or ${KERNELS_ENV}) must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind == "native":
+        if not native_available():
+            raise RuntimeError("the native op set needs the CPU kernels, which did not build (see the log)")
+        return _namespace(importlib.import_module(f"{__name__}.native"))
     return _namespace(reference if kind == "reference" else _load_triton(device))
 
 

@@ -53,12 +53,26 @@ def paged_attention(
     plan = _decode_plan(meta, k_cache.shape[1], query.device)
     if plan is not None and plan.rows is None:  # a pure decode step: every row is a decode row
         return _decode_attention(query, k_cache, v_cache, plan, scale, sliding_window)
+    out = paged_chunks(query, k_cache, v_cache, meta, scale, sliding_window)
+    if plan is not None:
+        out[plan.rows] = _decode_attention(query[plan.rows], k_cache, v_cache, plan, scale, sliding_window)
+    return out
+
+
+def paged_chunks(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """``paged_attention``'s rows of the sequences with more than one new token; the rows of the others
+    (decode rows) are left for the caller to fill."""
     out = torch.empty_like(query)
     starts = [0]
     for q_len in meta.query_lens_list:
         starts.append(starts[-1] + q_len)
-    if plan is not None:
-        out[plan.rows] = _decode_attention(query[plan.rows], k_cache, v_cache, plan, scale, sliding_window)
     spans = getattr(meta, "bidirectional_spans", None)
     for b, q_len in enumerate(meta.query_lens_list):
         if q_len <= 1:

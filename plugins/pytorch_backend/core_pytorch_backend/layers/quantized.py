@@ -64,16 +64,22 @@ class Int4Weight(nn.Module):
         scales_zeros = torch.from_numpy(np.stack((scale.T, zero.T), axis=-1)).to(dtype).contiguous()
         return cls(_pack_int4(codes), scales_zeros, weight.group_size, weight.shape, len(planes))
 
-    def keep_dense_copy(self, weight: AffineWeight, min_rows: int = DENSE_MIN_ROWS) -> None:
-        """Also keep ``weight`` dense in the kernel dtype, for steps of ``min_rows`` rows or more: at many
-        rows a dense half-precision GEMM beats the int4 kernel (the LM head's two planes at 64 rows:
-        21.8 ms vs 4.9 ms here), at the cost of the dense copy's memory."""
-        self.dense = torch.from_numpy(weight.dequantize()).to(self.scales_zeros.dtype)
+    @property
+    def kind(self) -> str:
+        """What the start-up line calls this layer's weights (8-bit codes are two 4-bit planes)."""
+        return "int4" if self.planes == 1 else "int8"
+
+    def keep_dense_copy(self, weight: AffineWeight, dtype: torch.dtype, min_rows: int = DENSE_MIN_ROWS) -> None:
+        """Also keep ``weight`` dense in ``dtype``, for steps of ``min_rows`` rows or more: at many rows a
+        dense half-precision GEMM beats the int4 kernel (the LM head's two planes at 64 rows: 21.8 ms vs
+        4.9 ms here), at the cost of the dense copy's memory."""
+        self.dense = torch.from_numpy(weight.dequantize()).to(dtype)
         self.dense_min_rows = min_rows
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         flat = x.reshape(-1, self.shape[1]).to(self.scales_zeros.dtype)
         if self.dense is not None and flat.shape[0] >= self.dense_min_rows:
+            flat = flat.to(self.dense.dtype)
             out = F.linear(flat, self.dense, None if bias is None else bias.to(flat.dtype))
             return out.view(*x.shape[:-1], self.shape[0]).to(x.dtype)
         if self.planes == 2:

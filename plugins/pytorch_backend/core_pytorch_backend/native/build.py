@@ -1,0 +1,110 @@
+"""Compile the CPU kernels (csrc/*.c) with the system C compiler into a shared library, cached on disk.
+
+One variant per instruction set, picked from the flags the CPU reports (``/proc/cpuinfo``):
+``avx512-vnni`` (AVX-512 F/BW/VL + VNNI: Zen 4/5, Ice Lake and later Xeons), ``avx2`` (AVX2 + FMA: every
+x86 server CPU of the last decade) and ``generic`` (plain C, any CPU; also the tests' reference). Each
+variant is built only with the flags its instructions need (never ``-march=native``, which would use
+instructions of this machine's CPU that another machine sharing the cache may lack).
+
+Libraries are cached under ``$CORE_CACHE_DIR/cpu`` (default ``~/.cache/core/cpu``), keyed by a hash of
+the sources, the flags and the compiler's version; a build takes about a second. Nothing here imports
+torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+LIBRARY_STEM = "core_cpu_kernels"
+# -fno-math-errno: expf in a loop may use glibc's vector versions (libmvec); nothing reads errno
+COMMON_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wall")
+VARIANT_FLAGS = {
+    "avx512-vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "generic": (),
+}
+VARIANT_CPU_FLAGS = {  # what /proc/cpuinfo must list for a variant to run
+    "avx512-vnni": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"},
+    "avx2": {"avx2", "fma", "f16c"},
+    "generic": set(),
+}
+
+
+class CpuBuildError(RuntimeError):
+    """No C compiler, or it failed; the message carries the command and the compiler's output."""
+
+
+def cache_dir() -> Path:
+    """Where built libraries live: ``$CORE_CACHE_DIR/cpu`` or ``~/.cache/core/cpu``."""
+    root = os.environ.get("CORE_CACHE_DIR")
+    return Path(root) / "cpu" if root else Path.home() / ".cache" / "core" / "cpu"
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags of this CPU, from ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def best_variant(flags: frozenset[str] | None = None) -> str:
+    """The fastest variant this CPU can run (``generic`` when it lists none of the others' flags)."""
+    flags = cpu_flags() if flags is None else flags
+    return next(name for name, needed in VARIANT_CPU_FLAGS.items() if needed <= flags)
+
+
+def compiler() -> str | None:
+    """The C compiler: ``$CC``, else ``cc``, ``gcc`` or ``clang`` on PATH."""
+    candidates = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "clang"]
+    return next((found for name in candidates if (found := shutil.which(name))), None)
+
+
+def _flags(variant: str) -> list[str]:
+    if variant not in VARIANT_FLAGS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANT_FLAGS)}, got {variant!r}")
+    return [*COMMON_FLAGS, *VARIANT_FLAGS[variant]]
+
+
+def build_key(variant: str, cc: str) -> str:
+    """Hash of everything that changes the library: sources, flags, the compiler's version."""
+    digest = hashlib.sha256()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    for part in (version, *_flags(variant)):
+        digest.update(part.encode() + b"\0")
+    for path in sorted(CSRC.glob("*.[ch]")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def build_library(variant: str | None = None, *, force: bool = False) -> Path:
+    """The shared library of ``variant`` (default: this CPU's best), from the cache or compiled now."""
+    variant = variant or best_variant()
+    cc = compiler()
+    if cc is None:
+        raise CpuBuildError("no C compiler found (set CC, or install gcc) to build the CPU kernels")
+    target = cache_dir() / f"{LIBRARY_STEM}-{variant}-{build_key(variant, cc)}.so"
+    if target.exists() and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix="build-") as tmp:
+        built = Path(tmp) / target.name
+        command = [cc, *_flags(variant), *map(str, sorted(CSRC.glob("*.c"))), "-o", str(built), "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise CpuBuildError(f"the C compiler failed (exit {result.returncode}):\n  {' '.join(command)}\n"
+                                f"{result.stderr.strip() or result.stdout.strip()}")
+        os.replace(built, target)  # atomic: a concurrent builder never sees half a file
+    return target

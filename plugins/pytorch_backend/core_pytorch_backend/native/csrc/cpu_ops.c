@@ -1,0 +1,337 @@
+/* The small per-layer ops of a decode step, each one pass over its rows instead of a dozen torch ops:
+ * paged decode attention, RMSNorm (with the residual add), and silu(gate) * up.
+ *
+ * Each rounds where the plain-torch reference (kernels/reference.py) rounds, so bfloat16 results match
+ * it to the last bit or one ulp (the sums run in a different order), and float32 ones to rounding.
+ * Tensors are contiguous; dtype codes as packed_linear.c (0 float32, 1 bfloat16).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define MAX_HEAD_DIM 512
+#define MAX_GROUP 64
+
+enum { DT_F32 = 0, DT_BF16 = 1 };
+enum { OK = 0, ERR_ARGS = 1, ERR_MEMORY = 2 };
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* round to nearest even; a NaN stays a NaN (quiet); branch-free so that loops of it vectorize */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : rounded);
+}
+
+/* v rounded to the dtype, as a float */
+static inline float round_to(float v, int dtype) { return dtype == DT_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+static inline void load_row(const void *src, int dtype, int64_t offset, int64_t n, float *dst) {
+    if (dtype == DT_BF16) {
+        const uint16_t *s = (const uint16_t *)src + offset;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) {
+            uint32_t bits = (uint32_t)s[i] << 16;
+            float f;
+            memcpy(&f, &bits, 4);
+            dst[i] = f;
+        }
+    } else {
+        memcpy(dst, (const float *)src + offset, (size_t)n * sizeof(float));
+    }
+}
+
+static inline void store_row(void *dst, int dtype, int64_t offset, int64_t n, const float *src) {
+    if (dtype == DT_BF16) {
+        uint16_t *d = (uint16_t *)dst + offset;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy((float *)dst + offset, src, (size_t)n * sizeof(float));
+    }
+}
+
+/* a . b; the SIMD versions sum in lanes and reduce once (a plain loop's strict order is 16 scalar adds) */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float total = 0.f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    total = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    total = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+#endif
+    for (; i < n; ++i) total += a[i] * b[i];
+    return total;
+}
+
+/* e^x as 2^n * p(f), n = round(x log2 e), p a degree-6 polynomial of f = (x log2 e - n) ln 2 in
+ * [-0.35, 0.35]: relative error ~2e-7 over [-87, 88] (0 below, as expf rounds to), and written so that
+ * a loop of it vectorizes (no calls, no branches) on every variant. */
+static inline float fast_exp(float x) {
+    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+    const float t = x * 1.44269504089f, n = __builtin_rintf(t), f = (t - n) * 0.69314718056f;
+    float p = 1.f / 720;
+    p = p * f + 1.f / 120;
+    p = p * f + 1.f / 24;
+    p = p * f + 1.f / 6;
+    p = p * f + 0.5f;
+    p = p * f + 1.f;
+    p = p * f + 1.f;
+    int32_t bits;
+    memcpy(&bits, &p, 4);
+    bits += (int32_t)n << 23; /* times 2^n: n in [-126, 127] and p in [0.7, 1.5] keep it a normal float */
+    memcpy(&p, &bits, 4);
+    return p;
+}
+
+/* s[j] = e^(s[j] - top) */
+static inline void exp_shifted(float *s, int64_t n, float top) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) s[j] = fast_exp(s[j] - top);
+}
+
+/* The cache slot of context position pos (32-bit division: positions and blocks fit, and 64-bit
+ * division costs tens of cycles) */
+static inline int64_t slot_of(const int32_t *table, int64_t pos, int64_t block_size) {
+    const uint32_t p = (uint32_t)pos, b = (uint32_t)block_size;
+    return (int64_t)table[p / b] * block_size + p % b;
+}
+
+/* One partition's share of one row's attention for one KV head: the group's query heads against
+ * positions [begin, end) of the row's context. Leaves, per query head g, the partition's score maximum,
+ * its sum of e^(score - maximum) and the unnormalised sum of e^(score - maximum) * V, in
+ * part = [group][2 + d] floats, for combine() to merge. Inlined with a constant head size and dtypes
+ * where they are common ones (see partial_any): loops of 64 elements then unroll fully, where a loop of
+ * unknown length spends as long starting and ending as it does working. */
+static inline __attribute__((always_inline)) int partial(const void *q, int q_dtype, int64_t row, int64_t hq,
+                                                          int64_t d, const void *k_cache, const void *v_cache,
+                                                          int cache_dtype, int64_t block_size, int64_t hkv,
+                                                          const int32_t *table, int64_t begin, int64_t end,
+                                                          int64_t h, float scale, float *part) {
+    const int64_t group = hq / hkv, span = end - begin;
+    float cached[MAX_HEAD_DIM];
+    /* one buffer: the group's queries [group][d], then its scores [group][span] */
+    float *queries = malloc((size_t)(group * (d + span)) * sizeof(float));
+    if (!queries) return ERR_MEMORY;
+    float *scores = queries + group * d;
+    for (int64_t g = 0; g < group; ++g) load_row(q, q_dtype, (row * hq + h * group + g) * d, d, queries + g * d);
+    for (int64_t j = 0; j < span; ++j) {
+        load_row(k_cache, cache_dtype, (slot_of(table, begin + j, block_size) * hkv + h) * d, d, cached);
+        for (int64_t g = 0; g < group; ++g) scores[g * span + j] = dot(queries + g * d, cached, d) * scale;
+    }
+    for (int64_t g = 0; g < group; ++g) {
+        float *s = scores + g * span, top = -INFINITY, sum = 0.f;
+        for (int64_t j = 0; j < span; ++j) top = s[j] > top ? s[j] : top;
+        exp_shifted(s, span, top);
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < span; ++j) sum += s[j];
+        part[g * (2 + d)] = top;
+        part[g * (2 + d) + 1] = sum;
+        memset(part + g * (2 + d) + 2, 0, (size_t)d * sizeof(float));
+    }
+    for (int64_t j = 0; j < span; ++j) {
+        load_row(v_cache, cache_dtype, (slot_of(table, begin + j, block_size) * hkv + h) * d, d, cached);
+        for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * span + j];
+            float *a = part + g * (2 + d) + 2;
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) a[i] += p * cached[i];
+        }
+    }
+    free(queries);
+    return OK;
+}
+
+static int partial_any(const void *q, int q_dtype, int64_t row, int64_t hq, int64_t d, const void *k_cache,
+                       const void *v_cache, int cache_dtype, int64_t block_size, int64_t hkv, const int32_t *table,
+                       int64_t begin, int64_t end, int64_t h, float scale, float *part) {
+#define PARTIAL(QT, CT, D) partial(q, QT, row, hq, D, k_cache, v_cache, CT, block_size, hkv, table, begin, end, h, \
+                                   scale, part)
+    if (q_dtype == DT_BF16 && cache_dtype == DT_BF16) {
+        if (d == 64) return PARTIAL(DT_BF16, DT_BF16, 64);
+        if (d == 128) return PARTIAL(DT_BF16, DT_BF16, 128);
+    } else if (q_dtype == DT_F32 && cache_dtype == DT_F32) {
+        if (d == 64) return PARTIAL(DT_F32, DT_F32, 64);
+        if (d == 128) return PARTIAL(DT_F32, DT_F32, 128);
+    }
+    return PARTIAL(q_dtype, cache_dtype, d);
+#undef PARTIAL
+}
+
+/* Merge the `count` partitions of one row and KV head (`apart` floats from one to the next) into its
+ * query heads' outputs. */
+static void combine(const float *parts, int64_t count, int64_t apart, int64_t group, int64_t d, int64_t row,
+                    int64_t hq, int64_t h, int q_dtype, void *out) {
+    float acc[MAX_HEAD_DIM];
+    for (int64_t g = 0; g < group; ++g) {
+        float top = -INFINITY, total = 0.f;
+        for (int64_t p = 0; p < count; ++p) {
+            const float m = parts[p * apart + g * (2 + d)];
+            top = m > top ? m : top;
+        }
+        memset(acc, 0, (size_t)d * sizeof(float));
+        for (int64_t p = 0; p < count; ++p) {
+            const float *part = parts + p * apart + g * (2 + d);
+            const float weight = count == 1 ? 1.f : expf(part[0] - top);
+            total += weight * part[1];
+            for (int64_t i = 0; i < d; ++i) acc[i] += weight * part[2 + i];
+        }
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int64_t i = 0; i < d; ++i) acc[i] *= inv;
+        store_row(out, q_dtype, (row * hq + h * group + g) * d, d, acc);
+    }
+}
+
+/* out[R, Hq, D] = softmax(q K^T * scale) V for R decode rows, each over its own paged context:
+ * caches [num_blocks, block_size, Hkv, D]; tables [R, table_width] int32; lengths [R] int32 (cached
+ * tokens, the new one included); window > 0 keeps the last `window` positions only.
+ *
+ * The work is cut into tasks of one row, one KV head and up to PARTITION positions (so that one long
+ * sequence still keeps every thread busy), each leaving a partial softmax that a second pass merges. */
+#define PARTITION 128
+int core_decode_attention(const void *q, int q_dtype, int64_t rows, int64_t hq, int64_t d, const void *k_cache,
+                          const void *v_cache, int cache_dtype, int64_t block_size, int64_t hkv,
+                          const int32_t *tables, int64_t table_width, const int32_t *lengths, int64_t window,
+                          float scale, void *out) {
+    if ((rows > 0 && (!q || !tables || !lengths || !out)) || !k_cache || !v_cache || rows < 0 || hkv <= 0 ||
+        hq % hkv || hq / hkv > MAX_GROUP || d <= 0 || d > MAX_HEAD_DIM || block_size <= 0 ||
+        (q_dtype != DT_F32 && q_dtype != DT_BF16) || (cache_dtype != DT_F32 && cache_dtype != DT_BF16))
+        return ERR_ARGS;
+    if (rows == 0) return OK;
+    const int64_t group = hq / hkv, stride = group * (2 + d);
+    int64_t *first = malloc((size_t)(rows + 1) * sizeof(int64_t)); /* first task of each row; tasks of row r */
+    if (!first) return ERR_MEMORY;
+    int64_t work = 0;
+    first[0] = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t start = window > 0 && lengths[r] > window ? lengths[r] - window : 0;
+        const int64_t span = lengths[r] - start;
+        first[r + 1] = first[r] + (span > 0 ? (span + PARTITION - 1) / PARTITION : 0);
+        work += span;
+    }
+    const int64_t parts_per_head = first[rows];
+    float *parts = malloc((size_t)(parts_per_head * hkv * stride + 1) * sizeof(float));
+    if (!parts) {
+        free(first);
+        return ERR_MEMORY;
+    }
+    int status = OK;
+    const int parallel = work * hq * d > 100000;
+#pragma omp parallel if (parallel)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < parts_per_head * hkv; ++task) {
+            const int64_t h = task % hkv, index = task / hkv;
+            int64_t r = 0;
+            while (first[r + 1] <= index) ++r;
+            const int64_t start = window > 0 && lengths[r] > window ? lengths[r] - window : 0;
+            const int64_t begin = start + (index - first[r]) * PARTITION;
+            const int64_t end = begin + PARTITION < lengths[r] ? begin + PARTITION : lengths[r];
+            /* partition p of (r, h) at ((first[r] + p) * hkv + h) * stride: index = first[r] + p */
+            int s = partial_any(q, q_dtype, r, hq, d, k_cache, v_cache, cache_dtype, block_size, hkv,
+                                tables + r * table_width, begin, end, h, scale, parts + (index * hkv + h) * stride);
+            if (s != OK) status = s;
+        }
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < rows * hkv; ++task) {
+            const int64_t r = task / hkv, h = task % hkv, count = first[r + 1] - first[r];
+            if (count > 0) /* an empty context has no output to write */
+                combine(parts + (first[r] * hkv + h) * stride, count, hkv * stride, group, d, r, hq, h, q_dtype, out);
+        }
+    }
+    free(parts);
+    free(first);
+    return status;
+}
+
+/* RMSNorm as HF Llama: with a residual, s = x + residual (rounded to the dtype) is written to
+ * residual_out and normalised; out = weight * round(s * rsqrt(mean(s^2) + eps)) (float32: one product,
+ * as torch.rms_norm). x, residual, out, residual_out [T, H] of x_dtype; weight [H] of w_dtype. */
+int core_rms_norm(const void *x, int x_dtype, int64_t tokens, int64_t hidden, const void *residual,
+                  const void *weight, int w_dtype, float eps, void *out, void *residual_out) {
+    if ((tokens > 0 && (!x || !out)) || !weight || tokens < 0 || hidden <= 0 || (residual && !residual_out) ||
+        (x_dtype != DT_F32 && x_dtype != DT_BF16) || (w_dtype != DT_F32 && w_dtype != DT_BF16))
+        return ERR_ARGS;
+    float *w = malloc((size_t)hidden * sizeof(float));
+    if (!w) return ERR_MEMORY;
+    load_row(weight, w_dtype, 0, hidden, w);
+    const int fused = x_dtype == DT_F32 && w_dtype == DT_F32;
+    int status = OK;
+#pragma omp parallel if (tokens * hidden > 65536)
+    {
+        float *row = malloc((size_t)hidden * sizeof(float)), *other = malloc((size_t)hidden * sizeof(float));
+        if (!row || !other) {
+            status = ERR_MEMORY;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tokens; ++t) {
+                load_row(x, x_dtype, t * hidden, hidden, row);
+                if (residual) {
+                    load_row(residual, x_dtype, t * hidden, hidden, other);
+                    for (int64_t i = 0; i < hidden; ++i) row[i] = round_to(row[i] + other[i], x_dtype);
+                    store_row(residual_out, x_dtype, t * hidden, hidden, row);
+                }
+                float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+                for (int64_t i = 0; i < hidden; ++i) squares += row[i] * row[i];
+                const float inv = 1.f / sqrtf(squares / (float)hidden + eps);
+                for (int64_t i = 0; i < hidden; ++i)
+                    row[i] = fused ? row[i] * inv * w[i] : round_to(w[i] * round_to(row[i] * inv, x_dtype), x_dtype);
+                store_row(out, x_dtype, t * hidden, hidden, row);
+            }
+        }
+        free(row);
+        free(other);
+    }
+    free(w);
+    return status;
+}
+
+/* out[T, I] = silu(gate) * up for x[T, 2I] = [gate | up], rounding after the silu as torch does. */
+int core_silu_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, void *out) {
+    if ((tokens > 0 && (!x || !out)) || tokens < 0 || inner <= 0 || (dtype != DT_F32 && dtype != DT_BF16)) return ERR_ARGS;
+    int status = OK;
+#pragma omp parallel if (tokens * inner > 65536)
+    {
+        float *gate = malloc((size_t)inner * sizeof(float)), *up = malloc((size_t)inner * sizeof(float));
+        if (!gate || !up) {
+            status = ERR_MEMORY;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tokens; ++t) {
+                load_row(x, dtype, t * 2 * inner, inner, gate);
+                load_row(x, dtype, t * 2 * inner + inner, inner, up);
+                if (dtype == DT_BF16) {
+#pragma omp simd
+                    for (int64_t i = 0; i < inner; ++i)
+                        gate[i] = round_to(round_to(gate[i] / (1.f + fast_exp(-gate[i])), DT_BF16) * up[i], DT_BF16);
+                } else {
+#pragma omp simd
+                    for (int64_t i = 0; i < inner; ++i) gate[i] = gate[i] / (1.f + fast_exp(-gate[i])) * up[i];
+                }
+                store_row(out, dtype, t * inner, inner, gate);
+            }
+        }
+        free(gate);
+        free(up);
+    }
+    return status;
+}

@@ -1,0 +1,83 @@
+"""The compiled CPU kernels as a Python object: ctypes signatures, status checks, one load per process.
+
+ctypes and a C ABI, as the CUDA plugin does: building needs only a C compiler (no torch headers, no
+matching C++ ABI) and one library serves every torch version. A call costs a few microseconds of ctypes
+overhead; the kernels take raw pointers (``tensor.data_ptr()``) of contiguous CPU tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+from .build import CpuBuildError, best_variant, build_library
+
+log = logging.getLogger(__name__)
+ABI_VERSION = 1
+STATUS = {1: "bad arguments", 2: "out of memory"}
+
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+SIGNATURES: dict[str, list] = {
+    # x, x dtype, M, K, codes, bits, N, Kp, scale, offset, zero point, bias, y, y dtype
+    "core_packed_linear": [_P, _I, _L, _L, _P, _I, _L, _L, _P, _P, _F, _P, _P, _I],
+    "core_packed_linear_reference": [_P, _I, _L, _L, _P, _I, _L, _L, _P, _P, _F, _P, _P, _I],
+    # q, q dtype, rows, Hq, D, k cache, v cache, cache dtype, block size, Hkv, tables, table width,
+    # lengths, window, scale, out
+    "core_decode_attention": [_P, _I, _L, _L, _L, _P, _P, _I, _L, _L, _P, _L, _P, _L, _F, _P],
+    # x, dtype, T, H, residual, weight, weight dtype, eps, out, residual out
+    "core_rms_norm": [_P, _I, _L, _L, _P, _P, _I, _F, _P, _P],
+    # x, dtype, T, I, out
+    "core_silu_and_mul": [_P, _I, _L, _L, _P],
+}
+
+
+class CpuKernelError(RuntimeError):
+    """A kernel refused its arguments; the message names the kernel and the cause."""
+
+
+class CpuKernels:
+    """The loaded library of one variant; ``call(name, *args)`` runs a kernel and raises on a non-zero
+    status (arguments in ``SIGNATURES`` order)."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self._lib = ctypes.CDLL(str(self.path))
+        self._lib.core_packed_abi_version.restype = ctypes.c_int
+        self._lib.core_packed_variant.restype = ctypes.c_char_p
+        version = self._lib.core_packed_abi_version()
+        if version != ABI_VERSION:
+            raise CpuKernelError(f"{self.path} has C ABI version {version}, expected {ABI_VERSION}; rebuild it")
+        self.variant = self._lib.core_packed_variant().decode()
+        self._functions = {}
+        for name, argtypes in SIGNATURES.items():
+            function = getattr(self._lib, name)
+            function.argtypes = argtypes
+            function.restype = ctypes.c_int
+            self._functions[name] = function
+
+    def call(self, name: str, *args) -> None:
+        """Run kernel ``name``; raises CpuKernelError naming it on a non-zero status."""
+        status = self._functions[name](*args)
+        if status:
+            raise CpuKernelError(f"{name}: {STATUS.get(status, f'status {status}')}")
+
+
+@functools.cache
+def load(variant: str | None = None) -> CpuKernels:
+    """The kernels of ``variant`` (default: the best this CPU runs), built on first use."""
+    return CpuKernels(build_library(variant or best_variant()))
+
+
+@functools.cache
+def available() -> CpuKernels | None:
+    """This CPU's kernels, or None (logged once) where no compiler is found or the build fails."""
+    try:
+        kernels = load()
+    except (CpuBuildError, CpuKernelError, OSError) as exc:
+        log.warning("the native CPU kernels are unavailable (%s); the plain-torch ops and torch's packed "
+                    "kernels run instead", exc)
+        return None
+    log.info("native CPU kernels: the %s variant (chosen from this CPU's flags), %s", kernels.variant, kernels.path)
+    return kernels

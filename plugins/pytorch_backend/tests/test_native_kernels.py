@@ -1,0 +1,181 @@
+"""The native CPU kernels (native/csrc): the build, the packed linear layer and the decode-step ops.
+
+Every variant this CPU can run is built and checked: its SIMD loops against the plain-C reference
+loop and against float math on the dequantized weights, and the op set against the plain-torch
+reference ops (the oracle) in float32 and bfloat16.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from core_pytorch_backend.attention_metadata import AttentionMetadata
+from core_pytorch_backend.kernels import native, reference, select_ops
+from core_pytorch_backend.native import build
+from core_pytorch_backend.native.library import CpuKernelError, load
+from core_pytorch_backend.native.packed_weight import NativeWeight
+from core_pytorch_backend.quant.affine import quantize_int4, quantize_int8
+
+if build.compiler() is None:
+    pytest.skip("no C compiler", allow_module_level=True)
+
+RUNNABLE = [v for v, needed in build.VARIANT_CPU_FLAGS.items() if needed <= build.cpu_flags()]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(params=RUNNABLE)
+def kernels(request):
+    return load(request.param)
+
+
+def test_the_best_variant_follows_the_cpu_flags():
+    assert build.best_variant(frozenset()) == "generic"
+    assert build.best_variant(frozenset({"avx2", "fma", "f16c"})) == "avx2"
+    vnni = build.VARIANT_CPU_FLAGS["avx512-vnni"]
+    assert build.best_variant(frozenset(vnni)) == "avx512-vnni"
+    assert build.best_variant(frozenset(vnni - {"avx512_vnni"})) == "avx2"  # AVX-512 without VNNI
+
+
+def test_a_missing_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    with pytest.raises(build.CpuBuildError, match="no C compiler"):
+        build.build_library("generic")
+
+
+def test_an_edit_to_the_sources_changes_the_cache_key(tmp_path, monkeypatch):
+    cc = build.compiler()
+    before = build.build_key("generic", cc)
+    (tmp_path / "a.c").write_text("int x;")
+    monkeypatch.setattr(build, "CSRC", tmp_path)
+    assert build.build_key("generic", cc) != before
+
+
+def test_the_library_names_its_variant(kernels):
+    assert kernels.variant in build.VARIANT_FLAGS
+
+
+# ---------------------------------------------------------------- packed linear
+
+def _weight(n: int, k: int, bits: int):
+    dense = np.random.default_rng(n * k + bits).standard_normal((n, k)).astype(np.float32) * 0.05
+    return quantize_int4(dense) if bits == 4 else quantize_int8(dense)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(48, 256), (40, 96), (16, 32)])  # K = 96 and 32 pad to 128 / 64
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_packed_linear_follows_the_dequantized_weights(kernels, bits, shape, rows):
+    codes = _weight(*shape, bits)
+    weight = NativeWeight.from_affine(codes, kernels)
+    x = torch.randn(rows, shape[1])
+    bias = torch.randn(shape[0])
+    expected = x @ torch.from_numpy(codes.dequantize()).T + bias
+    simd, plain = weight.linear(x, bias), weight.linear(x, bias, reference=True)
+    torch.testing.assert_close(simd, plain, rtol=1e-5, atol=1e-5)  # same integer dots, other sum order
+    # the activations are rounded to int8 per 32 inputs (as llama.cpp's Q8 activations): ~0.5% error
+    assert ((simd - expected).norm() / expected.norm()) < 0.02
+
+
+def test_packed_linear_takes_and_returns_bfloat16(kernels):
+    codes = _weight(64, 128, 4)
+    weight = NativeWeight.from_affine(codes, kernels)
+    x = torch.randn(2, 128)
+    out = weight.linear(x.bfloat16(), None)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), weight.linear(x.bfloat16().float(), None), rtol=1e-2, atol=1e-2)
+
+
+def test_symmetric_codes_keep_a_zero_point_and_others_their_offsets(kernels):
+    symmetric = NativeWeight.from_affine(_weight(16, 64, 8), kernels)
+    affine = NativeWeight.from_affine(_weight(16, 64, 4), kernels)
+    assert symmetric.offset is None and symmetric.zero_point == 128
+    assert affine.offset is not None and affine.zero_point == 0
+
+
+def test_packed_linear_with_no_rows_and_bad_arguments(kernels):
+    weight = NativeWeight.from_affine(_weight(16, 64, 4), kernels)
+    assert weight.linear(torch.randn(0, 64), None).shape == (0, 16)
+    with pytest.raises(CpuKernelError, match="core_packed_linear: bad arguments"):
+        kernels.call("core_packed_linear", 0, 0, 1, 64, 0, 4, 16, 64, 0, 0, 0.0, 0, 0, 0)
+
+
+def test_a_dense_copy_serves_steps_of_many_rows(kernels):
+    codes = _weight(32, 64, 8)
+    weight = NativeWeight.from_affine(codes, kernels)
+    weight.keep_dense_copy(codes, torch.bfloat16, min_rows=4)
+    weight.dense.zero_()  # a zeroed copy shows which path ran
+    assert weight.linear(torch.randn(3, 64), None).abs().max() > 0
+    assert weight.linear(torch.randn(4, 64), None).abs().max() == 0
+
+
+# ---------------------------------------------------------------- decode-step ops
+
+@pytest.fixture
+def ops(kernels, monkeypatch):
+    monkeypatch.setattr(native, "kernels", lambda: kernels)
+    return native
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_reference(ops, dtype, with_residual):
+    x, residual = torch.randn(5, 96).to(dtype), torch.randn(5, 96).to(dtype)
+    weight = (torch.rand(96) + 0.5).to(dtype)
+    mine = ops.rms_norm(x, weight, 1e-5, residual if with_residual else None)
+    oracle = reference.rms_norm(x, weight, 1e-5, residual if with_residual else None)
+    for a, b in zip(mine if with_residual else [mine], oracle if with_residual else [oracle], strict=True):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a, b, rtol=1e-6 if dtype == torch.float32 else 0, atol=1e-6 if dtype == torch.float32 else 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_the_reference(ops, dtype):
+    x = (torch.randn(7, 2 * 80) * 4).to(dtype)
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 0.008, "atol": 1e-3}
+    torch.testing.assert_close(ops.silu_and_mul(x), reference.silu_and_mul(x), **tol)
+
+
+ATTENTION_CASES = {
+    "one decode row": ([100], [1]),
+    "decode rows of many lengths": ([5, 40, 0, 77], [1, 1, 1, 1]),
+    "decode rows mixed with a chunk": ([5, 30, 60], [1, 7, 1]),
+    "prefill only": ([0], [20]),
+    "contexts of several partitions": ([300, 129, 700], [1, 1, 1]),  # csrc PARTITION = 128 positions
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 10])
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32)])  # (Hq, Hkv, D): grouped and plain
+def test_paged_attention_matches_the_reference(ops, dtype, window, case, heads):
+    hq, hkv, d = heads
+    block_size, num_blocks = 16, 128
+    generator = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=generator).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=generator).to(dtype)
+    computed, new = ATTENTION_CASES[case]
+    order = list(range(num_blocks))
+    random.Random(1).shuffle(order)  # blocks out of order, as a prefix-cached pool hands them out
+    tables, used = [], 0
+    for c, n in zip(computed, new, strict=True):
+        count = -(-(c + n) // block_size)
+        tables.append(order[used : used + count])
+        used += count
+    meta = AttentionMetadata.build(computed, new, tables, block_size)
+    query = torch.randn(sum(new), hq, d, generator=generator).to(dtype)
+    mine = ops.paged_attention(query, k_cache, v_cache, meta, d**-0.5, window)
+    meta.op_cache.clear()
+    oracle = reference.paged_attention(query, k_cache, v_cache, meta, d**-0.5, window)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 0.016, "atol": 0.016}
+    torch.testing.assert_close(mine, oracle, **tol)
+
+
+def test_the_cpu_gets_the_native_op_set():
+    assert select_ops("cpu").name == "native"
+    assert select_ops("cpu", kind="reference").name == "reference"
