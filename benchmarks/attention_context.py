@@ -1,6 +1,7 @@
-"""Cost of the reference paged attention on the CPU as the context grows.
+"""Cost of the CPU's paged attention (the reference and the native op sets) as the context grows.
 
     python benchmarks/attention_context.py [--contexts 128 1024 4096] [--dtype bfloat16 float32]
+                                           [--ops reference native]
 
 SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64) over a paged cache of
 block_size 16 (EngineConfig's default), blocks scattered at random as a long-running server leaves
@@ -20,7 +21,7 @@ import torch
 
 from core.config import EngineConfig
 from core_pytorch_backend.attention_metadata import AttentionMetadata
-from core_pytorch_backend.kernels import reference
+from core_pytorch_backend.kernels import select_ops
 
 HEADS, KV_HEADS, HEAD_DIM, CHUNK = 9, 3, 64, 128
 
@@ -51,6 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096])
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
+    parser.add_argument("--ops", nargs="+", default=["reference", "native"], choices=["reference", "native"])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     args = parser.parse_args()
@@ -58,24 +60,26 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     block_size = EngineConfig().block_size
     scale = HEAD_DIM**-0.5
-    print(f"# reference paged attention, {HEADS}/{KV_HEADS} heads x {HEAD_DIM}, block_size {block_size}, "
+    print(f"# paged attention, {HEADS}/{KV_HEADS} heads x {HEAD_DIM}, block_size {block_size}, "
           f"{torch.get_num_threads()} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
-    print(f"{'dtype':>9} {'context':>8} {'decode us':>10} {'us/1k ctx':>10} {'chunk128 us':>12} {'us/1k ctx':>10}")
+    print(f"{'ops':>9} {'dtype':>9} {'context':>8} {'decode us':>10} {'us/1k ctx':>10} {'chunk128 us':>12} "
+          f"{'us/1k ctx':>10}")
     with torch.inference_mode():
         for name in args.dtype:
             for context in args.contexts:
-                print(row(name, context, block_size, scale, args.repeats))
+                for kind in args.ops:
+                    print(row(select_ops("cpu", kind=kind), name, context, block_size, scale, args.repeats))
 
 
-def row(name: str, context: int, block_size: int, scale: float, repeats: int) -> str:
+def row(ops, name: str, context: int, block_size: int, scale: float, repeats: int) -> str:
     dtype = getattr(torch, name)
     q, k_cache, v_cache, meta = case(context, 1, dtype, block_size)
     chunk = case(context, min(CHUNK, context), dtype, block_size)
-    reference.paged_attention(q, k_cache, v_cache, meta, scale)  # builds the step's plan once
+    ops.paged_attention(q, k_cache, v_cache, meta, scale)  # builds the step's plan once
     calls = max(3, 200_000 // context)
-    d_us = time_us(lambda: reference.paged_attention(q, k_cache, v_cache, meta, scale), repeats, calls)
-    c_us = time_us(lambda: reference.paged_attention(*chunk, scale), repeats, max(2, calls // 16))
-    return (f"{name:>9} {context:>8} {d_us:>10.1f} {d_us * 1024 / context:>10.1f} {c_us:>12.1f} "
+    d_us = time_us(lambda: ops.paged_attention(q, k_cache, v_cache, meta, scale), repeats, calls)
+    c_us = time_us(lambda: ops.paged_attention(*chunk, scale), repeats, max(2, calls // 16))
+    return (f"{ops.name:>9} {name:>9} {context:>8} {d_us:>10.1f} {d_us * 1024 / context:>10.1f} {c_us:>12.1f} "
             f"{c_us * 1024 / context:>10.1f}")
 
 if __name__ == "__main__":

@@ -179,3 +179,35 @@ def test_paged_attention_matches_the_reference(ops, dtype, window, case, heads):
 def test_the_cpu_gets_the_native_op_set():
     assert select_ops("cpu").name == "native"
     assert select_ops("cpu", kind="reference").name == "reference"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fused_view", [False, True])
+def test_rotary_matches_the_reference(ops, dtype, fused_view):
+    tokens, hq, hkv, d = 5, 9, 3, 64
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d).to(dtype)
+    if fused_view:  # q and k as the model has them: views into the fused projection's rows
+        query, key = qkv[:, : hq * d].view(tokens, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
+    else:
+        query, key = torch.randn(tokens, hq, d).to(dtype), torch.randn(tokens, hkv, d).to(dtype)
+    freqs = torch.outer(torch.arange(100).float(), 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
+    positions = torch.tensor([0, 7, 31, 99, 3])
+    mine = ops.apply_rotary(query, key, positions, freqs.cos(), freqs.sin())
+    oracle = reference.apply_rotary(query, key, positions, freqs.cos(), freqs.sin())
+    for a, b in zip(mine, oracle, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6 if dtype == torch.float32 else 0, atol=1e-6 if dtype == torch.float32 else 0)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.float32, torch.bfloat16)])
+def test_store_kv_cache_matches_the_reference(ops, dtypes):
+    value_dtype, cache_dtype = dtypes
+    kv = torch.randn(4, 2 * 3 * 16).to(value_dtype)
+    key, value = kv[:, :48].view(4, 3, 16), kv[:, 48:].view(4, 3, 16)  # views, as the model's
+    slots = torch.tensor([5, -1, 0, 37])  # -1: a padded row, skipped
+    caches = [torch.zeros(3, 16, 3, 16, dtype=cache_dtype) for _ in range(4)]
+    ops.store_kv_cache(key, value, caches[0], caches[1], slots)
+    reference.store_kv_cache(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(CpuKernelError):
+        ops.store_kv_cache(key, value, caches[0], caches[1], torch.tensor([0, 1, 2, 48]))  # past the cache

@@ -2,10 +2,11 @@
 
 A decode step of a small model is mostly dispatch: the reference's decode attention is a gather of
 every context block, a mask and SDPA (about 40 us a layer for one sequence on a 2-core EPYC), its
-RMSNorm five ops. ``core_decode_attention``, ``core_rms_norm`` and ``core_silu_and_mul``
-(``native/csrc/cpu_ops.c``) do each in one call over contiguous float32 or bfloat16 tensors. What they
-do not take (prefill chunks, other dtypes, bidirectional spans) goes to the reference ops, which stay
-the oracle: the tests compare the two.
+RMSNorm five ops, its rotary embedding seven. ``core_decode_attention``, ``core_rms_norm``,
+``core_silu_and_mul``, ``core_rotary`` and ``core_store_kv`` (``native/csrc/cpu_ops.c``) do each in one
+call over float32 or bfloat16 tensors. What they do not take (prefill chunks, other dtypes, M-RoPE
+positions, bidirectional spans) goes to the reference ops, which stay the oracle: the tests compare the
+two.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from . import reference
 
 NAME = "native"
 MAX_HEAD_DIM, MAX_GROUP = 512, 64  # csrc/cpu_ops.c
-store_kv_cache = reference.store_kv_cache
-apply_rotary = reference.apply_rotary
 gelu_tanh_and_mul = reference.gelu_tanh_and_mul
 
 
@@ -120,3 +119,41 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], inner, dtype=x.dtype)
     kernels().call("core_silu_and_mul", x.data_ptr(), _code(x), x.numel() // (2 * inner), inner, out.data_ptr())
     return out
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``x`` [T, H, D] with contiguous heads (a view into a fused projection's rows is fine) and the
+    elements from one row to the next."""
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        x = x.contiguous()
+    return x, x.stride(0)
+
+
+def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
+                 sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``reference.apply_rotary``, in one ``core_rotary`` call."""
+    d = query.shape[-1]
+    if (query.dtype != key.dtype or _code(query) is None or query.device.type != "cpu" or positions.dim() != 1
+            or positions.dtype != torch.int64 or cos_cache.dtype != torch.float32 or cos_cache.shape[1] * 2 != d
+            or not (cos_cache.is_contiguous() and sin_cache.is_contiguous())):
+        return reference.apply_rotary(query, key, positions, cos_cache, sin_cache)
+    (query, q_stride), (key, k_stride) = _rows(query), _rows(key)
+    positions = positions.contiguous()
+    q_out, k_out = torch.empty(query.shape, dtype=query.dtype), torch.empty(key.shape, dtype=key.dtype)
+    kernels().call("core_rotary", query.data_ptr(), key.data_ptr(), _code(query), query.shape[0], query.shape[1],
+                   key.shape[1], d, q_stride, k_stride, positions.data_ptr(), cos_cache.data_ptr(),
+                   sin_cache.data_ptr(), cos_cache.shape[0], q_out.data_ptr(), k_out.data_ptr())
+    return q_out, k_out
+
+
+def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """As ``reference.store_kv_cache``, in one ``core_store_kv`` call."""
+    if (key.dtype != value.dtype or _code(key) is None or _code(k_cache) is None or key.device.type != "cpu"
+            or slot_mapping.dtype != torch.int64 or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        return reference.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    (key, k_stride), (value, v_stride) = _rows(key), _rows(value)
+    slots = slot_mapping.contiguous()
+    kernels().call("core_store_kv", key.data_ptr(), value.data_ptr(), _code(key), key.shape[0], key.shape[1],
+                   key.shape[2], k_stride, v_stride, slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                   _code(k_cache), k_cache.shape[0] * k_cache.shape[1])

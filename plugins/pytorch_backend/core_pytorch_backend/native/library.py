@@ -30,6 +30,10 @@ SIGNATURES: dict[str, list] = {
     "core_rms_norm": [_P, _I, _L, _L, _P, _P, _I, _F, _P, _P],
     # x, dtype, T, I, out
     "core_silu_and_mul": [_P, _I, _L, _L, _P],
+    # q, k, dtype, T, Hq, Hkv, D, q row stride, k row stride, positions, cos, sin, max position, q out, k out
+    "core_rotary": [_P, _P, _I, _L, _L, _L, _L, _L, _L, _P, _P, _P, _L, _P, _P],
+    # k, v, dtype, T, Hkv, D, k row stride, v row stride, slots, k cache, v cache, cache dtype, slots in cache
+    "core_store_kv": [_P, _P, _I, _L, _L, _L, _L, _L, _P, _P, _P, _I, _L],
 }
 
 

@@ -1,5 +1,6 @@
 /* The small per-layer ops of a decode step, each one pass over its rows instead of a dozen torch ops:
- * paged decode attention, RMSNorm (with the residual add), and silu(gate) * up.
+ * paged decode attention, RMSNorm (with the residual add), silu(gate) * up, rotary embedding and the
+ * KV-cache store.
  *
  * Each rounds where the plain-torch reference (kernels/reference.py) rounds, so bfloat16 results match
  * it to the last bit or one ulp (the sums run in a different order), and float32 ones to rounding.
@@ -115,45 +116,53 @@ static inline int64_t slot_of(const int32_t *table, int64_t pos, int64_t block_s
     return (int64_t)table[p / b] * block_size + p % b;
 }
 
-/* One partition's share of one row's attention for one KV head: the group's query heads against
- * positions [begin, end) of the row's context. Leaves, per query head g, the partition's score maximum,
- * its sum of e^(score - maximum) and the unnormalised sum of e^(score - maximum) * V, in
- * part = [group][2 + d] floats, for combine() to merge. Inlined with a constant head size and dtypes
- * where they are common ones (see partial_any): loops of 64 elements then unroll fully, where a loop of
- * unknown length spends as long starting and ending as it does working. */
+/* One partition's share of one row's attention: every query head against positions [begin, end) of
+ * the row's context, reading each position's K and V rows of all KV heads in turn (contiguous in the
+ * cache). Leaves, per query head, the partition's score maximum, its sum of e^(score - maximum) and the
+ * unnormalised sum of e^(score - maximum) * V, in part = [hq][2 + d] floats, for combine() to merge.
+ * Inlined with a constant head size and dtypes where they are common ones (see partial_any): loops of
+ * 64 elements then unroll fully, where a loop of unknown length spends as long starting and ending as
+ * it does working. */
 static inline __attribute__((always_inline)) int partial(const void *q, int q_dtype, int64_t row, int64_t hq,
                                                           int64_t d, const void *k_cache, const void *v_cache,
                                                           int cache_dtype, int64_t block_size, int64_t hkv,
                                                           const int32_t *table, int64_t begin, int64_t end,
-                                                          int64_t h, float scale, float *part) {
+                                                          float scale, float *part) {
     const int64_t group = hq / hkv, span = end - begin;
     float cached[MAX_HEAD_DIM];
-    /* one buffer: the group's queries [group][d], then its scores [group][span] */
-    float *queries = malloc((size_t)(group * (d + span)) * sizeof(float));
+    /* one buffer: the queries [hq][d], then the scores [hq][span] */
+    float *queries = malloc((size_t)(hq * d + hq * span) * sizeof(float));
     if (!queries) return ERR_MEMORY;
-    float *scores = queries + group * d;
-    for (int64_t g = 0; g < group; ++g) load_row(q, q_dtype, (row * hq + h * group + g) * d, d, queries + g * d);
+    float *scores = queries + hq * d;
+    load_row(q, q_dtype, row * hq * d, hq * d, queries);
     for (int64_t j = 0; j < span; ++j) {
-        load_row(k_cache, cache_dtype, (slot_of(table, begin + j, block_size) * hkv + h) * d, d, cached);
-        for (int64_t g = 0; g < group; ++g) scores[g * span + j] = dot(queries + g * d, cached, d) * scale;
+        const int64_t slot = slot_of(table, begin + j, block_size);
+        for (int64_t kv = 0; kv < hkv; ++kv) {
+            load_row(k_cache, cache_dtype, (slot * hkv + kv) * d, d, cached);
+            for (int64_t head = kv * group; head < (kv + 1) * group; ++head)
+                scores[head * span + j] = dot(queries + head * d, cached, d) * scale;
+        }
     }
-    for (int64_t g = 0; g < group; ++g) {
-        float *s = scores + g * span, top = -INFINITY, sum = 0.f;
+    for (int64_t head = 0; head < hq; ++head) {
+        float *s = scores + head * span, top = -INFINITY, sum = 0.f;
         for (int64_t j = 0; j < span; ++j) top = s[j] > top ? s[j] : top;
         exp_shifted(s, span, top);
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < span; ++j) sum += s[j];
-        part[g * (2 + d)] = top;
-        part[g * (2 + d) + 1] = sum;
-        memset(part + g * (2 + d) + 2, 0, (size_t)d * sizeof(float));
+        part[head * (2 + d)] = top;
+        part[head * (2 + d) + 1] = sum;
+        memset(part + head * (2 + d) + 2, 0, (size_t)d * sizeof(float));
     }
     for (int64_t j = 0; j < span; ++j) {
-        load_row(v_cache, cache_dtype, (slot_of(table, begin + j, block_size) * hkv + h) * d, d, cached);
-        for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * span + j];
-            float *a = part + g * (2 + d) + 2;
+        const int64_t slot = slot_of(table, begin + j, block_size);
+        for (int64_t kv = 0; kv < hkv; ++kv) {
+            load_row(v_cache, cache_dtype, (slot * hkv + kv) * d, d, cached);
+            for (int64_t head = kv * group; head < (kv + 1) * group; ++head) {
+                const float p = scores[head * span + j];
+                float *a = part + head * (2 + d) + 2;
 #pragma omp simd
-            for (int64_t i = 0; i < d; ++i) a[i] += p * cached[i];
+                for (int64_t i = 0; i < d; ++i) a[i] += p * cached[i];
+            }
         }
     }
     free(queries);
@@ -162,8 +171,8 @@ static inline __attribute__((always_inline)) int partial(const void *q, int q_dt
 
 static int partial_any(const void *q, int q_dtype, int64_t row, int64_t hq, int64_t d, const void *k_cache,
                        const void *v_cache, int cache_dtype, int64_t block_size, int64_t hkv, const int32_t *table,
-                       int64_t begin, int64_t end, int64_t h, float scale, float *part) {
-#define PARTIAL(QT, CT, D) partial(q, QT, row, hq, D, k_cache, v_cache, CT, block_size, hkv, table, begin, end, h, \
+                       int64_t begin, int64_t end, float scale, float *part) {
+#define PARTIAL(QT, CT, D) partial(q, QT, row, hq, D, k_cache, v_cache, CT, block_size, hkv, table, begin, end, \
                                    scale, part)
     if (q_dtype == DT_BF16 && cache_dtype == DT_BF16) {
         if (d == 64) return PARTIAL(DT_BF16, DT_BF16, 64);
@@ -176,27 +185,27 @@ static int partial_any(const void *q, int q_dtype, int64_t row, int64_t hq, int6
 #undef PARTIAL
 }
 
-/* Merge the `count` partitions of one row and KV head (`apart` floats from one to the next) into its
- * query heads' outputs. */
-static void combine(const float *parts, int64_t count, int64_t apart, int64_t group, int64_t d, int64_t row,
-                    int64_t hq, int64_t h, int q_dtype, void *out) {
+/* Merge the `count` partitions of one row (`apart` floats from one to the next) into the outputs of
+ * its query heads. */
+static void combine(const float *parts, int64_t count, int64_t apart, int64_t hq, int64_t d, int64_t row,
+                    int q_dtype, void *out) {
     float acc[MAX_HEAD_DIM];
-    for (int64_t g = 0; g < group; ++g) {
+    for (int64_t head = 0; head < hq; ++head) {
         float top = -INFINITY, total = 0.f;
         for (int64_t p = 0; p < count; ++p) {
-            const float m = parts[p * apart + g * (2 + d)];
+            const float m = parts[p * apart + head * (2 + d)];
             top = m > top ? m : top;
         }
         memset(acc, 0, (size_t)d * sizeof(float));
         for (int64_t p = 0; p < count; ++p) {
-            const float *part = parts + p * apart + g * (2 + d);
+            const float *part = parts + p * apart + head * (2 + d);
             const float weight = count == 1 ? 1.f : expf(part[0] - top);
             total += weight * part[1];
             for (int64_t i = 0; i < d; ++i) acc[i] += weight * part[2 + i];
         }
         const float inv = total > 0.f ? 1.f / total : 0.f;
         for (int64_t i = 0; i < d; ++i) acc[i] *= inv;
-        store_row(out, q_dtype, (row * hq + h * group + g) * d, d, acc);
+        store_row(out, q_dtype, (row * hq + head) * d, d, acc);
     }
 }
 
@@ -204,9 +213,10 @@ static void combine(const float *parts, int64_t count, int64_t apart, int64_t gr
  * caches [num_blocks, block_size, Hkv, D]; tables [R, table_width] int32; lengths [R] int32 (cached
  * tokens, the new one included); window > 0 keeps the last `window` positions only.
  *
- * The work is cut into tasks of one row, one KV head and up to PARTITION positions (so that one long
- * sequence still keeps every thread busy), each leaving a partial softmax that a second pass merges. */
-#define PARTITION 128
+ * The work is cut into tasks of one row and up to PARTITION positions (so that one long sequence
+ * still keeps every thread busy), each leaving a partial softmax per query head that a second pass
+ * merges. */
+#define PARTITION 64
 int core_decode_attention(const void *q, int q_dtype, int64_t rows, int64_t hq, int64_t d, const void *k_cache,
                           const void *v_cache, int cache_dtype, int64_t block_size, int64_t hkv,
                           const int32_t *tables, int64_t table_width, const int32_t *lengths, int64_t window,
@@ -216,8 +226,8 @@ int core_decode_attention(const void *q, int q_dtype, int64_t rows, int64_t hq, 
         (q_dtype != DT_F32 && q_dtype != DT_BF16) || (cache_dtype != DT_F32 && cache_dtype != DT_BF16))
         return ERR_ARGS;
     if (rows == 0) return OK;
-    const int64_t group = hq / hkv, stride = group * (2 + d);
-    int64_t *first = malloc((size_t)(rows + 1) * sizeof(int64_t)); /* first task of each row; tasks of row r */
+    const int64_t stride = hq * (2 + d); /* floats of one partition */
+    int64_t *first = malloc((size_t)(rows + 1) * sizeof(int64_t)); /* each row's first partition */
     if (!first) return ERR_MEMORY;
     int64_t work = 0;
     first[0] = 0;
@@ -227,35 +237,30 @@ int core_decode_attention(const void *q, int q_dtype, int64_t rows, int64_t hq, 
         first[r + 1] = first[r] + (span > 0 ? (span + PARTITION - 1) / PARTITION : 0);
         work += span;
     }
-    const int64_t parts_per_head = first[rows];
-    float *parts = malloc((size_t)(parts_per_head * hkv * stride + 1) * sizeof(float));
+    const int64_t partitions = first[rows];
+    float *parts = malloc((size_t)(partitions * stride + 1) * sizeof(float));
     if (!parts) {
         free(first);
         return ERR_MEMORY;
     }
     int status = OK;
-    const int parallel = work * hq * d > 100000;
-#pragma omp parallel if (parallel)
+#pragma omp parallel if (work * hq * d > 50000)
     {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < parts_per_head * hkv; ++task) {
-            const int64_t h = task % hkv, index = task / hkv;
+        for (int64_t index = 0; index < partitions; ++index) {
             int64_t r = 0;
             while (first[r + 1] <= index) ++r;
             const int64_t start = window > 0 && lengths[r] > window ? lengths[r] - window : 0;
             const int64_t begin = start + (index - first[r]) * PARTITION;
             const int64_t end = begin + PARTITION < lengths[r] ? begin + PARTITION : lengths[r];
-            /* partition p of (r, h) at ((first[r] + p) * hkv + h) * stride: index = first[r] + p */
             int s = partial_any(q, q_dtype, r, hq, d, k_cache, v_cache, cache_dtype, block_size, hkv,
-                                tables + r * table_width, begin, end, h, scale, parts + (index * hkv + h) * stride);
+                                tables + r * table_width, begin, end, scale, parts + index * stride);
             if (s != OK) status = s;
         }
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < rows * hkv; ++task) {
-            const int64_t r = task / hkv, h = task % hkv, count = first[r + 1] - first[r];
-            if (count > 0) /* an empty context has no output to write */
-                combine(parts + (first[r] * hkv + h) * stride, count, hkv * stride, group, d, r, hq, h, q_dtype, out);
-        }
+        for (int64_t r = 0; r < rows; ++r)
+            if (first[r + 1] > first[r]) /* an empty context has no output to write */
+                combine(parts + first[r] * stride, first[r + 1] - first[r], stride, hq, d, r, q_dtype, out);
     }
     free(parts);
     free(first);
@@ -334,4 +339,65 @@ int core_silu_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, v
         free(up);
     }
     return status;
+}
+
+/* Neox (rotate-half) rotary embedding of q [T, Hq, D] and k [T, Hkv, D] into q_out and k_out
+ * (contiguous), rows of the inputs `*_row_stride` elements apart (views into a fused qkv output).
+ * cos / sin are float32 [max_position, D / 2]. Rounds as the reference: cos and sin to the dtype,
+ * then each product and their sum. */
+int core_rotary(const void *q, const void *k, int dtype, int64_t tokens, int64_t hq, int64_t hkv, int64_t d,
+                int64_t q_row_stride, int64_t k_row_stride, const int64_t *positions, const float *cos_table,
+                const float *sin_table, int64_t max_position, void *q_out, void *k_out) {
+    if ((tokens > 0 && (!q || !k || !positions || !q_out || !k_out)) || !cos_table || !sin_table || tokens < 0 ||
+        d <= 0 || d % 2 || d > MAX_HEAD_DIM || (dtype != DT_F32 && dtype != DT_BF16))
+        return ERR_ARGS;
+    for (int64_t t = 0; t < tokens; ++t)
+        if (positions[t] < 0 || positions[t] >= max_position) return ERR_ARGS;
+    const int64_t half = d / 2;
+#pragma omp parallel for schedule(static) if (tokens * (hq + hkv) * d > 65536)
+    for (int64_t t = 0; t < tokens; ++t) {
+        float c[MAX_HEAD_DIM / 2], s[MAX_HEAD_DIM / 2], x[MAX_HEAD_DIM], y[MAX_HEAD_DIM];
+        for (int64_t i = 0; i < half; ++i) {
+            c[i] = round_to(cos_table[positions[t] * half + i], dtype);
+            s[i] = round_to(sin_table[positions[t] * half + i], dtype);
+        }
+        for (int64_t head = 0; head < hq + hkv; ++head) {
+            const int is_q = head < hq;
+            const void *src = is_q ? q : k;
+            const int64_t offset = is_q ? t * q_row_stride + head * d : t * k_row_stride + (head - hq) * d;
+            load_row(src, dtype, offset, d, x);
+#pragma omp simd
+            for (int64_t i = 0; i < half; ++i) {
+                y[i] = round_to(round_to(x[i] * c[i], dtype) + round_to(x[i + half] * -s[i], dtype), dtype);
+                y[i + half] = round_to(round_to(x[i + half] * c[i], dtype) + round_to(x[i] * s[i], dtype), dtype);
+            }
+            store_row(is_q ? q_out : k_out, dtype, is_q ? (t * hq + head) * d : (t * hkv + head - hq) * d, d, y);
+        }
+    }
+    return OK;
+}
+
+/* Write each new token's K and V ([T, Hkv, D], rows `*_row_stride` apart) into its cache slot
+ * (caches [slots, Hkv, D] of cache_dtype); a negative slot is skipped, one past the cache an error. */
+int core_store_kv(const void *k, const void *v, int dtype, int64_t tokens, int64_t hkv, int64_t d,
+                  int64_t k_row_stride, int64_t v_row_stride, const int64_t *slots, void *k_cache, void *v_cache,
+                  int cache_dtype, int64_t num_slots) {
+    if ((tokens > 0 && (!k || !v || !slots)) || !k_cache || !v_cache || tokens < 0 || d <= 0 || hkv <= 0 ||
+        (dtype != DT_F32 && dtype != DT_BF16) ||
+        (cache_dtype != DT_F32 && cache_dtype != DT_BF16))
+        return ERR_ARGS;
+    for (int64_t t = 0; t < tokens; ++t)
+        if (slots[t] >= num_slots) return ERR_ARGS;
+    const int64_t width = hkv * d;
+    float *row = malloc((size_t)width * sizeof(float));
+    if (!row) return ERR_MEMORY;
+    for (int64_t t = 0; t < tokens; ++t) {
+        if (slots[t] < 0) continue;
+        load_row(k, dtype, t * k_row_stride, width, row);
+        store_row(k_cache, cache_dtype, slots[t] * width, width, row);
+        load_row(v, dtype, t * v_row_stride, width, row);
+        store_row(v_cache, cache_dtype, slots[t] * width, width, row);
+    }
+    free(row);
+    return OK;
 }
