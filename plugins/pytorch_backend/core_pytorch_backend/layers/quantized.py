@@ -26,6 +26,7 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the CPU int4 kernel accepts
 ROW_MULTIPLE = 16  # the int4 packing wants N divisible by 16
 DENSE_MIN_ROWS = 6  # with a dense copy, steps of this many rows use it (break-even at 4-6 rows here)
 PACK_ROWS = 4096  # rows packed at a time (bounds the int32 staging copy); a multiple of 64
+INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default  # the overload itself: no per-call resolution
 
 
 def int4_fits(n: int, k: int, group_size: int = 32) -> bool:
@@ -77,18 +78,28 @@ class Int4Weight(nn.Module):
         self.dense_min_rows = min_rows
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        flat = x.reshape(-1, self.shape[1]).to(self.scales_zeros.dtype)
-        if self.dense is not None and flat.shape[0] >= self.dense_min_rows:
-            flat = flat.to(self.dense.dtype)
-            out = F.linear(flat, self.dense, None if bias is None else bias.to(flat.dtype))
-            return out.view(*x.shape[:-1], self.shape[0]).to(x.dtype)
-        if self.planes == 2:
-            flat = torch.cat((flat, flat), dim=-1)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.contiguous(), self.packed, self.group_size,
-                                                         self.scales_zeros)
-        if bias is not None:
-            out = out + bias.to(out.dtype)
-        return out.view(*x.shape[:-1], self.shape[0]).to(x.dtype)
+        # A decode step calls this ~120 times: buffers are read once from __dict__'s _buffers (an nn.Module
+        # attribute lookup is a slow __getattr__), and no op runs that the call does not need.
+        buffers = self._buffers
+        scales_zeros, dense = buffers["scales_zeros"], buffers["dense"]
+        flat = x.reshape(-1, self.shape[1])
+        if dense is not None and flat.shape[0] >= self.dense_min_rows:
+            if flat.dtype != dense.dtype:
+                flat = flat.to(dense.dtype)
+            out = F.linear(flat, dense, None if bias is None else bias.to(flat.dtype))
+        else:
+            if flat.dtype != scales_zeros.dtype:
+                flat = flat.to(scales_zeros.dtype)
+            if self.planes == 2:
+                flat = torch.cat((flat, flat), dim=-1)
+            elif not flat.is_contiguous():
+                flat = flat.contiguous()
+            out = INT4_MM(flat, buffers["packed"], self.group_size, scales_zeros)
+            if bias is not None:
+                out = out + bias.to(out.dtype)
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.shape[0])
 
     def extra_repr(self) -> str:
         dense = f", dense copy from {self.dense_min_rows} rows" if self.dense is not None else ""
