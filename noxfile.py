@@ -77,6 +77,22 @@ def serve(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def soak(session: nox.Session) -> None:
+    """Soak `core serve` on the default model: 2 rounds of mixed concurrent requests, client aborts and
+    sleep/wakeup under load; fails on a 5xx, a malformed stream, a leak (~5 min on 2 cores). Arguments pass
+    through to benchmarks/soak.py (e.g. --requests 200 -- --max-num-seqs 16)."""
+    install_everything(session)
+    session.run("python", "benchmarks/soak.py", "--rounds", "2", "--requests", "80", *session.posargs)
+
+
+@nox.session(default=False)
+def fuzz(session: nox.Session) -> None:
+    """The fuzz tests with 300 examples per test instead of 15 (~11 min on 2 cores); arguments pass to pytest."""
+    install_everything(session)
+    session.run("pytest", "tests/server/test_fuzz.py", *session.posargs, env={"CORE_FUZZ_EXAMPLES": "300"})
+
+
+@nox.session(default=False)
 def bench(session: nox.Session) -> None:
     """core vs vLLM, llama.cpp and transformers, side by side on this machine (opt-in, slow).
 

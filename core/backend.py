@@ -88,16 +88,26 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """Logprob of one generated token and the `top_logprobs` most likely alternatives."""
+    """Logprob of one token (generated, or of the prompt) and the most likely alternatives, descending.
+
+    `rank` is the token's place in the vocabulary by logprob (1 = the likeliest), where the backend
+    reports it (prompt logprobs do).
+    """
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
 class BackendOutput:
-    """New tokens of one choice (index < n) since the previous output."""
+    """New tokens of one choice (index < n) since the previous output.
+
+    `prompt_logprobs` comes once, on the request's first output, when its config asks for
+    prompt_logprobs: one entry per prompt token, the first None (nothing precedes it), each with the
+    `config.prompt_logprobs` likeliest tokens in `top`.
+    """
 
     token_ids: Sequence[int]
     index: int = 0
@@ -105,6 +115,7 @@ class BackendOutput:
     logprobs: Sequence[TokenLogprob] | None = None
     num_cached_tokens: int = 0
     stop_token_id: int | None = None
+    prompt_logprobs: Sequence[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +148,9 @@ class Backend(ABC):
 
     model_info: ModelInfo
     tokenizer: Tokenizer
+    #: Whether the backend returns prompt logprobs (BackendOutput.prompt_logprobs); the engine refuses
+    #: requests asking for them with a 400 otherwise.
+    supports_prompt_logprobs: bool = False
 
     @abstractmethod
     def generate(self, request: GenerateRequest) -> AsyncIterator[BackendOutput]:

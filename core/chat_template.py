@@ -30,6 +30,9 @@ class ChatTemplate(ABC):
     #: Whether the tokenizer adds its special tokens (bos) when encoding the rendered text. Hugging Face
     #: templates write bos themselves, so the default is False (as transformers and vLLM do).
     encode_with_special_tokens: bool = False
+    #: How the template reads `content` (core.content_format): "string" (text parts are joined before
+    #: rendering) or "openai" (content is passed as the client sent it: a string or a list of parts).
+    content_format: str = "openai"
 
     @abstractmethod
     def render(
@@ -59,8 +62,24 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
                 f"messages[{i}].role must be system, user, assistant or tool, got {role!r}",
                 param=f"messages[{i}].role",
             )
+        _check_content(message.get("content"), f"messages[{i}].content")
         checked.append(dict(message))
     return checked
+
+
+def _check_content(content: Any, where: str) -> None:
+    """Content is a string, null (an assistant turn of tool calls) or a list of parts, each an object with
+    a string `type` (a text part with a string `text`); what a part of another type holds is checked by
+    whoever reads it (images: core.multimodal)."""
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, (list, tuple)):
+        raise InvalidRequestError(f"{where} must be a string or a list of content parts", param=where)
+    for j, part in enumerate(content):
+        if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
+            raise InvalidRequestError(f'{where}[{j}] must be an object with a string "type"', param=f"{where}[{j}]")
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"{where}[{j}].text must be a string", param=f"{where}[{j}].text")
 
 
 def validate_tools(tools: Any) -> list[dict[str, Any]] | None:

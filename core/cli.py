@@ -15,11 +15,12 @@ from typing import Any
 
 from core import __version__
 from core.config import QUANTIZATIONS
+from core.content_format import CONTENT_FORMATS
 from core.errors import CoreError, PluginError
 
 ENGINE_FLAGS = ("backend", "dtype", "quantization", "device", "max_model_len", "block_size", "kv_cache_memory_gib",
                 "max_num_seqs", "max_num_batched_tokens", "chat_template", "served_model_name", "seed",
-                "allow_special_tokens_in_content")
+                "allow_special_tokens_in_content", "chat_template_content_format")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +41,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
     g.add_argument("--chat-template", help="a registered template name or a Jinja file")
-    g.add_argument("--served-model-name", help="the model name clients use")
+    g.add_argument("--chat-template-content-format", choices=list(CONTENT_FORMATS),
+                   help="how message content reaches the template: string (text parts joined with a newline), "
+                        "openai (a list of parts, as sent) or auto (detected from the template; the default)")
+    g.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the model names clients use: the first is reported in responses, all are accepted")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--allow-special-tokens-in-content", action="store_true", default=None,
                    help="let control strings in message text (<|im_end|>, ...) become control tokens; by "

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.content_format import AUTO, check_content_format
 from core.errors import InvalidRequestError
 from core.multimodal import MediaPolicy
 
@@ -68,7 +69,8 @@ class GenerationConfig:
 
     Sampling fields left as None take the model's generation_config.json value, else SAMPLING_DEFAULTS
     (see `with_defaults`). temperature 0 means greedy. max_new_tokens None means "until the context
-    window is full".
+    window is full". prompt_logprobs k (None: off) asks for the logprob of every prompt token and its k
+    likeliest alternatives (the backend must support it; such a request does not read the prefix cache).
     """
 
     n: int = 1
@@ -87,6 +89,7 @@ class GenerationConfig:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -124,6 +127,8 @@ class GenerationConfig:
         if self.seed is not None:
             _check_int("seed", self.seed, INT64_MIN, INT64_MAX)
         _check_int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
 
     def _validate_sampling(self) -> None:
         if self.temperature is not None:
@@ -200,6 +205,11 @@ class EngineConfig:
     :param media: where request images may come from and how large they may be (vision models).
     :param allow_special_tokens_in_content: let control strings in message text (``<|im_end|>``)
         become control tokens; off by default, so a client cannot forge turns (core.special_tokens).
+    :param served_model_name: the name clients use; a list gives several names, the first reported in
+        responses and the others accepted as aliases (it is then split into this and
+        `served_model_aliases`).
+    :param chat_template_content_format: how message content reaches the template (core.content_format):
+        "auto" (detected from the template), "string" or "openai".
     """
 
     model: str | None = None
@@ -216,13 +226,17 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     chat_template: str | None = None
     served_model_name: str | None = None
+    served_model_aliases: tuple[str, ...] = ()
     seed: int = 0
     enforce_eager: bool = False
     backend_options: Mapping[str, Any] = field(default_factory=dict)
     media: MediaPolicy = field(default_factory=MediaPolicy)
     allow_special_tokens_in_content: bool = False
+    chat_template_content_format: str = AUTO
 
     def __post_init__(self) -> None:
+        self._normalise_names()
+        check_content_format(self.chat_template_content_format)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise _fail("dtype", self.dtype, "one of auto, float32, bfloat16, float16")
         if self.quantization not in QUANTIZATIONS:
@@ -240,6 +254,20 @@ class EngineConfig:
         _check_bool("allow_special_tokens_in_content", self.allow_special_tokens_in_content)
         if not isinstance(self.media, MediaPolicy):
             raise _fail("media", self.media, "a core.multimodal.MediaPolicy")
+
+    def _normalise_names(self) -> None:
+        names, aliases = self.served_model_name, self.served_model_aliases
+        if isinstance(names, (list, tuple)):
+            if not names:
+                raise _fail("served_model_name", names, "a name or a non-empty list of names")
+            names, aliases = names[0], (*names[1:], *aliases)
+        if isinstance(aliases, str) or not isinstance(aliases, (list, tuple)):
+            raise _fail("served_model_aliases", aliases, "a list of names")
+        for name in (names, *aliases):
+            if name is not None and (not isinstance(name, str) or not name):
+                raise _fail("served_model_name", name, "a non-empty string")
+        object.__setattr__(self, "served_model_name", names)
+        object.__setattr__(self, "served_model_aliases", tuple(dict.fromkeys(a for a in aliases if a != names)))
 
     @property
     def model_name(self) -> str:

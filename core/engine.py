@@ -34,6 +34,7 @@ from core.errors import (
     EngineSleepingError,
     EngineUnavailableError,
     InvalidRequestError,
+    UnsupportedError,
 )
 from core.multimodal import (
     MediaPolicy,
@@ -67,11 +68,17 @@ class AsyncEngine:
 
     def __init__(self, backend: Backend, *, chat_template: ChatTemplate | None = None,
                  model_name: str | None = None, vision: VisionProcessor | None = None,
-                 media_policy: MediaPolicy | None = None, allow_special_tokens_in_content: bool = False) -> None:
+                 media_policy: MediaPolicy | None = None, allow_special_tokens_in_content: bool = False,
+                 model_aliases: Sequence[str] = (), chat_template_content_format: str = "auto") -> None:
         self.backend = backend
         self.model_name = model_name or backend.model_info.name
+        #: Every name clients may use: the reported name first, then the aliases.
+        self.model_names = tuple(dict.fromkeys((self.model_name, *model_aliases)))
         self.preparer = RequestPreparer(backend.model_info, backend.tokenizer, chat_template, vision, media_policy,
-                                        allow_special_tokens_in_content=allow_special_tokens_in_content)
+                                        allow_special_tokens_in_content=allow_special_tokens_in_content,
+                                        content_format=chat_template_content_format)
+        if chat_template is not None:
+            log.info("chat template content format: %s", self.preparer.content_format)
         self.sessions = SessionManager(backend)
         self.vision = vision
         # One thread runs the vision encoder, off the event loop, once per request with images; a few
@@ -96,7 +103,9 @@ class AsyncEngine:
         vision = find_vision_processor(plugins, backend.model_info.architecture, config.model)
         release_openmp_pool()  # loading is done on this thread; see core.openmp
         return cls(backend, chat_template=template, model_name=config.served_model_name, vision=vision,
-                   media_policy=config.media, allow_special_tokens_in_content=config.allow_special_tokens_in_content)
+                   media_policy=config.media, allow_special_tokens_in_content=config.allow_special_tokens_in_content,
+                   model_aliases=config.served_model_aliases,
+                   chat_template_content_format=config.chat_template_content_format)
 
     # -- properties ---------------------------------------------------------------------------------
 
@@ -149,7 +158,7 @@ class AsyncEngine:
         reject_removed_keywords("generate", kwargs)
         self._check_gate()
         prepared = self.preparer.prepare(
-            inputs, merge_config(config, kwargs), add_generation_prompt=add_generation_prompt,
+            inputs, self._supported(merge_config(config, kwargs)), add_generation_prompt=add_generation_prompt,
             tools=tools, chat_template_kwargs=chat_template_kwargs,
         )
         return RequestStream(self, self.sessions.create(session_id), prepared)
@@ -174,7 +183,7 @@ class AsyncEngine:
         """
         reject_removed_keywords("generate", kwargs)
         self._check_gate()
-        config = merge_config(config, kwargs)
+        config = self._supported(merge_config(config, kwargs))
         session = self.sessions.create(session_id)
         try:
             inputs = await self.load_media(inputs)
@@ -220,6 +229,13 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         images = await loop.run_in_executor(self._media_executor, load_images, sources, self.preparer.media_policy)
         return with_loaded_images(inputs, images)
+
+    def _supported(self, config: GenerationConfig) -> GenerationConfig:
+        """`config`, or an UnsupportedError for what the backend cannot do."""
+        if config.prompt_logprobs is not None and not self.backend.supports_prompt_logprobs:
+            raise UnsupportedError(f"the {type(self.backend).__name__} backend does not return prompt logprobs",
+                                   param="prompt_logprobs")
+        return config
 
     def _check_gate(self) -> None:
         if self._closed or self._draining:
@@ -484,6 +500,7 @@ class _Choices:
             prompt_tokens=self._prompt_tokens, completion_tokens=self._counts[i], cached_tokens=self._cached,
             finish_reason=finish, stop_reason=stop_reason if finish else None,
             logprobs=list(out.logprobs) if out.logprobs is not None else None,
+            prompt_logprobs=list(out.prompt_logprobs) if out.prompt_logprobs is not None else None,
         )
 
     def abort_all(self) -> list[RequestOutput]:

@@ -14,6 +14,7 @@ from typing import Any
 from core.backend import ModelInfo, Tokenizer, TokenLogprob
 from core.chat_template import ChatTemplate, validate_messages, validate_tools
 from core.config import GenerationConfig
+from core.content_format import AUTO, apply_content_format, resolve_content_format
 from core.errors import ContextTooLongError, InvalidRequestError
 from core.multimodal import (
     ImageSource,
@@ -39,7 +40,8 @@ class RequestOutput:
     """One step of one choice: new text and tokens since the previous output of that choice.
 
     `completion_tokens` counts all tokens generated so far for this choice; `finish_reason` is set on
-    its last output ("stop", "length", "abort"); `stop_reason` is the stop string or stop token id.
+    its last output ("stop", "length", "abort"); `stop_reason` is the stop string or stop token id;
+    `prompt_logprobs` (when the config asks for them) come once, with the request's first output.
     """
 
     session_id: str
@@ -52,6 +54,7 @@ class RequestOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: Sequence[TokenLogprob] | None = None
+    prompt_logprobs: Sequence[TokenLogprob | None] | None = None  # on the request's first output only
 
     @property
     def finished(self) -> bool:
@@ -101,14 +104,17 @@ class RequestPreparer:
 
     Control strings in message text stay text (core.special_tokens) unless
     `allow_special_tokens_in_content`; with images, where the vision processor tokenizes, they are refused.
+    Message content reaches the template in `content_format` (core.content_format; "auto": the
+    template's own).
     """
 
     def __init__(self, model: ModelInfo, tokenizer: Tokenizer, template: ChatTemplate | None,
                  vision: VisionProcessor | None = None, media_policy: MediaPolicy | None = None, *,
-                 allow_special_tokens_in_content: bool = False) -> None:
+                 allow_special_tokens_in_content: bool = False, content_format: str = AUTO) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.template = template
+        self.content_format = resolve_content_format(content_format, template.content_format if template else AUTO)
         self.vision = vision
         self.media_policy = media_policy or MediaPolicy()
         self.template_stop_ids, self.template_stop_strings = self._split_template_stops()
@@ -142,6 +148,7 @@ class RequestPreparer:
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {reserved[0]!r}; it is a request field",
                                       param="chat_template_kwargs")
+        checked = apply_content_format(checked, self.content_format)
         return self.template.render(checked, add_generation_prompt=add_generation_prompt,
                                     tools=validate_tools(tools), **dict(chat_template_kwargs or {}))
 

@@ -31,6 +31,7 @@ class Response:
 
     `error` is the message of a request that failed (its unfinished choices end with finish_reason
     "error"); `Pipeline.infer` answers a batch item that way instead of failing the batch.
+    `prompt_logprobs`: one entry per prompt token (the first None) when the config asked for them.
     """
 
     session_id: str = ""
@@ -39,6 +40,7 @@ class Response:
     cached_tokens: int = 0
     choices: list[Completion] = field(default_factory=list)
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def text(self) -> str:
@@ -68,6 +70,8 @@ class Response:
         choice.token_ids.extend(output.token_ids)
         if output.logprobs is not None:
             choice.logprobs = (choice.logprobs or []) + list(output.logprobs)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = list(output.prompt_logprobs)
         if output.finish_reason is not None:
             choice.finish_reason, choice.stop_reason = output.finish_reason, output.stop_reason
 

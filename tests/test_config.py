@@ -72,3 +72,20 @@ def test_quantization_flag_reaches_the_engine_config():
     assert engine_config(parser.parse_args(["--quantization", "int4"])).quantization == "int4"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int3"])
+
+
+def test_served_model_names_split_into_the_reported_name_and_aliases():
+    config = EngineConfig(served_model_name=["main", "other", "main", "third"])
+    assert config.model_name == config.served_model_name == "main"
+    assert config.served_model_aliases == ("other", "third")
+    assert EngineConfig(served_model_name="only").served_model_aliases == ()
+    for bad in ([], [""], ["ok", 3]):
+        with pytest.raises(InvalidRequestError, match="served_model_name"):
+            EngineConfig(served_model_name=bad)
+
+
+def test_chat_template_content_format_is_checked():
+    assert EngineConfig().chat_template_content_format == "auto"
+    assert EngineConfig(chat_template_content_format="string").chat_template_content_format == "string"
+    with pytest.raises(InvalidRequestError, match="chat_template_content_format"):
+        EngineConfig(chat_template_content_format="list")

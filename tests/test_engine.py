@@ -10,7 +10,7 @@ import pytest
 from core.chat_template import ChatTemplate
 from core.config import GenerationConfig
 from core.engine import AsyncEngine
-from core.errors import BackendError, EngineUnavailableError, InvalidRequestError
+from core.errors import BackendError, EngineUnavailableError, InvalidRequestError, UnsupportedError
 from core.response import collect
 from core.testing.fake import EOS, FakeBackend
 
@@ -184,4 +184,15 @@ async def test_tool_definitions_are_checked_by_name():
         assert info.value.param == param, (tools, info.value)
     fine = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}]
     assert engine.tokenize(messages, tools=fine)
+    await engine.close()
+
+
+async def test_prompt_logprobs_are_refused_by_a_backend_that_does_not_return_them():
+    class Plain(FakeBackend):
+        supports_prompt_logprobs = False
+
+    engine = AsyncEngine(Plain())
+    with pytest.raises(UnsupportedError, match="does not return prompt logprobs") as caught:
+        engine.generate([1, 2, 3], GenerationConfig(max_new_tokens=2, prompt_logprobs=1))
+    assert caught.value.param == "prompt_logprobs" and len(engine.sessions) == 0
     await engine.close()

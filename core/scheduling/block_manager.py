@@ -137,8 +137,9 @@ class BlockManager:
         Never covers the last token: the model must compute at least one token
         to produce logits, so only blocks ending at or before
         ``num_tokens - 1`` can match.  Pass the result to :meth:`allocate`.
+        Nothing matches for a sequence with ``skip_reading_prefix_cache``.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.skip_reading_prefix_cache:
             return []
         matched: list[int] = []
         for i in range((seq.num_tokens - 1) // self.block_size):

@@ -52,6 +52,10 @@ class Sequence:
     to each other both ways, so a chunk that stopped inside one would compute
     its first tokens without seeing the rest.  The scheduler never ends a
     chunk strictly inside a span (see ``Scheduler``).
+
+    ``skip_reading_prefix_cache`` makes the sequence compute every token even when
+    a prefix of it is cached (a request that needs the logits of its prompt
+    positions); its own full blocks are still offered to the cache.
     """
 
     def __init__(
@@ -62,6 +66,7 @@ class Sequence:
         arrival_order: int | None = None,
         multimodal: Any = None,
         atomic_spans: Iterable[AtomicSpan] = (),
+        skip_reading_prefix_cache: bool = False,
     ) -> None:
         self.seq_id = seq_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
@@ -83,6 +88,7 @@ class Sequence:
         self.num_registered_blocks = 0
         self.multimodal = multimodal
         self.atomic_spans = _checked_atomic_spans(seq_id, atomic_spans, len(self.prompt_token_ids))
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
 
     @property
     def num_tokens(self) -> int:
@@ -121,7 +127,7 @@ class Sequence:
         before its parent).
         """
         child = Sequence(seq_id, self.prompt_token_ids, self.cache_keys, multimodal=self.multimodal,
-                         atomic_spans=self.atomic_spans)
+                         atomic_spans=self.atomic_spans, skip_reading_prefix_cache=self.skip_reading_prefix_cache)
         child.token_ids = list(self.token_ids)
         child.num_cached_tokens = self.num_cached_tokens
         # Same tokens, same content hashes: no need to hash them again.

@@ -15,6 +15,7 @@ from core.server import admin, anthropic, openai
 from core.server.errors import error_body, install_error_handlers, protocol_for_path
 from core.server.limits import ServerLimits
 from core.server.metrics import Metrics
+from core.server.openapi import openapi_document
 from core.server.postprocess import Postprocessors
 from core.server.serving import ClientDisconnected, ServerState
 
@@ -71,6 +72,7 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, reasoning_pars
         plugins = get_plugins()
     postprocessors = Postprocessors.choose(plugins, engine, reasoning_parser, tool_call_parser)
     app = FastAPI(title="core", version=__version__, **fastapi_options)
+    app.openapi = lambda: openapi_document(app)  # type: ignore[method-assign]
     app.state.core = ServerState(engine=engine, metrics=metrics or Metrics(), postprocessors=postprocessors,
                                  api_key=api_key, limits=limits or ServerLimits())
     install_error_handlers(app)

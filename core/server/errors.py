@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from core.errors import CoreError, ErrorCode, InvalidRequestError
 
@@ -105,9 +106,9 @@ def validation_to_core_error(errors: list[Mapping[str, Any]]) -> InvalidRequestE
     first = errors[0]
     if first.get("type") == "json_invalid":
         return InvalidRequestError(f"the request body is not valid JSON ({first.get('msg')})", param="body")
-    if first.get("type") == "model_type" or not first.get("loc"):
-        return InvalidRequestError("the request body must be a JSON object", param="body")
     param = param_of(first.get("loc", ()))
+    if param is None:  # the body itself (a list, a number) is not an object
+        return InvalidRequestError("the request body must be a JSON object", param="body")
     return InvalidRequestError(f"{param}: {first.get('msg')}", param=param)
 
 
@@ -159,10 +160,34 @@ async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
-async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return JSONResponse(error_body(protocol_for_path(request.url.path), 500, GENERIC_500, code="internal"),
-                        status_code=500)
+class UnexpectedErrorMiddleware:
+    """An unexpected exception becomes the generic 500 of the route's protocol, logged with its traceback
+    and not raised further. (Starlette's own handler for Exception re-raises after answering, and uvicorn
+    then closes the connection: the client's next request on that keep-alive connection met a reset.) An
+    exception after the response started is raised on: only closing the connection can tell the client."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            if started:
+                raise
+            log.error("unhandled error on %s %s", scope.get("method"), scope["path"], exc_info=exc)
+            body = error_body(protocol_for_path(scope["path"]), 500, GENERIC_500, code="internal")
+            await JSONResponse(body, status_code=500)(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -171,4 +196,4 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(ValidationError, _on_validation_error)
     app.add_exception_handler(HTTPException, _on_http_error)
-    app.add_exception_handler(Exception, _on_unexpected)
+    app.add_middleware(UnexpectedErrorMiddleware)

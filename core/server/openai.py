@@ -6,6 +6,7 @@ either stream SSE chunks or collect whole responses while watching for the clien
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -51,13 +52,25 @@ def _stream(events: AsyncIterator[str], request_id: str, sources: Sequence[Async
                                closing=sources)
 
 
+def model_card(state: ServerState, name: str) -> dict[str, Any]:
+    """The `model` object of one served name (every name is the same model: `root` is the reported one)."""
+    return {"id": name, "object": "model", "created": STARTED, "owned_by": "core", "root": state.model_name,
+            "max_model_len": state.engine.model_info.max_model_len}
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    """The one model this server serves."""
+    """The model this server serves, once under each of its names."""
     state = state_of(request)
-    card = {"id": state.model_name, "object": "model", "created": STARTED, "owned_by": "core",
-            "root": state.model_name, "max_model_len": state.engine.model_info.max_model_len}
-    return {"object": "list", "data": [card]}
+    return {"object": "list", "data": [model_card(state, name) for name in state.model_names]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
+    """One model by name; a 404 for a name this server does not serve."""
+    state = state_of(request)
+    check_model(state, model_id)
+    return model_card(state, model_id)
 
 
 # -- chat ------------------------------------------------------------------------------------------
@@ -97,9 +110,12 @@ def chat_response(state: ServerState, response_id: str, result: EngineResponse,
                         "logprobs": tr.chat_logprobs(c.logprobs, state.engine.detokenize),
                         "finish_reason": tr.finish_reason(c.finish_reason, tool_calls=bool(parts.tool_calls)),
                         "stop_reason": c.stop_reason})
-    return {"id": response_id, "object": "chat.completion", "created": int(time.time()),
-            "model": state.model_name, "choices": choices,
-            "usage": tr.usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens)}
+    response = {"id": response_id, "object": "chat.completion", "created": int(time.time()),
+                "model": state.model_name, "choices": choices,
+                "usage": tr.usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens)}
+    if result.prompt_logprobs is not None:
+        response["prompt_logprobs"] = tr.vllm_prompt_logprobs(result.prompt_logprobs, state.engine.detokenize)
+    return response
 
 
 async def _chat_events(state: ServerState, response_id: str, source: AsyncIterator[RequestOutput],
@@ -158,41 +174,55 @@ async def completions(request: Request) -> Response:
         prompts = tr.completion_prompts(req.prompt)
         streams = await start_requests(request, prompts, config, session_ids(rid, len(prompts)))
     response_id = f"cmpl-{rid or uuid.uuid4().hex}"
+    decode = state.engine.detokenize
+    echoes = [tr.completion_echo(req, p, s.prompt_token_ids, decode) for p, s in zip(prompts, streams, strict=True)]
     sources = [state.metrics.track(s) for s in streams]
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(_completion_events(state, response_id, sources, config.n, include_usage), response_id, sources)
+        events = _completion_events(state, response_id, sources, config.n, echoes, include_usage)
+        return _stream(events, response_id, sources)
     results = await until_disconnected(request, collect_all(sources))
-    return JSONResponse(completion_response(state, response_id, results, config.n),
-                        headers={"X-Request-Id": response_id})
+    body = completion_response(state, response_id, results, config.n, echoes, req.prompt_logprobs is not None)
+    return JSONResponse(body, headers={"X-Request-Id": response_id})
 
 
-def completion_response(state: ServerState, response_id: str, results: Sequence[EngineResponse],
-                        n: int) -> dict[str, Any]:
-    """A whole `text_completion` object; choice index = prompt index * n + choice index."""
-    choices = [
-        tr.completion_choice(r.index * n + c.index, c.text, tr.finish_reason(c.finish_reason),
-                             tr.completion_logprobs(c.logprobs, state.engine.detokenize))
-        for r in results for c in r.choices
-    ]
-    prompt = sum(r.prompt_tokens for r in results)
+def completion_response(state: ServerState, response_id: str, results: Sequence[EngineResponse], n: int,
+                        echoes: Sequence[tr.Echo], prompt_logprobs: bool = False) -> dict[str, Any]:
+    """A whole `text_completion` object; choice index = prompt index * n + choice index. Each choice
+    repeats its prompt as `echoes[prompt index]` says, and with `prompt_logprobs` carries vLLM's."""
+    decode, choices = state.engine.detokenize, []
+    for r in results:
+        echo = echoes[r.index]
+        for c in r.choices:
+            choice = tr.completion_choice(r.index * n + c.index, echo.choice_text(c.text),
+                                          "length" if echo.prompt_only else tr.finish_reason(c.finish_reason),
+                                          echo.choice_logprobs(r.prompt_logprobs, c.logprobs, decode))
+            if prompt_logprobs:
+                choice["prompt_logprobs"] = tr.vllm_prompt_logprobs(r.prompt_logprobs, decode)
+            choices.append(choice)
+    generated = sum(0 if echoes[r.index].prompt_only else r.completion_tokens for r in results)
     return {"id": response_id, "object": "text_completion", "created": int(time.time()),
             "model": state.model_name, "choices": choices,
-            "usage": tr.usage(prompt, sum(r.completion_tokens for r in results),
-                              sum(r.cached_tokens for r in results))}
+            "usage": tr.usage(sum(r.prompt_tokens for r in results), generated, sum(r.cached_tokens for r in results))}
 
 
 async def _completion_events(state: ServerState, response_id: str, sources: Sequence[AsyncIterator[RequestOutput]],
-                             n: int, include_usage: bool) -> AsyncIterator[str]:
-    created, model = int(time.time()), state.model_name
-    offsets: dict[int, int] = {}
+                             n: int, echoes: Sequence[tr.Echo], include_usage: bool) -> AsyncIterator[str]:
+    created, model, decode = int(time.time()), state.model_name, state.engine.detokenize
+    offsets: dict[int, int] = {}  # text streamed so far per choice
+    prompts: dict[int, Any] = {}  # prompt logprobs per request (its first output carries them)
     totals = _Totals()
     async for i, out in merge(sources):
         index = i * n + out.index
-        logprobs = tr.completion_logprobs(out.logprobs, state.engine.detokenize, offsets.get(index, 0))
-        offsets[index] = offsets.get(index, 0) + len(out.text)
-        choice = tr.completion_choice(index, out.text, tr.finish_reason(out.finish_reason), logprobs)
+        echo, first = echoes[i], index not in offsets
+        if out.prompt_logprobs is not None:
+            prompts[i] = out.prompt_logprobs
+        text = echo.choice_text(out.text, first)
+        logprobs = echo.choice_logprobs(prompts.get(i), out.logprobs, decode, offsets.get(index, 0), first)
+        offsets[index] = offsets.get(index, 0) + len(text)
+        finish = "length" if echo.prompt_only and out.finish_reason else tr.finish_reason(out.finish_reason)
+        choice = tr.completion_choice(index, text, finish, logprobs)
         yield sse_data(tr.completion_chunk(response_id, created, model, [choice]))
-        totals.add(i, out)
+        totals.add(i, dataclasses.replace(out, completion_tokens=0) if echo.prompt_only else out)
     if include_usage:
         yield sse_data(tr.completion_chunk(response_id, created, model, [], totals.usage()))

@@ -48,6 +48,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    prompt_logprobs: int | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -5,7 +5,9 @@ Nothing here touches the network or the engine, so each rule is unit-tested on i
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from core.backend import TokenLogprob
@@ -26,9 +28,12 @@ _COPIED = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_p
 
 
 def check_stream_options(req: SamplingFields) -> None:
-    """stream_options only makes sense for a streamed response."""
+    """stream_options only makes sense for a streamed response; prompt_logprobs only for a whole one
+    (as in vLLM)."""
     if req.stream_options is not None and not req.stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+    if req.prompt_logprobs is not None and req.stream:
+        raise UnsupportedError("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
 
 
 def logit_bias_by_id(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -76,24 +81,65 @@ def chat_generation_config(req: ChatCompletionRequest) -> GenerationConfig:
         fields["logprobs"] = req.logprobs
     if req.top_logprobs is not None:
         fields["top_logprobs"] = req.top_logprobs
+    if req.prompt_logprobs is not None:
+        fields["prompt_logprobs"] = req.prompt_logprobs
     return GenerationConfig(**fields)
 
 
 def completion_generation_config(req: CompletionRequest) -> GenerationConfig:
     """GenerationConfig for a text-completion request (logprobs is the number of alternatives)."""
     check_stream_options(req)
-    if req.echo:
-        raise UnsupportedError("echo is not supported", param="echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise InvalidRequestError("max_tokens must be at least 1 (0 is allowed with echo)", param="max_tokens")
     if req.suffix:
         raise UnsupportedError("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise UnsupportedError("best_of is not supported (use n)", param="best_of")
     fields = _sent_fields(req)
-    if req.max_tokens is not None:
-        fields["max_new_tokens"] = req.max_tokens
+    if req.max_tokens is not None:  # echo alone: one token is generated and dropped, as vLLM does
+        fields["max_new_tokens"] = max(req.max_tokens, 1)
     if req.logprobs is not None:
         fields["logprobs"], fields["top_logprobs"] = True, req.logprobs
+    wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+    if wanted:
+        fields["prompt_logprobs"] = max(wanted)
     return GenerationConfig(**fields)
+
+
+@dataclass(frozen=True)
+class Echo:
+    """What a completion choice repeats of its prompt. With echo, the prompt text comes before the
+    generated text and, with logprobs, the prompt tokens' logprobs before the generated ones (the first
+    token's null); `prompt_only` (echo with max_tokens 0) drops what was generated. Echo() repeats nothing."""
+
+    text: str = ""
+    prompt_token_ids: Sequence[int] = ()
+    logprobs: int | None = None
+    prompt_only: bool = False
+
+    def choice_text(self, generated: str, first: bool = True) -> str:
+        """The text of a choice (or of its first streamed chunk when `first`)."""
+        return (self.text if first else "") + ("" if self.prompt_only else generated)
+
+    def choice_logprobs(self, prompt: Sequence[TokenLogprob | None] | None, generated: Sequence[TokenLogprob] | None,
+                        decode: Decode, offset: int = 0, first: bool = True) -> dict[str, Any] | None:
+        """Legacy logprobs of a choice (or chunk): the echoed prompt's when `first`, then the generated
+        tokens' from text offset `offset` (past the echoed text)."""
+        start = offset + (len(self.text) if first else 0)
+        kept = None if self.prompt_only else completion_logprobs(generated, decode, start)
+        if not first or self.logprobs is None or prompt is None:
+            return kept
+        echoed = prompt_legacy_logprobs(self.prompt_token_ids, prompt, self.logprobs, decode)
+        return echoed if kept is None else {key: echoed[key] + kept[key] for key in echoed}
+
+
+def completion_echo(req: CompletionRequest, prompt: str | list[int], token_ids: Sequence[int],
+                    decode: Decode) -> Echo:
+    """The Echo of one prompt of a completion request (a token prompt echoes its decoded text)."""
+    if not req.echo:
+        return Echo()
+    text = prompt if isinstance(prompt, str) else decode(prompt)
+    return Echo(text, tuple(token_ids), req.logprobs, req.max_tokens == 0)
 
 
 def check_tool_choice(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
@@ -168,6 +214,32 @@ def completion_logprobs(entries: Sequence[TokenLogprob] | None, decode: Decode,
         offset += len(token)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [{decode([t]): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+
+
+def prompt_legacy_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprob | None], k: int,
+                           decode: Decode) -> dict[str, Any]:
+    """The prompt's tokens in the legacy logprobs format: the first token's logprob and alternatives
+    are null (nothing precedes it), each other's `k` alternatives from its entry."""
+    tokens = [decode([t]) for t in token_ids]
+    offsets = [0, *itertools.accumulate(len(t) for t in tokens)][: len(tokens)]
+    return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
+            "top_logprobs": [None if e is None else {decode([t]): lp for t, lp in e.top[:k]} for e in entries],
+            "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(entries: Sequence[TokenLogprob | None] | None, decode: Decode) -> list[Any] | None:
+    """vLLM's `prompt_logprobs`: per prompt token null (the first) or {token id: {logprob, rank,
+    decoded_token}} for the token itself and its alternatives."""
+    if entries is None:
+        return None
+    return [None if e is None else _vllm_entry(e, decode) for e in entries]
+
+
+def _vllm_entry(entry: TokenLogprob, decode: Decode) -> dict[str, Any]:
+    out = {str(entry.token_id): {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": decode([entry.token_id])}}
+    for rank, (token, logprob) in enumerate(entry.top, start=1):
+        out.setdefault(str(token), {"logprob": logprob, "rank": rank, "decoded_token": decode([token])})
+    return out
 
 
 def _chunk(kind: str, response_id: str, created: int, model: str, choices: list[dict[str, Any]],

@@ -44,7 +44,13 @@ class ServerState:
 
     @property
     def model_name(self) -> str:
+        """The name reported in responses."""
         return self.engine.model_name
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request may use (the reported one first)."""
+        return self.engine.model_names
 
 
 def state_of(request: Request) -> ServerState:
@@ -87,8 +93,8 @@ def _reject_removed_fields(extra: dict[str, Any]) -> None:
 
 
 def check_model(state: ServerState, name: str | None) -> None:
-    """A request naming another model is a 404 (no name means the served model)."""
-    if name is not None and name != state.model_name:
+    """A request naming another model is a 404 (no name, or any served name, means the served model)."""
+    if name is not None and name not in state.model_names:
         raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {state.model_name!r}",
                                  param="model")
 

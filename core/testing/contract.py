@@ -32,6 +32,7 @@ from core.errors import (
     ErrorCode,
     InvalidRequestError,
     SessionConflictError,
+    UnsupportedError,
 )
 from core.request import REMOVED_KEYWORDS
 from core.response import Response, collect
@@ -47,6 +48,7 @@ class SpyBackend(Backend):
         self.inner = inner
         self.model_info = inner.model_info
         self.tokenizer = inner.tokenizer
+        self.supports_prompt_logprobs = inner.supports_prompt_logprobs
         self.calls: Counter[tuple[str, str]] = Counter()
         self.requests: list[GenerateRequest] = []
 
@@ -155,6 +157,20 @@ class BackendContractTests:
         response = await self._run(engine, prompt_token_ids, config)
         assert [len(c.token_ids) for c in response.choices] == [3, 3]
         assert [c.finish_reason for c in response.choices] == ["length", "length"]
+
+    async def test_prompt_logprobs_come_once_with_the_first_output_or_are_refused(self, engine, prompt_token_ids):
+        config = GREEDY.replace(max_new_tokens=3, n=2, prompt_logprobs=1)
+        if not engine.backend.supports_prompt_logprobs:
+            with pytest.raises(UnsupportedError, match="prompt logprobs"):
+                engine.generate(prompt_token_ids, config)
+            return
+        outputs = [output async for output in engine.generate(prompt_token_ids, config)]
+        carrying = [output for output in outputs if output.prompt_logprobs is not None]
+        assert len(carrying) == 1 and carrying[0] is outputs[0]
+        entries = carrying[0].prompt_logprobs
+        assert len(entries) == len(prompt_token_ids) and entries[0] is None
+        assert [e.token_id for e in entries[1:]] == list(prompt_token_ids[1:])
+        assert all(len(e.top) == 1 and e.logprob <= 0 and e.rank >= 1 for e in entries[1:])
 
     # -- sessions -----------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ a pure function of the full context, so outputs are reproducible and independent
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -69,6 +70,16 @@ def next_token_rule(context: Sequence[int], choice: int) -> int:
     return 97 + h % 26  # 'a'..'z'
 
 
+def fake_prompt_logprobs(request: GenerateRequest, out: BackendOutput) -> BackendOutput:
+    """`out` with the fake's prompt logprobs when the request asks for them (see FakeBackend)."""
+    k = request.config.prompt_logprobs
+    if k is None:
+        return out
+    entries = [None] + [TokenLogprob(t, -1.0, tuple((t + j, -1.0 - j) for j in range(k)), rank=1)
+                        for t in request.prompt_token_ids[1:]]
+    return dataclasses.replace(out, prompt_logprobs=entries)
+
+
 @dataclass
 class _Running:
     request: GenerateRequest
@@ -79,7 +90,10 @@ class _Running:
 class FakeBackend(Backend):
     """See the module docstring. `script` (token ids) replaces the rule for every choice; `script_for`
     picks a script per request from its prompt ids (None keeps the rule), e.g. to emit a fixed tool call.
-    `model_info` replaces the fake's own (a test may pose as another architecture or ship a template)."""
+    `model_info` replaces the fake's own (a test may pose as another architecture or ship a template).
+    Prompt logprobs are made up: prompt token t scores -1.0, rank 1, its alternatives t + j score -1 - j."""
+
+    supports_prompt_logprobs = True
 
     def __init__(self, *, max_model_len: int = 512, num_blocks: int = 256, block_size: int = 4,
                  step_delay: float = 0.0, script: Sequence[int] | None = None,
@@ -131,7 +145,7 @@ class FakeBackend(Backend):
                     out = self._step(run, contexts[i], i, step, script)
                     if out.finish_reason is not None:
                         open_choices.discard(i)
-                    yield out
+                    yield fake_prompt_logprobs(request, out) if step == 0 and i == 0 else out
                 step += 1
         finally:
             self._release(run)

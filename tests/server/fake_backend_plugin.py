@@ -23,12 +23,16 @@ FAIL_MARKER = list(b"BOOM")
 FAIL_AFTER_TOKENS = 3
 # A message holding "SLOW_RENDER:<seconds>" takes that long to render: a stand-in for a huge prompt.
 SLOW_RENDER = re.compile(r"SLOW_RENDER:([0-9.]+)")
+# A message holding this makes rendering raise a plain exception: a stand-in for a bug (a 500).
+RAISE_IN_RENDER = "RAISE_IN_RENDER"
 
 
 class TinyChatML(ChatTemplate):
-    """ChatML without special tokens: the byte tokenizer spells every marker out."""
+    """ChatML without special tokens: the byte tokenizer spells every marker out. It reads content as a
+    string (text parts reach it joined); a message with images still comes as parts."""
 
     stop_strings = ("<|im_end|>",)
+    content_format = "string"
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                tools: Sequence[Mapping[str, Any]] | None = None, **template_kwargs: Any) -> str:
@@ -36,6 +40,8 @@ class TinyChatML(ChatTemplate):
         for message in messages:
             if slow := SLOW_RENDER.search(_text(message.get("content"))):
                 time.sleep(float(slow.group(1)))
+            if RAISE_IN_RENDER in _text(message.get("content")):
+                raise RuntimeError("injected render failure (secret internals)")
         if tools:
             parts.append(f"<|im_start|>system\nTools: {json.dumps(list(tools), sort_keys=True)}<|im_end|>\n")
         for message in messages:

@@ -7,6 +7,7 @@ import importlib.metadata
 import re
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 from conftest import RunningServer, ServerSpec, start_server, stop_server
@@ -48,7 +49,7 @@ def test_startup_log_shows_model_backend_dtype_weights_kv_capacity_and_url(smoll
     line = next(line for line in smollm2.log().splitlines() if "serving model" in line)
     assert "SmolLM2-135M-Instruct" in line and "backend pytorch" in line
     # the GGUF's tensors served packed: 120 fused int4 layers, the Q8_0 embedding as codes and packed LM head
-    assert re.search(r"dtype (bfloat16|float32), packed weights codes x1, int4 x120, int8 x1,", line), line
+    assert re.search(r"dtype (bfloat16|float32), packed weights codes x1, int4 x120, int8(-native)? x1,", line), line
     blocks, size, tokens = map(int, re.search(r"KV cache (\d+) blocks x (\d+) tokens = (\d+) tokens", line).groups())
     assert blocks * size == tokens > 0
     assert line.endswith(f"at {smollm2.base_url}")
@@ -65,3 +66,25 @@ def test_the_official_client_gets_a_sensible_answer_whole_and_streamed(client: o
                                                  stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_content_parts_are_the_joined_text_as_transformers_renders_it(client: openai.OpenAI, smollm2: RunningServer):
+    """The failing example of issue 18 (a 400 "can only concatenate str (not "list") to str"): the default
+    model's template reads strings, so text parts are joined with a newline, in every role."""
+    from transformers import AutoTokenizer
+
+    from core_pytorch_backend.loader import default_model_path
+
+    gguf = default_model_path()
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be terse."}, {"type": "text", "text": "Be kind."}]},
+             {"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"},
+                                          {"type": "text", "text": "Answer in one word."}]}]
+    joined = [{**m, "content": "\n".join(p["text"] for p in m["content"])} for m in parts]
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    text = tokenizer.apply_chat_template(joined, tokenize=False, add_generation_prompt=True)
+    expected = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = httpx.post(smollm2.url("/tokenize"), json={"messages": parts}, timeout=TIMEOUT_S).json()["tokens"]
+    assert ids == expected
+    card = client.models.list().data[0]
+    answer = client.chat.completions.create(model=card.id, messages=parts, max_tokens=8, temperature=0)
+    assert answer.usage.prompt_tokens == len(expected) and answer.choices[0].message.content

@@ -187,3 +187,45 @@ async def test_a_request_closed_before_its_first_output_is_counted():
     await whole.aclose()
     assert metrics.requests == {"abort": 1, "length": 1}
     await engine.close()
+
+
+def _decode(ids) -> str:
+    return "".join(chr(i) for i in ids)
+
+
+PROMPT_ENTRIES = [None, TokenLogprob(66, -1.5, ((90, -0.5), (66, -1.5)), rank=2),
+                  TokenLogprob(67, -0.2, ((67, -0.2), (90, -2.0)), rank=1)]
+
+
+def test_echo_and_prompt_logprobs_config():
+    config = tr.completion_generation_config(CompletionRequest(prompt="x", echo=True, max_tokens=0, logprobs=2))
+    assert (config.max_new_tokens, config.top_logprobs, config.prompt_logprobs) == (1, 2, 2)
+    both = tr.completion_generation_config(CompletionRequest(prompt="x", echo=True, logprobs=1, prompt_logprobs=3))
+    assert both.prompt_logprobs == 3
+    assert tr.completion_generation_config(CompletionRequest(prompt="x", echo=True)).prompt_logprobs is None
+    assert tr.chat_generation_config(chat(prompt_logprobs=0)).prompt_logprobs == 0
+    with pytest.raises(InvalidRequestError, match="allowed with echo"):
+        tr.completion_generation_config(CompletionRequest(prompt="x", max_tokens=0))
+
+
+def test_echoed_prompt_then_generated_legacy_logprobs():
+    echo = tr.Echo("ABC", (65, 66, 67), logprobs=1)
+    generated = [TokenLogprob(68, -0.7, ((68, -0.7),))]
+    legacy = echo.choice_logprobs(PROMPT_ENTRIES, generated, _decode)
+    assert legacy == {"tokens": ["A", "B", "C", "D"], "token_logprobs": [None, -1.5, -0.2, -0.7],
+                      "top_logprobs": [None, {"Z": -0.5}, {"C": -0.2}, {"D": -0.7}], "text_offset": [0, 1, 2, 3]}
+    assert echo.choice_text("D") == "ABCD" and echo.choice_text("E", first=False) == "E"
+    later = echo.choice_logprobs(None, generated, _decode, offset=4, first=False)
+    assert later["text_offset"] == [4] and later["tokens"] == ["D"]
+    only = tr.Echo("ABC", (65, 66, 67), logprobs=0, prompt_only=True)
+    assert only.choice_text("D") == "ABC"
+    assert only.choice_logprobs(PROMPT_ENTRIES, generated, _decode)["top_logprobs"] == [None, {}, {}]
+    assert tr.Echo().choice_logprobs(None, generated, _decode) == tr.completion_logprobs(generated, _decode)
+
+
+def test_vllm_prompt_logprobs_shape():
+    shaped = tr.vllm_prompt_logprobs(PROMPT_ENTRIES, _decode)
+    assert shaped[0] is None
+    assert shaped[1] == {"66": {"logprob": -1.5, "rank": 2, "decoded_token": "B"},
+                         "90": {"logprob": -0.5, "rank": 1, "decoded_token": "Z"}}
+    assert list(shaped[2]) == ["67", "90"] and tr.vllm_prompt_logprobs(None, _decode) is None

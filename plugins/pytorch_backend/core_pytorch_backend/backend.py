@@ -48,6 +48,7 @@ class PytorchBackend(Backend):
     """Paged KV cache, continuous batching, prefix caching and batched sampling in torch."""
 
     name = "pytorch"
+    supports_prompt_logprobs = True  # such requests skip reading the prefix cache (prompt_logprobs.py)
 
     def __init__(self, config: EngineConfig, *, architectures: dict[str, Any] | None = None) -> None:
         self.config = config

@@ -16,16 +16,18 @@ from typing import Any
 
 import torch
 
-from core.backend import BackendStats, EndResult, FinishReason
+from core.backend import BackendStats, EndResult, FinishReason, TokenLogprob
 from core.errors import BackendError
 from core.scheduling import BlockManager, ScheduledSequence, Scheduler, SchedulerOutput, Sequence
-from core_pytorch_backend.model_runner import ModelRunner
+from core_pytorch_backend.model_runner import ModelRunner, PromptRows
 from core_pytorch_backend.multimodal_inputs import SequenceImages, cache_keys
+from core_pytorch_backend.prompt_logprobs import score_tokens
 from core_pytorch_backend.request_state import END_OF_STREAM, RequestState
 from core_pytorch_backend.sampling import SampleKernel, SamplingBatch, SamplingRow, sample
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_SECONDS = 0.5
+Scored = list[tuple[PromptRows, list[TokenLogprob]]]  # a step's prompt rows and their scored entries
 
 
 class EngineLoop:
@@ -142,15 +144,18 @@ class EngineLoop:
         prefix cache (same image and prefix: a hit; another image with the same text: a miss). Images
         whose tokens attend to each other both ways (Gemma 3) are atomic: never split across chunks."""
         inputs = state.request.multimodal
+        skip_cache = state.prompt_scores is not None  # a cached prefix has no logits to score it with
         if inputs is None:
-            return Sequence(f"{state.session_id}#0", state.request.prompt_token_ids)
+            return Sequence(f"{state.session_id}#0", state.request.prompt_token_ids,
+                            skip_reading_prefix_cache=skip_cache)
         if list(inputs.prompt_token_ids) != list(state.request.prompt_token_ids):
             raise ValueError("the multimodal inputs do not belong to this prompt")
         model = self.runner.model
         images = SequenceImages.from_inputs(inputs, model.config.hidden_size, self.runner.device,
                                             self.runner.dtype, getattr(model, "uses_mrope", False))
         return Sequence(f"{state.session_id}#0", state.request.prompt_token_ids, cache_keys(inputs),
-                        multimodal=images, atomic_spans=images.spans if images.bidirectional else ())
+                        multimodal=images, atomic_spans=images.spans if images.bidirectional else (),
+                        skip_reading_prefix_cache=skip_cache)
 
     def abort(self, session_id: str) -> None:
         state = self.requests.get(session_id)
@@ -190,27 +195,60 @@ class EngineLoop:
         """Forward and sample `chunks`, then record the results; a failure of the forward or the
         sampler is isolated to the requests that cause it (`_isolate_failure`)."""
         try:
-            sampling, groups, result = self._compute(chunks)
+            sampling, groups, result, scored = self._compute(chunks)
         except Exception as exc:
             self._isolate_failure(chunks, exc)
             return
         tokens = {seq.seq_id: result.token_ids[g[0]] for seq, g in zip(sampling, groups, strict=True)}
         self.scheduler.update(SchedulerOutput(scheduled=chunks), tokens)
+        for rows, entries in scored:
+            self._record_prompt_scores(rows, entries)
         if sampling:
             self._emit(sampling, groups, result)
 
-    def _compute(self, chunks: list[ScheduledSequence]) -> tuple[list[Sequence], list[list[int]], Any]:
-        """The forward pass and the sampler: no scheduler state changes, so it can be run again."""
-        inputs = self.runner.prepare(chunks)
-        logits = self.runner.execute(inputs)
+    def _compute(self, chunks: list[ScheduledSequence]) -> tuple[list[Sequence], list[list[int]], Any, Scored]:
+        """The forward pass, the prompt scores and the sampler: no scheduler or request state changes,
+        so it can be run again."""
+        inputs = self.runner.prepare(chunks, self._scoring_prompts(chunks))
+        step = self.runner.forward(inputs)
+        scored = self._score_prompts(inputs.prompt_rows, step.prompt_hidden)
+        logits = step.sample
         sampling = [s.seq for s in inputs.sampling]
         if not sampling:
-            return [], [], None
+            return [], [], None, scored
         rows, groups = self._sampling_rows(sampling)
         if len(rows) != len(sampling):  # a first sample of an n > 1 request reads its logits n times
             owners = [i for i, group in enumerate(groups) for _ in group]
             logits = logits.index_select(0, torch.tensor(owners, device=logits.device))
-        return sampling, groups, sample(logits, SamplingBatch.from_rows(rows, device=logits.device), self.sample_kernel)
+        return sampling, groups, sample(logits, SamplingBatch.from_rows(rows, device=logits.device),
+                                        self.sample_kernel), scored
+
+    # -- prompt logprobs (prompt_logprobs.py) ---------------------------------------------------------
+
+    def _scoring_prompts(self, chunks: list[ScheduledSequence]) -> frozenset[str]:
+        """Sequences of this step whose prompt positions are still to be scored."""
+        wanted = set()
+        for chunk in chunks:
+            state = self._owner(chunk)
+            if state is not None and state.prompt_scores is not None and not state.prompt_scores.complete:
+                wanted.add(chunk.seq.seq_id)
+        return frozenset(wanted)
+
+    def _score_prompts(self, rows: tuple[PromptRows, ...], hidden: torch.Tensor | None) -> Scored:
+        """(rows, scored entries) for each sequence's prompt rows of this step."""
+        scored, offset = [], 0
+        for r in rows:
+            scores = self._by_seq[r.seq_id][0].prompt_scores
+            assert scores is not None and hidden is not None
+            targets = scores.targets(r.first_position, r.count)
+            scored.append((r, score_tokens(hidden[offset : offset + r.count], targets, scores.k, self.runner.logits)))
+            offset += r.count
+        return scored
+
+    def _record_prompt_scores(self, rows: PromptRows, entries: list[TokenLogprob]) -> None:
+        state = self._by_seq.get(rows.seq_id, (None, None))[0]
+        if state is not None and state.prompt_scores is not None:
+            state.prompt_scores.add(rows.first_position, entries)
 
     def _isolate_failure(self, chunks: list[ScheduledSequence], exc: Exception) -> None:
         """A step failed: bisect. Each half runs again on its own; a request that fails alone ends with

@@ -1,13 +1,14 @@
 """ModelRunner: turns a scheduled batch into tensors, runs the model, and owns the KV cache.
 
 It knows nothing about requests or sampling: the engine loop hands it the scheduler's output and gets
-back float32 logits for the sequences that sample this step.
+back float32 logits for the sequences that sample this step, and the hidden states of the prompt
+positions whose next token some request scores (prompt logprobs).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,34 @@ ZERO_BLOCKS_AT_LEAST = 64  # the CPU cache is zeroed this many blocks (or more) 
 
 
 @dataclass(frozen=True)
+class PromptRows:
+    """Rows of a step's hidden states that score prompt tokens: row ``first_row + j`` holds position
+    ``first_position + j`` of `seq_id`, whose logits give the logprob of prompt token
+    ``first_position + j + 1``."""
+
+    seq_id: str
+    first_row: int
+    first_position: int
+    count: int
+
+
+def prompt_rows_of(chunk: ScheduledSequence, first_row: int) -> PromptRows | None:
+    """The rows of `chunk` (starting at `first_row` of the step) that score a next prompt token."""
+    end = min(chunk.start + chunk.num_new_tokens, chunk.seq.num_prompt_tokens - 1)
+    if end <= chunk.start:
+        return None
+    return PromptRows(chunk.seq.seq_id, first_row, chunk.start, end - chunk.start)
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """What a forward pass returns: logits [len(sampling), V] and the hidden states of `prompt_rows`."""
+
+    sample: torch.Tensor
+    prompt_hidden: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class StepInputs:
     """The flat batch of one forward pass."""
 
@@ -39,6 +68,7 @@ class StepInputs:
     sampling: list[ScheduledSequence]  # in the order of sample_indices
     # (rows, values): image embeddings replacing token embeddings (see multimodal_inputs)
     embed_overrides: tuple[torch.Tensor, torch.Tensor] | None = None
+    prompt_rows: tuple[PromptRows, ...] = ()  # in row order
 
 
 def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -131,13 +161,17 @@ class ModelRunner:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
-    def prepare(self, scheduled: Sequence[ScheduledSequence]) -> StepInputs:
-        """Flatten the scheduled chunks into one batch of new tokens."""
+    def prepare(self, scheduled: Sequence[ScheduledSequence], scores_prompt: Set[str] = frozenset()) -> StepInputs:
+        """Flatten the scheduled chunks into one batch of new tokens; the sequences in `scores_prompt`
+        also keep the hidden states of their prompt positions (`PromptRows`)."""
         self._zero_blocks_up_to(block for s in scheduled for block in s.seq.block_table)
         tokens: list[int] = []
         sample_rows: list[int] = []
         sampling: list[ScheduledSequence] = []
+        prompt_rows: list[PromptRows] = []
         for s in scheduled:
+            if s.seq.seq_id in scores_prompt and (rows := prompt_rows_of(s, len(tokens))) is not None:
+                prompt_rows.append(rows)
             tokens.extend(s.token_ids)
             if s.samples:
                 sample_rows.append(len(tokens) - 1)
@@ -150,13 +184,23 @@ class ModelRunner:
             meta=meta,
             sample_indices=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
             sampling=sampling,
+            prompt_rows=tuple(prompt_rows),
         )
         has_images = any(s.seq.multimodal is not None for s in scheduled)
         return with_images(inputs, scheduled, self.device) if has_images else inputs
 
-    @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Float32 logits [len(inputs.sampling), vocab] (empty when nothing samples this step)."""
+        return self.forward(inputs).sample
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of hidden states (rows of `StepLogits.prompt_hidden`)."""
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> StepLogits:
+        """The step's sampling logits and the hidden states of its prompt rows."""
         if self.kv_caches is None:
             raise RuntimeError("the KV cache is released (the backend is asleep)")
         extra = {} if inputs.embed_overrides is None else {"embed_overrides": inputs.embed_overrides}
@@ -164,9 +208,17 @@ class ModelRunner:
         hidden = self.cuda_graphs.run(self.model, inputs) if self.cuda_graphs is not None else None
         if hidden is None:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, **extra)
+        prompt = _prompt_hidden(hidden, inputs.prompt_rows)
         if not inputs.sampling:
-            return hidden.new_empty((0, 0), dtype=torch.float32)
-        return self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
+            return StepLogits(hidden.new_empty((0, 0), dtype=torch.float32), prompt)
+        return StepLogits(self.model.compute_logits(hidden.index_select(0, inputs.sample_indices)), prompt)
+
+
+def _prompt_hidden(hidden: torch.Tensor, rows: Sequence[PromptRows]) -> torch.Tensor | None:
+    """The rows of `rows`, concatenated in order (a copy: a captured graph reuses its output buffer)."""
+    if not rows:
+        return None
+    return torch.cat([hidden[r.first_row : r.first_row + r.count] for r in rows])
 
 
 def _empty_device_cache(device: torch.device) -> None:

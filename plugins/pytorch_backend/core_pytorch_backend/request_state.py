@@ -13,6 +13,7 @@ import torch
 
 from core.backend import BackendOutput, FinishReason, GenerateRequest, TokenLogprob
 from core.scheduling import Sequence
+from core_pytorch_backend.prompt_logprobs import PromptScores
 from core_pytorch_backend.sampling import SamplingParams, TokenLogprobs, make_generator
 
 END_OF_STREAM = object()
@@ -42,6 +43,12 @@ class RequestState:
     generators: dict[int, torch.Generator | None] = field(default_factory=dict)
     open_choices: set[int] = field(default_factory=set)
     forked: bool = False
+    prompt_scores: PromptScores | None = None  # while prompt logprobs are asked for and not yet sent
+
+    def __post_init__(self) -> None:
+        k = self.request.config.prompt_logprobs
+        if k is not None:
+            self.prompt_scores = PromptScores(self.request.prompt_token_ids, k)
 
     @property
     def session_id(self) -> str:
@@ -79,7 +86,17 @@ class RequestState:
             converted = [TokenLogprob(logprobs.token_id, logprobs.logprob, tuple(logprobs.top))]
         return BackendOutput([token], index=index, finish_reason=finish, logprobs=converted,
                              num_cached_tokens=seq.num_cached_tokens,
-                             stop_token_id=token if finish is FinishReason.STOP else None)
+                             stop_token_id=token if finish is FinishReason.STOP else None,
+                             prompt_logprobs=self._take_prompt_logprobs())
+
+    def _take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """The prompt logprobs, once (with the first output), when they are asked for."""
+        scores, self.prompt_scores = self.prompt_scores, None
+        if scores is None:
+            return None
+        if not scores.complete:
+            raise RuntimeError(f"{self.session_id}: prompt logprobs incomplete at the first output")
+        return scores.entries
 
     def send(self, item: Any) -> None:
         """Hand an output (or an exception, or END_OF_STREAM) to the request's event loop."""

@@ -20,6 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from core.chat_template import ChatTemplate, Message
 from core.errors import InvalidRequestError
+from core_templates.content_format import detect_content_format
 
 # transformers copies a message's reasoning under these names; templates read the first (gpt-oss "thinking").
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -169,6 +170,7 @@ class JinjaChatTemplate(ChatTemplate):
     def __init__(self, source: str, tokenizer: Any = None) -> None:
         self.source = source
         self.template = compile_template(source)
+        self.content_format = detect_content_format(source, self.template.environment)
         self.tokens = special_tokens(tokenizer)
         self.stop_strings = self._find_stop_strings()
 
