@@ -116,6 +116,14 @@ static inline int64_t slot_of(const int32_t *table, int64_t pos, int64_t block_s
     return (int64_t)table[p / b] * block_size + p % b;
 }
 
+/* Ask for the cache lines of one position's K or V rows (all KV heads) ahead of their use: the rows of
+ * a context are read once per step, after the weights' stream has evicted them. */
+#define PREFETCH 4
+static inline void prefetch_row(const void *cache, int64_t slot, int64_t row_bytes) {
+    const char *start = (const char *)cache + slot * row_bytes;
+    for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(start + offset, 0, 0);
+}
+
 /* One partition's share of one row's attention: every query head against positions [begin, end) of
  * the row's context, reading each position's K and V rows of all KV heads in turn (contiguous in the
  * cache). Leaves, per query head, the partition's score maximum, its sum of e^(score - maximum) and the
@@ -135,8 +143,10 @@ static inline __attribute__((always_inline)) int partial(const void *q, int q_dt
     if (!queries) return ERR_MEMORY;
     float *scores = queries + hq * d;
     load_row(q, q_dtype, row * hq * d, hq * d, queries);
+    const int64_t row_bytes = hkv * d * (cache_dtype == DT_BF16 ? 2 : 4);
     for (int64_t j = 0; j < span; ++j) {
         const int64_t slot = slot_of(table, begin + j, block_size);
+        if (j + PREFETCH < span) prefetch_row(k_cache, slot_of(table, begin + j + PREFETCH, block_size), row_bytes);
         for (int64_t kv = 0; kv < hkv; ++kv) {
             load_row(k_cache, cache_dtype, (slot * hkv + kv) * d, d, cached);
             for (int64_t head = kv * group; head < (kv + 1) * group; ++head)
@@ -155,6 +165,7 @@ static inline __attribute__((always_inline)) int partial(const void *q, int q_dt
     }
     for (int64_t j = 0; j < span; ++j) {
         const int64_t slot = slot_of(table, begin + j, block_size);
+        if (j + PREFETCH < span) prefetch_row(v_cache, slot_of(table, begin + j + PREFETCH, block_size), row_bytes);
         for (int64_t kv = 0; kv < hkv; ++kv) {
             load_row(v_cache, cache_dtype, (slot * hkv + kv) * d, d, cached);
             for (int64_t head = kv * group; head < (kv + 1) * group; ++head) {
