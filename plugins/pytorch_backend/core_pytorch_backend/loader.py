@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import importlib.metadata
 import json
 import logging
@@ -329,14 +330,15 @@ def default_cache_dir() -> Path:
 
 def cached_gguf_folder(gguf: Path, cache_root: Path | None = None, with_weights: bool = True) -> Path:
     """An HF folder (config, tokenizer and, ``with_weights``, float32 safetensors) converted from ``gguf``
-    once, keyed by the file's name, size and mtime, under ``cache_root`` (default: ``default_cache_dir()``).
+    once, keyed by the file's name, size and content (``gguf_fingerprint``), under ``cache_root``
+    (default: ``default_cache_dir()``). Not by mtime: a reinstalled package (a new virtualenv, a fresh
+    clone's nox session) has a new mtime and would convert again, a few seconds of every first start.
 
     Serving the file's packed tensors needs only the config and tokenizer, which convert in a few seconds;
     the dequantized weights are added the first time a dense load asks for them.
     """
     cache_root = cache_root or default_cache_dir()
-    stat = gguf.stat()
-    folder = cache_root / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{GGUF_CACHE_VERSION}"
+    folder = cache_root / f"{gguf.stem}-{gguf.stat().st_size}-{gguf_fingerprint(gguf)}-v{GGUF_CACHE_VERSION}"
     if not (folder / _COMPLETE_MARKER).is_file():
         cache_root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache_root))
@@ -349,6 +351,23 @@ def cached_gguf_folder(gguf: Path, cache_root: Path | None = None, with_weights:
     if with_weights and not (folder / _WEIGHTS_MARKER).is_file():
         _convert_gguf_weights(gguf, folder)
     return folder
+
+
+FINGERPRINT_HEAD = 8 << 20  # the header (metadata, tokenizer) and the first tensors
+FINGERPRINT_SAMPLES, FINGERPRINT_SAMPLE = 32, 64 << 10  # and 32 slices of 64 KiB spread over the rest
+
+
+def gguf_fingerprint(gguf: Path) -> str:
+    """16 hex digits of SHA-256 over the file's first 8 MiB and 32 slices of 64 KiB spread over the rest
+    (a few milliseconds: two files alike there but not elsewhere are not a case to guard against)."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256()
+    with gguf.open("rb") as f:
+        digest.update(f.read(FINGERPRINT_HEAD))
+        for i in range(FINGERPRINT_SAMPLES):
+            f.seek(FINGERPRINT_HEAD + (size - FINGERPRINT_HEAD) * i // FINGERPRINT_SAMPLES if size > FINGERPRINT_HEAD else 0)
+            digest.update(f.read(FINGERPRINT_SAMPLE))
+    return digest.hexdigest()[:16]
 
 
 def _convert_gguf_metadata(gguf: Path, out: Path) -> None:

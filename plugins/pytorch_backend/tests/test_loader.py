@@ -170,3 +170,19 @@ def test_a_template_only_in_chat_template_json_is_used(tiny_checkpoint_factory, 
     template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
     (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
     assert load_checkpoint(folder).chat_template == template
+
+
+def test_the_gguf_cache_key_follows_the_content_not_the_mtime(tmp_path):
+    import os
+
+    from core_pytorch_backend.loader import FINGERPRINT_HEAD, gguf_fingerprint
+
+    data = bytearray(os.urandom(FINGERPRINT_HEAD + (3 << 20)))
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    first.write_bytes(data)
+    second.write_bytes(data)
+    os.utime(second, (1_000_000, 1_000_000))  # a reinstall: same bytes, another mtime
+    assert gguf_fingerprint(first) == gguf_fingerprint(second)
+    data[100] ^= 1  # the header changed (another model, another tokenizer)
+    second.write_bytes(data)
+    assert gguf_fingerprint(first) != gguf_fingerprint(second)
