@@ -9,7 +9,7 @@ top-1 agreement with the oracle, its perplexity and the ratio to the oracle's, i
 and the bytes its parameters and buffers hold. The candidates are those of
 ``tests/test_quant_accuracy.py`` (``gguf-packed``, ``int8``, ``int4``) plus ``bf16``: the dense model in
 bfloat16, a yardstick for any path that multiplies in bfloat16. ``float32`` (the oracle against itself)
-is the first row. Nothing is asserted; the test holds the thresholds (agreement >= 0.99, ratio within 1%).
+is the first row. Nothing is asserted; the test holds the thresholds (agreement >= 0.965, ratio within 1%).
 """
 
 from __future__ import annotations

@@ -77,8 +77,9 @@ def test_packed_linear_follows_the_dequantized_weights(kernels, bits, shape, row
     expected = x @ torch.from_numpy(codes.dequantize()).T + bias
     simd, plain = weight.linear(x, bias), weight.linear(x, bias, reference=True)
     torch.testing.assert_close(simd, plain, rtol=1e-5, atol=1e-5)  # same integer dots, other sum order
-    # the activations are rounded to int8 per 32 inputs (as llama.cpp's Q8 activations): ~0.5% error
-    assert ((simd - expected).norm() / expected.norm()) < 0.02
+    # the activations are rounded per 32 inputs in two int8 steps, to within max|x| / 32258 of each input:
+    # ~1e-4 relative error (one int8 step: ~5e-3; bf16 activations: ~2e-3)
+    assert ((simd - expected).norm() / expected.norm()) < 3e-4
 
 
 def test_packed_linear_takes_and_returns_bfloat16(kernels):

@@ -15,7 +15,7 @@ from pathlib import Path
 from .build import CpuBuildError, best_variant, build_library
 
 log = logging.getLogger(__name__)
-ABI_VERSION = 1
+ABI_VERSION = 2  # csrc/packed_linear.c CORE_PACKED_ABI
 STATUS = {1: "bad arguments", 2: "out of memory"}
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float

@@ -2,9 +2,12 @@
  *
  * A weight element is w = q * s + o (q the unsigned code, s and o one float each per row and group);
  * with no offset array, o = -zero_point * s (GGUF Q4_0 / Q8_0 and symmetric int8). The activations are
- * quantized per row and group of 32 to int8 (d = max|x| / 127, as llama.cpp's Q8 activations), so a
- * group's contribution is s * d * sum(q * qx) + o * d * sum(qx): integer dot products, one multiply by
- * the two scales, and a short dot of the offsets with the groups' sums.
+ * quantized per row and group of 32 in two int8 steps: x ~ d * q1 (d = max|x| / 127, llama.cpp's Q8
+ * activations) and the rest, x - d * q1, ~ (d / 127) * q2. So x ~ (d / 127) * (127 q1 + q2), within
+ * max|x| / 32258 (where one step alone loses up to max|x| / 254, which in every layer of a model costs
+ * a point of top-1 agreement). A group's contribution is s * (d / 127) * (127 sum(q * q1) + sum(q * q2))
+ * + o * sum(x): two integer dot products, one multiply by the two scales, and a short dot of the
+ * offsets with the groups' float sums.
  *
  * Layouts (K padded to Kp, a multiple of 64, with zero codes, scales and offsets):
  *   bits == 4: codes [N][Kp / 2], byte j of the 32-byte pair p of row n holds group 2p's code j in its
@@ -26,7 +29,7 @@
 #include <immintrin.h>
 #endif
 
-#define CORE_PACKED_ABI 1
+#define CORE_PACKED_ABI 2
 #define GROUP 32
 #define PAIR 64
 #define TILE 4
@@ -46,10 +49,11 @@ const char *core_packed_variant(void) {
 #endif
 }
 
-/* Activations quantized: q [Mp][Kp] int8, d and sum [Mp][G] (sum = d * sum of the group's codes), and
+/* Activations quantized: q and q2 [Mp][Kp] int8 (the two steps), d [Mp][G] (the combined code's scale,
+ * max|x| / 127^2) and sum [Mp][G] (the group's float sum), and
  * for the AVX-512 loop d spread per lane: lanes [Mp][Kp / 4] (16 floats per pair: 8 x d(2p), 8 x d(2p+1)). */
 typedef struct {
-    int8_t *q;
+    int8_t *q, *q2;
     float *d;
     float *sum;
     float *lanes;
@@ -77,7 +81,7 @@ static inline float load_x(const void *x, int dtype, int64_t index) {
 
 static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, acts_t *a) {
     float buf[GROUP];
-    int8_t *q = a->q + row * a->kp;
+    int8_t *q = a->q + row * a->kp, *q2 = a->q2 + row * a->kp;
     for (int64_t g = 0; g < a->groups; ++g) {
         float amax = 0.f;
         for (int j = 0; j < GROUP; ++j) {
@@ -86,18 +90,21 @@ static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, acts_
             float v = fabsf(buf[j]);
             amax = v > amax ? v : amax;
         }
-        float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        int total = 0;
+        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        float total = 0.f;
         for (int j = 0; j < GROUP; ++j) {
             int v = (int)lrintf(buf[j] * inv);
             v = v > 127 ? 127 : (v < -127 ? -127 : v);
+            int rest = (int)lrintf((buf[j] - d * (float)v) * inv * 127.f); /* |rest| <= 64 */
+            rest = rest > 127 ? 127 : (rest < -127 ? -127 : rest);
             q[g * GROUP + j] = (int8_t)v;
-            total += v;
+            q2[g * GROUP + j] = (int8_t)rest;
+            total += buf[j];
         }
-        a->d[row * a->groups + g] = d;
-        a->sum[row * a->groups + g] = d * (float)total;
+        a->d[row * a->groups + g] = d / 127.f;
+        a->sum[row * a->groups + g] = total;
         float *lanes = a->lanes + row * (a->kp / 4) + (g / 2) * 16 + (g % 2) * 8;
-        for (int j = 0; j < 8; ++j) lanes[j] = d;
+        for (int j = 0; j < 8; ++j) lanes[j] = d / 127.f;
     }
 }
 
@@ -106,10 +113,11 @@ static int quantize_acts(const void *x, int dtype, int64_t m, int64_t k, int64_t
     a->kp = kp;
     a->groups = kp / GROUP;
     a->q = calloc((size_t)(a->rows * kp), 1);
+    a->q2 = calloc((size_t)(a->rows * kp), 1);
     a->d = calloc((size_t)(a->rows * a->groups), sizeof(float));
     a->sum = calloc((size_t)(a->rows * a->groups), sizeof(float));
     a->lanes = calloc((size_t)(a->rows * kp / 4), sizeof(float));
-    if (!a->q || !a->d || !a->sum || !a->lanes) return ERR_MEMORY;
+    if (!a->q || !a->q2 || !a->d || !a->sum || !a->lanes) return ERR_MEMORY;
 #pragma omp parallel for schedule(static) if (m * k > 65536)
     for (int64_t row = 0; row < m; ++row) quantize_row(x, dtype, row, k, a);
     return OK;
@@ -117,6 +125,7 @@ static int quantize_acts(const void *x, int dtype, int64_t m, int64_t k, int64_t
 
 static void free_acts(acts_t *a) {
     free(a->q);
+    free(a->q2);
     free(a->d);
     free(a->sum);
     free(a->lanes);
@@ -150,10 +159,11 @@ static inline int32_t group_dot(const uint8_t *w, int bits, int64_t g, const int
 static inline void row_dots_generic(const uint8_t *w, int bits, const float *s, const acts_t *a, int64_t m0,
                                     int tile, float *out) {
     for (int i = 0; i < tile; ++i) {
-        const int8_t *xq = a->q + (m0 + i) * a->kp;
+        const int8_t *xq = a->q + (m0 + i) * a->kp, *xq2 = a->q2 + (m0 + i) * a->kp;
         const float *d = a->d + (m0 + i) * a->groups;
         float total = 0.f;
-        for (int64_t g = 0; g < a->groups; ++g) total += s[g] * d[g] * (float)group_dot(w, bits, g, xq);
+        for (int64_t g = 0; g < a->groups; ++g)
+            total += s[g] * d[g] * (float)(127 * group_dot(w, bits, g, xq) + group_dot(w, bits, g, xq2));
         out[i] = total;
     }
 }
@@ -180,8 +190,10 @@ static inline __attribute__((always_inline)) void row_dots_simd(const uint8_t *w
         __m128 s2 = _mm_castpd_ps(_mm_load_sd((const double *)(s + 2 * p)));
         __m512 ws = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s2));
         for (int i = 0; i < tile; ++i) {
-            __m512i xq = _mm512_loadu_si512((const void *)(a->q + (m0 + i) * a->kp + p * PAIR));
-            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xq);
+            const int64_t at = (m0 + i) * a->kp + p * PAIR;
+            __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512((const void *)(a->q + at)));
+            __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512((const void *)(a->q2 + at)));
+            __m512i dot = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(hi, 7), hi), lo); /* 127 hi + lo */
             __m512 scale = _mm512_mul_ps(ws, _mm512_loadu_ps(a->lanes + (m0 + i) * lane_stride + p * 16));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i]);
         }
@@ -221,7 +233,9 @@ static inline __attribute__((always_inline)) void row_dots_simd(const uint8_t *w
     for (int i = 0; i < tile; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < a->groups; ++g) {
         for (int i = 0; i < tile; ++i) {
-            __m256i dot = group_dot256(w, bits, g, a->q + (m0 + i) * a->kp);
+            __m256i hi = group_dot256(w, bits, g, a->q + (m0 + i) * a->kp);
+            __m256i lo = group_dot256(w, bits, g, a->q2 + (m0 + i) * a->kp);
+            __m256i dot = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(hi, 7), hi), lo); /* 127 hi + lo */
             __m256 scale = _mm256_set1_ps(s[g] * a->d[(m0 + i) * a->groups + g]);
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i]);
         }
