@@ -184,7 +184,8 @@ def test_the_cpu_gets_the_native_op_set():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fused_view", [False, True])
-def test_rotary_matches_the_reference(ops, dtype, fused_view):
+@pytest.mark.parametrize("table_dtype", DTYPES)  # a model cast to bf16 casts its tables too
+def test_rotary_matches_the_reference(ops, dtype, fused_view, table_dtype):
     tokens, hq, hkv, d = 5, 9, 3, 64
     qkv = torch.randn(tokens, (hq + 2 * hkv) * d).to(dtype)
     if fused_view:  # q and k as the model has them: views into the fused projection's rows
@@ -193,8 +194,9 @@ def test_rotary_matches_the_reference(ops, dtype, fused_view):
         query, key = torch.randn(tokens, hq, d).to(dtype), torch.randn(tokens, hkv, d).to(dtype)
     freqs = torch.outer(torch.arange(100).float(), 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
     positions = torch.tensor([0, 7, 31, 99, 3])
-    mine = ops.apply_rotary(query, key, positions, freqs.cos(), freqs.sin())
-    oracle = reference.apply_rotary(query, key, positions, freqs.cos(), freqs.sin())
+    cos, sin = freqs.cos().to(table_dtype), freqs.sin().to(table_dtype)
+    mine = ops.apply_rotary(query, key, positions, cos, sin)
+    oracle = reference.apply_rotary(query, key, positions, cos, sin)
     for a, b in zip(mine, oracle, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6 if dtype == torch.float32 else 0, atol=1e-6 if dtype == torch.float32 else 0)
 

@@ -134,15 +134,15 @@ def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor
     """As ``reference.apply_rotary``, in one ``core_rotary`` call."""
     d = query.shape[-1]
     if (query.dtype != key.dtype or _code(query) is None or query.device.type != "cpu" or positions.dim() != 1
-            or positions.dtype != torch.int64 or cos_cache.dtype != torch.float32 or cos_cache.shape[1] * 2 != d
+            or _code(cos_cache) is None or sin_cache.dtype != cos_cache.dtype or cos_cache.shape[1] * 2 != d
             or not (cos_cache.is_contiguous() and sin_cache.is_contiguous())):
         return reference.apply_rotary(query, key, positions, cos_cache, sin_cache)
     (query, q_stride), (key, k_stride) = _rows(query), _rows(key)
-    positions = positions.contiguous()
+    positions = positions.to(torch.int64).contiguous()
     q_out, k_out = torch.empty(query.shape, dtype=query.dtype), torch.empty(key.shape, dtype=key.dtype)
     kernels().call("core_rotary", query.data_ptr(), key.data_ptr(), _code(query), query.shape[0], query.shape[1],
                    key.shape[1], d, q_stride, k_stride, positions.data_ptr(), cos_cache.data_ptr(),
-                   sin_cache.data_ptr(), cos_cache.shape[0], q_out.data_ptr(), k_out.data_ptr())
+                   sin_cache.data_ptr(), _code(cos_cache), cos_cache.shape[0], q_out.data_ptr(), k_out.data_ptr())
     return q_out, k_out
 
 

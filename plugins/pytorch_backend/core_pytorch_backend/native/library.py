@@ -15,7 +15,7 @@ from pathlib import Path
 from .build import CpuBuildError, best_variant, build_library
 
 log = logging.getLogger(__name__)
-ABI_VERSION = 2  # csrc/packed_linear.c CORE_PACKED_ABI
+ABI_VERSION = 3  # csrc/packed_linear.c CORE_PACKED_ABI
 STATUS = {1: "bad arguments", 2: "out of memory"}
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -30,8 +30,9 @@ SIGNATURES: dict[str, list] = {
     "core_rms_norm": [_P, _I, _L, _L, _P, _P, _I, _F, _P, _P],
     # x, dtype, T, I, out
     "core_silu_and_mul": [_P, _I, _L, _L, _P],
-    # q, k, dtype, T, Hq, Hkv, D, q row stride, k row stride, positions, cos, sin, max position, q out, k out
-    "core_rotary": [_P, _P, _I, _L, _L, _L, _L, _L, _L, _P, _P, _P, _L, _P, _P],
+    # q, k, dtype, T, Hq, Hkv, D, q row stride, k row stride, positions, cos, sin, their dtype,
+    # max position, q out, k out
+    "core_rotary": [_P, _P, _I, _L, _L, _L, _L, _L, _L, _P, _P, _P, _I, _L, _P, _P],
     # k, v, dtype, T, Hkv, D, k row stride, v row stride, slots, k cache, v cache, cache dtype, slots in cache
     "core_store_kv": [_P, _P, _I, _L, _L, _L, _L, _L, _P, _P, _P, _I, _L],
     # codes, first row, end row, N, K, scales_zeros, their dtype, group size, out, out dtype

@@ -354,13 +354,14 @@ int core_silu_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, v
 
 /* Neox (rotate-half) rotary embedding of q [T, Hq, D] and k [T, Hkv, D] into q_out and k_out
  * (contiguous), rows of the inputs `*_row_stride` elements apart (views into a fused qkv output).
- * cos / sin are float32 [max_position, D / 2]. Rounds as the reference: cos and sin to the dtype,
+ * cos / sin are [max_position, D / 2] of table_dtype (float32, or bfloat16 in a model cast to it). Rounds as the reference: cos and sin to the dtype,
  * then each product and their sum. */
 int core_rotary(const void *q, const void *k, int dtype, int64_t tokens, int64_t hq, int64_t hkv, int64_t d,
-                int64_t q_row_stride, int64_t k_row_stride, const int64_t *positions, const float *cos_table,
-                const float *sin_table, int64_t max_position, void *q_out, void *k_out) {
+                int64_t q_row_stride, int64_t k_row_stride, const int64_t *positions, const void *cos_table,
+                const void *sin_table, int table_dtype, int64_t max_position, void *q_out, void *k_out) {
     if ((tokens > 0 && (!q || !k || !positions || !q_out || !k_out)) || !cos_table || !sin_table || tokens < 0 ||
-        d <= 0 || d % 2 || d > MAX_HEAD_DIM || (dtype != DT_F32 && dtype != DT_BF16))
+        d <= 0 || d % 2 || d > MAX_HEAD_DIM || (dtype != DT_F32 && dtype != DT_BF16) ||
+        (table_dtype != DT_F32 && table_dtype != DT_BF16))
         return ERR_ARGS;
     for (int64_t t = 0; t < tokens; ++t)
         if (positions[t] < 0 || positions[t] >= max_position) return ERR_ARGS;
@@ -368,9 +369,11 @@ int core_rotary(const void *q, const void *k, int dtype, int64_t tokens, int64_t
 #pragma omp parallel for schedule(static) if (tokens * (hq + hkv) * d > 65536)
     for (int64_t t = 0; t < tokens; ++t) {
         float c[MAX_HEAD_DIM / 2], s[MAX_HEAD_DIM / 2], x[MAX_HEAD_DIM], y[MAX_HEAD_DIM];
+        load_row(cos_table, table_dtype, positions[t] * half, half, c);
+        load_row(sin_table, table_dtype, positions[t] * half, half, s);
         for (int64_t i = 0; i < half; ++i) {
-            c[i] = round_to(cos_table[positions[t] * half + i], dtype);
-            s[i] = round_to(sin_table[positions[t] * half + i], dtype);
+            c[i] = round_to(c[i], dtype);
+            s[i] = round_to(s[i], dtype);
         }
         for (int64_t head = 0; head < hq + hkv; ++head) {
             const int is_q = head < hq;

@@ -29,7 +29,7 @@
 #include <immintrin.h>
 #endif
 
-#define CORE_PACKED_ABI 2
+#define CORE_PACKED_ABI 3
 #define GROUP 32
 #define PAIR 64
 #define TILE 4
