@@ -36,6 +36,7 @@ from core.errors import (
     InvalidRequestError,
     UnsupportedError,
 )
+from core.memory import trim_heap
 from core.multimodal import (
     MediaPolicy,
     VisionProcessor,
@@ -192,6 +193,10 @@ class AsyncEngine:
                                             chat_template_kwargs=chat_template_kwargs)
         except BaseException:
             self.sessions.remove(session)
+            # A failed preparation is usually an input too large for the context: its render and tokens
+            # (hundreds of MB for a multi-MB message) are freed but kept by the allocator. Trim on the
+            # preparation thread, without waiting.
+            self._prepare_pool().submit(trim_heap)
             raise
         return RequestStream(self, session, prepared)
 
@@ -204,12 +209,15 @@ class AsyncEngine:
             return list(await self._off_loop(self.tokenizer.encode, inputs, add_special_tokens=False))
         return await self._off_loop(self.tokenize, inputs, **render_options)
 
-    async def _off_loop(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+    def _prepare_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._prepare_executor is None:
             self._prepare_executor = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS,
                                                                            thread_name_prefix="core-prepare")
+        return self._prepare_executor
+
+    async def _off_loop(self, function: Any, *args: Any, **kwargs: Any) -> Any:
         call = functools.partial(function, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self._prepare_executor, call)
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool(), call)
 
     async def load_media(self, inputs: Inputs) -> Inputs:
         """``inputs`` with their images fetched and decoded on the media threads, off the event loop.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import importlib.metadata
 import json
@@ -18,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 from tqdm.auto import tqdm
+
+from core.memory import trim_heap as core_trim_heap
 
 from .kernels import select_ops
 from .layers.matmul import select_matmul, use_matmul
@@ -149,16 +150,10 @@ def legacy_chat_template(path: Path) -> str | None:
 
 
 def trim_heap() -> bool:
-    """Hand the C heap's free memory back to the OS (glibc's ``malloc_trim``); False where unavailable.
-
-    Loading leaves hundreds of MB freed but kept by the allocator (tokenizer parsing, code arrays and
-    staging copies of the packed weights): after the default model's load, resident memory goes from
-    929 to 582 MB with it.
-    """
-    try:
-        return bool(ctypes.CDLL(None).malloc_trim(0))
-    except (OSError, AttributeError):  # not glibc
-        return False
+    """``core.memory.trim_heap`` after a load: loading leaves hundreds of MB freed but kept by the
+    allocator (tokenizer parsing, code arrays and staging copies of the packed weights): after the
+    default model's load, resident memory goes from 929 to 582 MB with it."""
+    return core_trim_heap()
 
 
 def _open(path: Path, gguf: Path | None, packed: bool, cache_dir, use_cache: bool):
