@@ -215,29 +215,3 @@ def test_store_kv_cache_matches_the_reference(ops, dtypes):
     with pytest.raises(CpuKernelError):
         ops.store_kv_cache(key, value, caches[0], caches[1], torch.tensor([0, 1, 2, 48]))  # past the cache
 
-
-# ---------------------------------------------------------------- dequantized GEMM for large steps
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(48, 256), (32, 64)])
-def test_large_steps_through_dequantized_blocks_match_the_int4_kernel(kernels, dtype, shape, monkeypatch):
-    from core_pytorch_backend.layers.quantized import Int4Weight
-    from core_pytorch_backend.native import dequantized_gemm
-
-    codes = _weight(*shape, 4)
-    plain, blocked = Int4Weight.from_affine(codes, dtype), Int4Weight.from_affine(codes, dtype)
-    blocked.keep_codes_for_large_steps(dequantized_gemm.DequantizedGemm(codes.q, 32, dtype, kernels, min_rows=4))
-    monkeypatch.setattr(dequantized_gemm, "SCRATCH_ELEMENTS", shape[1] * 20)  # several blocks of 20 rows
-    x, bias = torch.randn(6, shape[1]).to(dtype), torch.randn(shape[0]).to(dtype)
-    dense = torch.from_numpy(codes.dequantize()).to(dtype)
-    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 0.02, "atol": 0.02}
-    torch.testing.assert_close(blocked.linear(x, bias), torch.nn.functional.linear(x, dense, bias), **tol)
-    torch.testing.assert_close(blocked.linear(x, bias), plain.linear(x, bias), **tol)
-    small = torch.randn(3, shape[1]).to(dtype)  # below min_rows: torch's kernel, exactly
-    assert torch.equal(blocked.linear(small, None), plain.linear(small, None))
-
-
-def test_codes_in_an_odd_number_of_groups_have_no_large_step_path():
-    from core_pytorch_backend.native.dequantized_gemm import dequantizable
-
-    assert dequantizable(_weight(16, 64, 4).q, 32) and not dequantizable(_weight(16, 96, 4).q, 32)

@@ -10,8 +10,8 @@ weights run in bf16 agree at 97.60-97.75% (transformers' own bf16 forward: 97.45
 positions are near-ties (top-2 within 0.1 nats). The packed kernels are fast only in bf16 on these CPUs
 (float32: 40x slower); named explicitly, ``dtype="float32"`` makes them exact (agreement 1.0000,
 measured) but too slow for this suite. Measured here (AMD EPYC Zen 5, AVX-512-BF16, where the packed
-models run in bf16, prefill chunks of 256 rows going through ``DequantizedGemm``'s bf16 GEMMs): packed
-GGUF 97.60%, int8 97.30%, int4 97.00%, the dense bf16 model 97.60%; perplexity ratio 0.9998-1.0023.
+models run in bf16): packed GGUF 97.50%, int8 97.30%, int4 97.00%, the dense bf16 model 97.60%;
+perplexity ratio 1.0003-1.0022.
 Weights with 1% noise give 94.8% (and fail); 0.3% noise 98.65%. The oracle is ``load_checkpoint(gguf, dtype="float32",
 quantization="none")``, run once per module. The candidates:
 

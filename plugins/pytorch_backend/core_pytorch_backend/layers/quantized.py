@@ -52,7 +52,6 @@ class Int4Weight(nn.Module):
         self.planes = planes
         self.register_buffer("dense", None)  # see keep_dense_copy
         self.dense_min_rows = 0
-        self.register_module("gemm", None)  # see keep_codes_for_large_steps
 
     @classmethod
     def from_affine(cls, weight: AffineWeight, dtype: torch.dtype) -> Int4Weight:
@@ -78,21 +77,13 @@ class Int4Weight(nn.Module):
         self.dense = torch.from_numpy(weight.dequantize()).to(dtype)
         self.dense_min_rows = min_rows
 
-    def keep_codes_for_large_steps(self, gemm: nn.Module) -> None:
-        """Serve steps of ``gemm.min_rows`` rows or more through ``gemm`` (``native.DequantizedGemm``:
-        dense GEMMs over blocks dequantized on the fly), at half a byte per weight."""
-        self.gemm = gemm
-
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # A decode step calls this ~120 times: buffers are read once from __dict__'s _buffers (an nn.Module
         # attribute lookup is a slow __getattr__), and no op runs that the call does not need.
         buffers = self._buffers
         scales_zeros, dense = buffers["scales_zeros"], buffers["dense"]
         flat = x.reshape(-1, self.shape[1])
-        gemm = self._modules["gemm"]
-        if gemm is not None and flat.shape[0] >= gemm.min_rows:
-            out = gemm.linear(flat, scales_zeros, bias)
-        elif dense is not None and flat.shape[0] >= self.dense_min_rows:
+        if dense is not None and flat.shape[0] >= self.dense_min_rows:
             if flat.dtype != dense.dtype:
                 flat = flat.to(dense.dtype)
             out = F.linear(flat, dense, None if bias is None else bias.to(flat.dtype))

@@ -35,8 +35,6 @@ SIGNATURES: dict[str, list] = {
     "core_rotary": [_P, _P, _I, _L, _L, _L, _L, _L, _L, _P, _P, _P, _I, _L, _P, _P],
     # k, v, dtype, T, Hkv, D, k row stride, v row stride, slots, k cache, v cache, cache dtype, slots in cache
     "core_store_kv": [_P, _P, _I, _L, _L, _L, _L, _L, _P, _P, _P, _I, _L],
-    # codes, first row, end row, N, K, scales_zeros, their dtype, group size, out, out dtype
-    "core_dequantize_int4": [_P, _L, _L, _L, _L, _P, _I, _L, _P, _I],
 }
 
 

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from ..layers.embedding import LMHead, VocabEmbedding
-from ..layers.matmul import cpu_has_native_half_matmul
 from ..layers.quantized import (
     DENSE_MIN_ROWS,
     AffineRows,
@@ -25,7 +24,6 @@ from ..layers.quantized import (
     int4_packable,
     packed_linear,
 )
-from ..native.dequantized_gemm import DequantizedGemm, dequantizable
 from ..native.library import available
 from ..native.packed_weight import NativeWeight, native_fits
 from .affine import AffineWeight, quantize_int4, quantize_int8
@@ -77,27 +75,15 @@ def _pack(module: nn.Module, weight: AffineWeight, kernel_dtype: torch.dtype) ->
     EPYC), with activations rounded in two int8 steps (~1e-4 relative error, finer than bf16's). At
     8 rows it is no faster, so other 8-bit layers stay on torch's kernel, and so does a head multiplied
     in float32 (named to be exact). And the head keeps a dense half-precision copy for steps of many
-    rows, where a packed kernel is 4x slower. Other 4-bit layers keep their codes a second time for such
-    steps instead (half a byte per weight, dequantized a block at a time for a dense GEMM:
-    ``native.DequantizedGemm``)."""
+    rows, where a packed kernel is 4x slower."""
     head = isinstance(module, LMHead)
     kernels = available() if head and weight.bits > 4 and kernel_dtype == torch.bfloat16 else None
     packed = (NativeWeight.from_affine(weight, kernels) if kernels is not None and native_fits(weight)
               else Int4Weight.from_affine(weight, kernel_dtype))
     if head and kernel_dtype in (torch.bfloat16, torch.float16):
         packed.keep_dense_copy(weight, kernel_dtype, DENSE_MIN_ROWS)
-    elif (isinstance(packed, Int4Weight) and packed.planes == 1 and dequantizable(weight.q, weight.group_size)
-          and (kernels := available()) is not None):
-        packed.keep_codes_for_large_steps(DequantizedGemm(weight.q, weight.group_size, _gemm_dtype(kernel_dtype),
-                                                          kernels))
     _replace_weight(module, packed)
     module.matmul = packed_linear
-
-
-def _gemm_dtype(kernel_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of large steps' dense GEMMs: the kernel's where oneDNN multiplies it natively, else
-    float32 (a bf16 GEMM without bf16 instructions is 5-20x slower than sgemm)."""
-    return kernel_dtype if cpu_has_native_half_matmul(kernel_dtype) else torch.float32
 
 
 def _load_dense(module: nn.Module, param_name: str, shards: dict[str | None, AffineWeight]) -> None:
