@@ -11,6 +11,8 @@
 #include <string.h>
 #include <math.h>
 #include <omp.h>
+
+#include "common.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -18,23 +20,6 @@
 #define MAX_HEAD_DIM 512
 #define MAX_GROUP 64
 
-enum { DT_F32 = 0, DT_BF16 = 1 };
-enum { OK = 0, ERR_ARGS = 1, ERR_MEMORY = 2 };
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-/* round to nearest even; a NaN stays a NaN (quiet); branch-free so that loops of it vectorize */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : rounded);
-}
 
 /* v rounded to the dtype, as a float */
 static inline float round_to(float v, int dtype) { return dtype == DT_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }

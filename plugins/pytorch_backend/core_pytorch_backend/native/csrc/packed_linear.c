@@ -25,6 +25,8 @@
 #include <string.h>
 #include <math.h>
 #include <omp.h>
+
+#include "common.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -34,8 +36,6 @@
 #define PAIR 64
 #define TILE 4
 
-enum { DT_F32 = 0, DT_BF16 = 1 };
-enum { OK = 0, ERR_ARGS = 1, ERR_MEMORY = 2 };
 
 int core_packed_abi_version(void) { return CORE_PACKED_ABI; }
 
@@ -59,21 +59,6 @@ typedef struct {
     float *lanes;
     int64_t rows, kp, groups;
 } acts_t;
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);                                              /* round to even */
-    return (uint16_t)(bits >> 16);
-}
 
 static inline float load_x(const void *x, int dtype, int64_t index) {
     return dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)x)[index]) : ((const float *)x)[index];
