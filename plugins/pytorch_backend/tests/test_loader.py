@@ -139,7 +139,7 @@ def test_trim_heap_returns_freed_memory_to_the_os():
     """Blocks below glibc's mmap threshold stay in the heap once freed; trim_heap hands them back."""
     import ctypes
 
-    from core_pytorch_backend.loader import trim_heap
+    from core.memory import trim_heap
 
     libc = ctypes.CDLL(None)
     libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]

@@ -45,27 +45,24 @@ class _DecodeRows(NamedTuple):
 def _decode_rows(meta: AttentionMetadata) -> _DecodeRows | None:
     if "native_decode" in meta.op_cache:
         return meta.op_cache["native_decode"]
-    decode = [b for b, q in enumerate(meta.query_lens_list) if q == 1]
+    decode, rows = reference.decode_rows(meta, meta.block_tables.device)
     plan = None
     if decode and not getattr(meta, "bidirectional_spans", None):
-        if len(decode) == len(meta.query_lens_list):
-            plan = _DecodeRows(None, meta.block_tables.contiguous(), meta.seq_lens.to(torch.int32).contiguous())
-        else:
-            starts = [0]
-            for q_len in meta.query_lens_list:
-                starts.append(starts[-1] + q_len)
+        tables, lengths = meta.block_tables, meta.seq_lens
+        if rows is not None:
             index = torch.tensor(decode)
-            plan = _DecodeRows(torch.tensor([starts[b] for b in decode]), meta.block_tables[index].contiguous(),
-                               meta.seq_lens[index].to(torch.int32).contiguous())
+            tables, lengths = tables[index], lengths[index]
+        plan = _DecodeRows(rows, tables.contiguous(), lengths.to(torch.int32).contiguous())
     meta.op_cache["native_decode"] = plan
     return plan
 
 
-def _decode_fits(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def _decode_fits(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     hq, d = query.shape[1:]
     hkv = k_cache.shape[2]
     return (query.device.type == "cpu" and _code(query) is not None and _code(k_cache) is not None
-            and d <= MAX_HEAD_DIM and hq % hkv == 0 and hq // hkv <= MAX_GROUP and k_cache.is_contiguous())
+            and d <= MAX_HEAD_DIM and hq % hkv == 0 and hq // hkv <= MAX_GROUP and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype)
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -83,7 +80,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """As ``reference.paged_attention``; decode rows through the native kernel."""
-    plan = _decode_rows(meta) if _decode_fits(query, k_cache) else None
+    plan = _decode_rows(meta) if _decode_fits(query, k_cache, v_cache) else None
     if plan is None:
         return reference.paged_attention(query, k_cache, v_cache, meta, scale, sliding_window)
     if plan.rows is None:

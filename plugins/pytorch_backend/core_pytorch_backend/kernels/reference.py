@@ -106,22 +106,27 @@ class _DecodePlan(NamedTuple):
     masks: dict  # (sliding window or None, dtype) -> [B, 1, 1, nb * block_size] additive mask
 
 
+def decode_rows(meta: AttentionMetadata, device: torch.device) -> tuple[list[int], torch.Tensor | None]:
+    """The sequences with one new token (decode) and their rows in the flat batch (None: every row is
+    one, in order); what every op set's decode path starts from."""
+    decode = [b for b, q in enumerate(meta.query_lens_list) if q == 1]
+    if len(decode) == len(meta.query_lens_list):
+        return decode, None
+    starts = [0]
+    for q_len in meta.query_lens_list:
+        starts.append(starts[-1] + q_len)
+    return decode, torch.tensor([starts[b] for b in decode], device=device)
+
+
 def _decode_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _DecodePlan | None:
     if "reference_decode" in meta.op_cache:
         return meta.op_cache["reference_decode"]
-    decode = [b for b, q in enumerate(meta.query_lens_list) if q == 1]
+    decode, rows = decode_rows(meta, device)
     plan = None
     if decode:
         seq_lens = [meta.seq_lens_list[b] for b in decode]
         nb = -(-max(seq_lens) // block_size)
-        if len(decode) == len(meta.query_lens_list):
-            rows, tables = None, meta.block_tables
-        else:
-            starts = [0]
-            for q_len in meta.query_lens_list:
-                starts.append(starts[-1] + q_len)
-            rows = torch.tensor([starts[b] for b in decode], device=device)
-            tables = meta.block_tables[torch.tensor(decode, device=device)]
+        tables = meta.block_tables if rows is None else meta.block_tables[torch.tensor(decode, device=device)]
         blocks = tables[:, :nb].reshape(-1).long()
         plan = _DecodePlan(rows, blocks, nb, torch.tensor(seq_lens, device=device)[:, None], {})
     meta.op_cache["reference_decode"] = plan

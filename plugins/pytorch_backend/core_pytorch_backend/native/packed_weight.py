@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 
+from ..layers.quantized import PackedWeight
 from ..quant.affine import AffineWeight
 from .library import CpuKernels
 
@@ -39,22 +38,19 @@ def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
     return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, kp // 2)
 
 
-class NativeWeight(nn.Module):
+class NativeWeight(PackedWeight):
     """A [N, K] weight multiplied by the native CPU kernel (see the module docstring)."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, zero_point: float,
                  bits: int, shape: tuple[int, int], kernels: CpuKernels) -> None:
-        super().__init__()
+        super().__init__(shape)
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
         self.register_buffer("offset", offset)
         self.zero_point = zero_point
         self.bits = bits
-        self.shape = shape
         self.padded_k = scale.shape[1] * GROUP
         self.kernels = kernels
-        self.register_buffer("dense", None)  # see keep_dense_copy
-        self.dense_min_rows = 0
 
     @classmethod
     def from_affine(cls, weight: AffineWeight, kernels: CpuKernels) -> NativeWeight:
@@ -78,17 +74,11 @@ class NativeWeight(nn.Module):
         """What the start-up line calls this layer's weights."""
         return f"int{self.bits}-native"
 
-    def keep_dense_copy(self, weight: AffineWeight, dtype: torch.dtype, min_rows: int) -> None:
-        """Also keep ``weight`` dense in ``dtype``, for steps of ``min_rows`` rows or more (where a dense
-        GEMM beats the packed kernel), at the cost of the dense copy's memory."""
-        self.dense = torch.from_numpy(weight.dequantize()).to(dtype)
-        self.dense_min_rows = min_rows
-
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, *, reference: bool = False) -> torch.Tensor:
         n, k = self.shape
         flat = x.reshape(-1, k)
-        if self.dense is not None and flat.shape[0] >= self.dense_min_rows:
-            out = F.linear(flat.to(self.dense.dtype), self.dense, None if bias is None else bias.to(self.dense.dtype))
+        out = self.dense_linear(flat, bias)
+        if out is not None:
             return out.view(*x.shape[:-1], n).to(x.dtype)
         code = DTYPE_CODES.get(flat.dtype)
         if code is None:
@@ -105,5 +95,5 @@ class NativeWeight(nn.Module):
 
     def extra_repr(self) -> str:
         offsets = "offsets" if self.offset is not None else f"zero point {self.zero_point:g}"
-        dense = f", dense copy from {self.dense_min_rows} rows" if self.dense is not None else ""
-        return f"shape={self.shape}, bits={self.bits}, groups of {GROUP}, {offsets}, {self.kernels.variant}{dense}"
+        return (f"shape={self.shape}, bits={self.bits}, groups of {GROUP}, {offsets}, {self.kernels.variant}"
+                f"{self.dense_repr()}")
