@@ -48,12 +48,15 @@ def client(smollm2: RunningServer) -> Iterator[openai.OpenAI]:
 def test_startup_log_shows_model_backend_dtype_weights_kv_capacity_and_url(smollm2: RunningServer):
     line = next(line for line in smollm2.log().splitlines() if "serving model" in line)
     assert "SmolLM2-135M-Instruct" in line and "backend pytorch" in line
-    # the GGUF's tensors served packed: 120 fused int4 layers, the Q8_0 embedding as codes and packed LM head
-    from core_pytorch_backend.native.library import available  # the server built the same kernels
-
-    head = "int8-native" if "dtype bfloat16" in line and available() is not None else "int8"
-    assert re.search(rf"dtype (bfloat16|float32), packed weights codes x1, int4 x120, {head} x1,", line), line
-    assert "native CPU kernels: the " in smollm2.log() or available() is None  # the variant is logged
+    # the GGUF's tensors served packed: 120 fused int4 layers, the Q8_0 embedding as codes and packed LM head,
+    # on the native kernels (the model in float32) or torch's (in its fastest dtype), as the log says
+    log = smollm2.log()
+    if "packed weights: the native " in log:
+        assert "dtype float32, packed weights codes x1, int4-native x120, int8-native x1," in line, line
+        assert "native CPU kernels: the " in log  # the variant is logged
+    else:
+        assert "packed weights: the torch int4 kernel" in log, log
+        assert re.search(r"dtype (bfloat16|float32), packed weights codes x1, int4 x120, int8 x1,", line), line
     blocks, size, tokens = map(int, re.search(r"KV cache (\d+) blocks x (\d+) tokens = (\d+) tokens", line).groups())
     assert blocks * size == tokens > 0
     assert line.endswith(f"at {smollm2.base_url}")

@@ -59,12 +59,13 @@ class PytorchBackend(Backend):
         loaded = self._load()
         self.tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
-        num_blocks = kv_cache_blocks(loaded.model, config.block_size, loaded.dtype, self.device,
+        kv_dtype = loaded.kv_cache_dtype or loaded.dtype
+        num_blocks = kv_cache_blocks(loaded.model, config.block_size, kv_dtype, self.device,
                                      config.kv_cache_memory_gib, config.kv_cache_memory_fraction)
         max_len = self._max_model_len(loaded, num_blocks)
         self.model_info = self._model_info(loaded, max_len)
         runner = ModelRunner(loaded.model, block_size=config.block_size, num_blocks=num_blocks,
-                             device=self.device, dtype=loaded.dtype)
+                             device=self.device, dtype=loaded.dtype, kv_cache_dtype=kv_dtype)
         runner.cuda_graphs = make_decode_graphs(  # None on the CPU or with enforce_eager
             runner.model, device=self.device, enabled=not config.enforce_eager, block_size=config.block_size,
             max_model_len=max_len, max_num_seqs=config.max_num_seqs)
@@ -75,7 +76,7 @@ class PytorchBackend(Backend):
         self._asleep: set[str] = set()
         self._weights_dropped = False
         log.info("KV cache: %d blocks of %d tokens (%d tokens) on %s, %s", num_blocks, config.block_size,
-                 num_blocks * config.block_size, self.device, str(loaded.dtype).replace("torch.", ""))
+                 num_blocks * config.block_size, self.device, str(kv_dtype).replace("torch.", ""))
         release_openmp_pool()  # this thread's idle OpenMP workers would slow the engine thread's (core.openmp)
 
     # -- loading --------------------------------------------------------------------------------------

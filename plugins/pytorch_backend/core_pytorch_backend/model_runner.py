@@ -99,12 +99,14 @@ class ModelRunner:
     """Runs one model over paged KV caches of `num_blocks` blocks of `block_size` tokens."""
 
     def __init__(self, model: torch.nn.Module, *, block_size: int, num_blocks: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None) -> None:
+        """``kv_cache_dtype``: the KV cache's dtype (None: ``dtype``, the model's)."""
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.cuda_graphs: DecodeGraphs | None = None  # set by the backend on CUDA (cuda_graphs.py)
         self.zeroed_blocks = 0  # blocks [0, zeroed_blocks) of the cache are zeroed (see _zero_blocks_up_to)
@@ -124,7 +126,7 @@ class ModelRunner:
         process's resident memory follows the blocks in use rather than the whole budget. A GPU cache
         is zeroed at once: its memory is reserved either way."""
         lazy = self.kv_memory_is_lazy
-        self.kv_caches = allocate_kv_caches(self.model, self.num_blocks, self.block_size, self.dtype,
+        self.kv_caches = allocate_kv_caches(self.model, self.num_blocks, self.block_size, self.kv_cache_dtype,
                                             self.device, zeroed=not lazy)
         self.zeroed_blocks = 0 if lazy else self.num_blocks
 

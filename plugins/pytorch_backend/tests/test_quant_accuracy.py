@@ -1,18 +1,22 @@
 """Accuracy of the quantized paths against the dequantized float32 model on the same weights (issue 14).
 
 The default model (SmolLM2-135M-Instruct), teacher-forced over 2,000 tokens of real text (the Python
-documentation's help topics, ``quality.reference_tokens``) through the backend's own paged KV cache:
-each candidate's argmax must equal the float32 oracle's at >= 96.5% of positions, and its perplexity must
-be within 1% of the oracle's.
+documentation's help topics, ``quality.reference_tokens``) through the backend's own paged KV cache, in
+the KV cache's dtype as served: each candidate's argmax must equal the float32 oracle's at >= 99% of
+positions, and its perplexity must be within 1% of the oracle's.
 
-Issue 14 asks for 99% agreement. No bfloat16 arithmetic reaches it on this text: the dense float
-weights run in bf16 agree at 97.60-97.75% (transformers' own bf16 forward: 97.45%), because 5.5% of
-positions are near-ties (top-2 within 0.1 nats). The packed kernels are fast only in bf16 on these CPUs
-(float32: 40x slower); named explicitly, ``dtype="float32"`` makes them exact (agreement 1.0000,
-measured) but too slow for this suite. Measured here (AMD EPYC Zen 5, AVX-512-BF16, where the packed
-models run in bf16): packed GGUF 97.50%, int8 97.30%, int4 97.00%, the dense bf16 model 97.60%;
-perplexity ratio 1.0003-1.0022.
-Weights with 1% noise give 94.8% (and fail); 0.3% noise 98.65%. The oracle is ``load_checkpoint(gguf, dtype="float32",
+The bar holds for the native kernel (``quant.kernel_choice``: chosen where it builds, on AVX-512 and
+AVX2 CPUs alike), whose model runs in float32 with activations rounded per 32 inputs in two int8 steps
+and a bfloat16 KV cache. Measured on an AMD EPYC (Zen 5, AVX-512, no AMX): packed GGUF 99.65%, int8
+99.55%, int4 99.65% (99.90% each with a float32 KV cache); perplexity ratio 1.0003-1.0005. Where only
+torch's int4 kernel runs (no C compiler), the model runs in bfloat16 and no bf16 arithmetic reaches 99%
+on this text: 5.5% of positions are near-ties (top-2 within 0.1 nats), and the dense bf16 model itself
+agrees at 97.60%; that path is held to 96.5% (measured: packed GGUF 97.50%, int8 97.30%, int4 97.00%).
+
+On these weights int4 at load re-derives the GGUF file's own Q4_1 codes, and int8's closer-of-two codes
+(``affine.quantize_int8``) hit its Q4_1 and Q8_0 levels exactly, so both measure the kernels' arithmetic
+rather than rounding of a genuinely float checkpoint (none ships offline). Weights with 1% noise give
+94.8% (and fail); 0.3% noise 98.65%. The oracle is ``load_checkpoint(gguf, dtype="float32",
 quantization="none")``, run once per module. The candidates:
 
 - the GGUF file served packed, as ``load_checkpoint(gguf)`` does by default;
@@ -28,10 +32,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from core_pytorch_backend.loader import cached_gguf_folder, load_checkpoint
 
-MIN_AGREEMENT = 0.965  # top-1 agreement with the float32 oracle: the band bf16 arithmetic reaches (see above)
+MIN_AGREEMENT = 0.99  # top-1 agreement with the float32 oracle (issue 14)
+MIN_AGREEMENT_BF16 = 0.965  # where the model runs in bfloat16 on torch's kernel: the band bf16 reaches (see above)
 MAX_PERPLEXITY_DEVIATION = 0.01  # |ppl / ppl_oracle - 1|
 TOKENS = 2000
 
@@ -85,5 +91,5 @@ def test_quantized_path_follows_the_float32_model(name, default_gguf_path, oracl
     result = quality.compare(quality.teacher_forced(loaded, tokens), oracle_run)
     del loaded  # only numbers below: a failure's report stays short, and the weights go before the next load
     summary = f"{name} ({weights}; {dtype}): {result}"
-    assert result.agreement >= MIN_AGREEMENT, summary
+    assert result.agreement >= (MIN_AGREEMENT if dtype == torch.float32 else MIN_AGREEMENT_BF16), summary
     assert abs(result.perplexity_ratio - 1) <= MAX_PERPLEXITY_DEVIATION, summary

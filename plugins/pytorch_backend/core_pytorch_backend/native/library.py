@@ -15,14 +15,14 @@ from pathlib import Path
 from .build import CpuBuildError, best_variant, build_library
 
 log = logging.getLogger(__name__)
-ABI_VERSION = 3  # csrc/packed_linear.c CORE_PACKED_ABI
+ABI_VERSION = 4  # csrc/packed_linear.c CORE_PACKED_ABI
 STATUS = {1: "bad arguments", 2: "out of memory"}
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES: dict[str, list] = {
-    # x, x dtype, M, K, codes, bits, N, Kp, scale, offset, zero point, bias, y, y dtype
-    "core_packed_linear": [_P, _I, _L, _L, _P, _I, _L, _L, _P, _P, _F, _P, _P, _I],
-    "core_packed_linear_reference": [_P, _I, _L, _L, _P, _I, _L, _L, _P, _P, _F, _P, _P, _I],
+    # x, x dtype, M, K, codes, bits, N, Kp, scale, offset, bias, y, y dtype
+    "core_packed_linear": [_P, _I, _L, _L, _P, _I, _L, _L, _P, _P, _P, _P, _I],
+    "core_packed_linear_reference": [_P, _I, _L, _L, _P, _I, _L, _L, _P, _P, _P, _P, _I],
     # q, q dtype, rows, Hq, D, k cache, v cache, cache dtype, block size, Hkv, tables, table width,
     # lengths, window, scale, out
     "core_decode_attention": [_P, _I, _L, _L, _L, _P, _P, _I, _L, _L, _P, _L, _P, _L, _F, _P],

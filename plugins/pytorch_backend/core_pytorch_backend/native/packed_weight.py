@@ -1,10 +1,11 @@
 """A weight kept as 4- or 8-bit codes in the native kernel's layout (``csrc/packed_linear.c``).
 
 ``NativeWeight.from_affine`` lays out an ``AffineWeight`` (codes per group of 32 inputs with one scale
-and offset each): K is padded to a multiple of 64 with zero groups; 4-bit codes of groups 2p and 2p+1
-share the bytes of pair p (low and high nibble); a symmetric offset (``o = -2^(bits-1) * s``: GGUF
-Q4_0 and Q8_0, int8) is kept as a zero point instead of an array. ``linear`` takes float32 or bfloat16
-activations and returns the same dtype.
+and offset each) in blocks of 16 rows side by side: N is padded to a multiple of 16 and K to a multiple
+of 64 with zero codes, scales and offsets; within a block, each step of 4 inputs holds the 16 rows' 4
+codes in turn, and 4-bit codes of groups 2p and 2p+1 share a byte (low and high nibble). A symmetric
+code's offset (``o = -2^(bits-1) * s``: GGUF Q4_0 and Q8_0, int8) is stored like any other. ``linear``
+takes float32 or bfloat16 activations and returns the same dtype.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ..layers.quantized import PackedWeight
 from ..quant.affine import AffineWeight
 from .library import CpuKernels
 
-GROUP, PAIR = 32, 64
+GROUP, PAIR, BLOCK, STEP = 32, 64, 16, 4
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # csrc DT_*
 
 
@@ -25,31 +26,40 @@ def native_fits(weight: AffineWeight) -> bool:
     return weight.group_size == GROUP and weight.bits <= 8
 
 
-def _padded(array: np.ndarray, columns: int) -> np.ndarray:
-    out = np.zeros((array.shape[0], columns), dtype=array.dtype)
-    out[:, : array.shape[1]] = array
+def _padded(array: np.ndarray, rows: int, columns: int) -> np.ndarray:
+    out = np.zeros((rows, columns), dtype=array.dtype)
+    out[: array.shape[0], : array.shape[1]] = array
     return out
 
 
-def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
-    """uint8 codes [N, Kp] (< 16) -> [N, Kp / 2]: pair p's byte j = code(64p + j) | code(64p + 32 + j) << 4."""
+def _block_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 codes [Np, Kp] -> the kernel's blocks (see the module docstring), as one flat array."""
     n, kp = codes.shape
-    pairs = codes.reshape(n, kp // PAIR, 2, GROUP)
-    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, kp // 2)
+    steps = GROUP // STEP
+    if bits == 8:  # [b, r, g, j, t] -> [b, g, j, r, t]
+        return codes.reshape(n // BLOCK, BLOCK, kp // GROUP, steps, STEP).transpose(0, 2, 3, 1, 4).ravel()
+    pairs = codes.reshape(n // BLOCK, BLOCK, kp // PAIR, 2, steps, STEP)  # [b, r, p, half, j, t]
+    nibbles = pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)  # [b, r, p, j, t]
+    return nibbles.transpose(0, 2, 3, 1, 4).ravel()
+
+
+def _block_floats(values: np.ndarray) -> np.ndarray:
+    """float [Np, G] -> [Np / 16, G, 16]."""
+    n, groups = values.shape
+    return values.reshape(n // BLOCK, BLOCK, groups).transpose(0, 2, 1).ravel()
 
 
 class NativeWeight(PackedWeight):
     """A [N, K] weight multiplied by the native CPU kernel (see the module docstring)."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, zero_point: float,
-                 bits: int, shape: tuple[int, int], kernels: CpuKernels) -> None:
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
+                 shape: tuple[int, int], padded_k: int, kernels: CpuKernels) -> None:
         super().__init__(shape)
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
         self.register_buffer("offset", offset)
-        self.zero_point = zero_point
         self.bits = bits
-        self.padded_k = scale.shape[1] * GROUP
+        self.padded_k = padded_k
         self.kernels = kernels
 
     @classmethod
@@ -58,16 +68,13 @@ class NativeWeight(PackedWeight):
             raise ValueError(f"a {weight.bits}-bit weight with groups of {weight.group_size} does not fit "
                              "the native kernel (groups of 32, up to 8 bits)")
         n, k = weight.shape
-        kp = -(-k // PAIR) * PAIR
+        np_, kp = -(-n // BLOCK) * BLOCK, -(-k // PAIR) * PAIR
         bits = 4 if weight.bits <= 4 else 8
-        codes = _padded(weight.q, kp)
-        codes = _pack_nibbles(codes) if bits == 4 else codes
-        scale = _padded(weight.scale.astype(np.float32), kp // GROUP)
-        zero_point = float(2 ** (weight.bits - 1))
-        symmetric = np.array_equal(weight.offset, (-zero_point * weight.scale).astype(weight.offset.dtype))
-        offset = None if symmetric else torch.from_numpy(_padded(weight.offset.astype(np.float32), kp // GROUP))
-        return cls(torch.from_numpy(np.ascontiguousarray(codes)), torch.from_numpy(scale), offset,
-                   zero_point if symmetric else 0.0, bits, (n, k), kernels)
+        codes = _block_codes(_padded(weight.q.astype(np.uint8), np_, kp), bits)
+        scale = _block_floats(_padded(weight.scale.astype(np.float32), np_, kp // GROUP))
+        offset = _block_floats(_padded(weight.offset.astype(np.float32), np_, kp // GROUP))
+        return cls(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (codes, scale, offset)), bits, (n, k), kp,
+                   kernels)
 
     @property
     def kind(self) -> str:
@@ -89,11 +96,9 @@ class NativeWeight(PackedWeight):
         self.kernels.call(
             "core_packed_linear_reference" if reference else "core_packed_linear", flat.data_ptr(), code,
             flat.shape[0], k, self.codes.data_ptr(), self.bits, n, self.padded_k, self.scale.data_ptr(),
-            None if self.offset is None else self.offset.data_ptr(), self.zero_point,
-            None if bias is None else bias.data_ptr(), out.data_ptr(), code)
+            self.offset.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), code)
         return out.view(*x.shape[:-1], n).to(x.dtype)
 
     def extra_repr(self) -> str:
-        offsets = "offsets" if self.offset is not None else f"zero point {self.zero_point:g}"
-        return (f"shape={self.shape}, bits={self.bits}, groups of {GROUP}, {offsets}, {self.kernels.variant}"
+        return (f"shape={self.shape}, bits={self.bits}, groups of {GROUP}, {self.kernels.variant}"
                 f"{self.dense_repr()}")

@@ -58,22 +58,39 @@ class AffineWeight:
                             np.concatenate([p.offset for p in parts]), bits, first.group_size)
 
 
+def _min_max_codes(w: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes, scale, offset) of groups ``w [..., G]`` on ``levels`` steps from their min to their max."""
+    low, high = w.min(-1), w.max(-1)
+    scale = (high - low) / (levels - 1)
+    inverse = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
+    q = np.clip(np.rint((w - low[..., None]) * inverse[..., None]), 0, levels - 1).astype(np.uint8)
+    return q, scale, low
+
+
 def quantize_int4(weight: np.ndarray, group_size: int = 32) -> AffineWeight:
     """Asymmetric 4-bit codes per group of ``group_size`` inputs (min/max, as GGUF's Q4_1)."""
     n, k = weight.shape
-    w = weight.astype(np.float32).reshape(n, k // group_size, group_size)
-    low, high = w.min(-1), w.max(-1)
-    scale = (high - low) / 15
-    inverse = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
-    q = np.clip(np.rint((w - low[..., None]) * inverse[..., None]), 0, 15).astype(np.uint8)
+    q, scale, low = _min_max_codes(weight.astype(np.float32).reshape(n, k // group_size, group_size), 16)
     return AffineWeight(q.reshape(n, k), scale, low, 4, group_size)
 
 
 def quantize_int8(weight: np.ndarray, group_size: int = 32) -> AffineWeight:
-    """Symmetric 8-bit codes per group of ``group_size`` inputs (absmax / 127, as GGUF's Q8_0)."""
+    """8-bit codes per group of ``group_size`` inputs: each group the closer (least squared error) of
+    symmetric codes (absmax / 127, GGUF's Q8_0) and min/max codes (255 steps from min to max).
+
+    Min/max codes have the finer step whenever a group's values are not centred on zero; symmetric ones
+    keep zero exact. The kernels take any offset per group, so the choice costs nothing at run time.
+    """
     n, k = weight.shape
     w = weight.astype(np.float32).reshape(n, k // group_size, group_size)
     scale = np.abs(w).max(-1) / 127
     inverse = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
     q = (np.clip(np.rint(w * inverse[..., None]), -127, 127) + 128).astype(np.uint8)
-    return AffineWeight(q.reshape(n, k), scale, -128 * scale, 8, group_size)
+    offset = -128 * scale
+    q_mm, scale_mm, offset_mm = _min_max_codes(w, 256)
+    error = ((q * scale[..., None] + offset[..., None] - w) ** 2).sum(-1)
+    error_mm = ((q_mm * scale_mm[..., None] + offset_mm[..., None] - w) ** 2).sum(-1)
+    closer = error_mm < error
+    q = np.where(closer[..., None], q_mm, q)
+    return AffineWeight(q.reshape(n, k), np.where(closer, scale_mm, scale), np.where(closer, offset_mm, offset), 8,
+                        group_size)

@@ -1,24 +1,31 @@
 /* y[M, N] = x[M, K] @ W^T (+ bias) with W kept as 4- or 8-bit codes per group of 32 inputs.
  *
- * A weight element is w = q * s + o (q the unsigned code, s and o one float each per row and group);
- * with no offset array, o = -zero_point * s (GGUF Q4_0 / Q8_0 and symmetric int8). The activations are
+ * A weight element is w = q * s + o (q the unsigned code, s and o one float each per row and group;
+ * a symmetric code has o = -zero_point * s, filled in when the weight is packed). The activations are
  * quantized per row and group of 32 in two int8 steps: x ~ d * q1 (d = max|x| / 127, llama.cpp's Q8
  * activations) and the rest, x - d * q1, ~ (d / 127) * q2. So x ~ (d / 127) * (127 q1 + q2), within
  * max|x| / 32258 (where one step alone loses up to max|x| / 254, which in every layer of a model costs
  * a point of top-1 agreement). A group's contribution is s * (d / 127) * (127 sum(q * q1) + sum(q * q2))
- * + o * sum(x): two integer dot products, one multiply by the two scales, and a short dot of the
- * offsets with the groups' float sums.
+ * + o * sum(x): two integer dot products, one multiply by the two scales, and one multiply-add of the
+ * offset by the group's float sum.
  *
- * Layouts (K padded to Kp, a multiple of 64, with zero codes, scales and offsets):
- *   bits == 4: codes [N][Kp / 2], byte j of the 32-byte pair p of row n holds group 2p's code j in its
- *              low nibble and group 2p+1's code j in its high nibble;
- *   bits == 8: codes [N][Kp], one byte per code;
- *   scale, offset: float [N][Kp / 32].
+ * Layout: 16 weight rows side by side (a "block"), so that one vector holds 16 rows' partial dots and
+ * no horizontal sum is ever needed. N is padded to Np (a multiple of 16) and K to Kp (a multiple of 64)
+ * with zero codes, scales and offsets; G = Kp / 32 groups, P = Kp / 64 pairs of groups.
+ *   bits == 8: codes [Np/16][G][8][16][4]: block b, group g, step j, row r, byte t holds the code of
+ *              row 16b + r at input 32g + 4j + t;
+ *   bits == 4: codes [Np/16][P][8][16][4]: the same with two groups to a byte: the low nibble holds
+ *              group 2p's code at input 64p + 4j + t, the high nibble group 2p+1's at 64p + 32 + 4j + t;
+ *   scale, offset: float [Np/16][G][16].
  *
- * The inner loops, chosen at compile time by the flags the build passes: AVX-512 VNNI (vpdpbusd, 64
- * multiply-adds a step), AVX2 (vpmaddubsw / vpmaddwd) or plain C (the reference the tests compare with).
- * Rows of W are split among OpenMP threads (the process's one libgomp, torch's, so torch.set_num_threads
- * applies); activation rows are taken 1 or 4 at a time so that each unpacked weight vector serves them all.
+ * Every output is computed the same way whatever M is (the activation rows are independent and each
+ * sums its groups in order), so a row's result does not depend on the batch it is in.
+ *
+ * The inner loops, chosen at compile time by the flags the build passes: AVX-512 VNNI (vpdpbusd: 16
+ * rows x 4 inputs a step), AVX2 (vpmaddubsw / vpmaddwd on 8 rows at a time) or plain C (the reference
+ * the tests compare with). Blocks are split among OpenMP threads (the process's one libgomp, torch's,
+ * so torch.set_num_threads applies); activation rows are taken up to TILE at a time, so that each
+ * unpacked weight vector serves them all.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -31,10 +38,16 @@
 #include <immintrin.h>
 #endif
 
-#define CORE_PACKED_ABI 3
+#define CORE_PACKED_ABI 4
 #define GROUP 32
 #define PAIR 64
+#define BLOCK 16 /* weight rows per block */
+#define STEP_BYTES (BLOCK * 4)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TILE 4
+#else
+#define TILE 2
+#endif
 
 
 int core_packed_abi_version(void) { return CORE_PACKED_ABI; }
@@ -49,15 +62,12 @@ const char *core_packed_variant(void) {
 #endif
 }
 
-/* Activations quantized: q and q2 [Mp][Kp] int8 (the two steps), d [Mp][G] (the combined code's scale,
- * max|x| / 127^2) and sum [Mp][G] (the group's float sum), and
- * for the AVX-512 loop d spread per lane: lanes [Mp][Kp / 4] (16 floats per pair: 8 x d(2p), 8 x d(2p+1)). */
+/* Activations quantized: q1 and q2 [M][Kp] int8 (the two steps), d [M][G] (the combined code's scale,
+ * max|x| / 127^2) and sum [M][G] (the group's float sum). */
 typedef struct {
-    int8_t *q, *q2;
-    float *d;
-    float *sum;
-    float *lanes;
-    int64_t rows, kp, groups;
+    int8_t *q1, *q2;
+    float *d, *sum;
+    int64_t kp, groups;
 } acts_t;
 
 static inline float load_x(const void *x, int dtype, int64_t index) {
@@ -66,7 +76,7 @@ static inline float load_x(const void *x, int dtype, int64_t index) {
 
 static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, acts_t *a) {
     float buf[GROUP];
-    int8_t *q = a->q + row * a->kp, *q2 = a->q2 + row * a->kp;
+    int8_t *q1 = a->q1 + row * a->kp, *q2 = a->q2 + row * a->kp;
     for (int64_t g = 0; g < a->groups; ++g) {
         float amax = 0.f;
         for (int j = 0; j < GROUP; ++j) {
@@ -82,153 +92,190 @@ static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, acts_
             v = v > 127 ? 127 : (v < -127 ? -127 : v);
             int rest = (int)lrintf((buf[j] - d * (float)v) * inv * 127.f); /* |rest| <= 64 */
             rest = rest > 127 ? 127 : (rest < -127 ? -127 : rest);
-            q[g * GROUP + j] = (int8_t)v;
+            q1[g * GROUP + j] = (int8_t)v;
             q2[g * GROUP + j] = (int8_t)rest;
             total += buf[j];
         }
         a->d[row * a->groups + g] = d / 127.f;
         a->sum[row * a->groups + g] = total;
-        float *lanes = a->lanes + row * (a->kp / 4) + (g / 2) * 16 + (g % 2) * 8;
-        for (int j = 0; j < 8; ++j) lanes[j] = d / 127.f;
     }
 }
 
 static int quantize_acts(const void *x, int dtype, int64_t m, int64_t k, int64_t kp, acts_t *a) {
-    a->rows = (m + TILE - 1) / TILE * TILE; /* padded rows are zero: a tile never reads past the end */
     a->kp = kp;
     a->groups = kp / GROUP;
-    a->q = calloc((size_t)(a->rows * kp), 1);
-    a->q2 = calloc((size_t)(a->rows * kp), 1);
-    a->d = calloc((size_t)(a->rows * a->groups), sizeof(float));
-    a->sum = calloc((size_t)(a->rows * a->groups), sizeof(float));
-    a->lanes = calloc((size_t)(a->rows * kp / 4), sizeof(float));
-    if (!a->q || !a->q2 || !a->d || !a->sum || !a->lanes) return ERR_MEMORY;
+    a->q1 = malloc((size_t)(m * kp));
+    a->q2 = malloc((size_t)(m * kp));
+    a->d = malloc((size_t)(m * a->groups) * sizeof(float));
+    a->sum = malloc((size_t)(m * a->groups) * sizeof(float));
+    if (!a->q1 || !a->q2 || !a->d || !a->sum) return ERR_MEMORY;
 #pragma omp parallel for schedule(static) if (m * k > 65536)
     for (int64_t row = 0; row < m; ++row) quantize_row(x, dtype, row, k, a);
     return OK;
 }
 
 static void free_acts(acts_t *a) {
-    free(a->q);
+    free(a->q1);
     free(a->q2);
     free(a->d);
     free(a->sum);
-    free(a->lanes);
 }
 
-/* sum over groups of o[g] * sum[g] (o = -zero_point * s when there is no offset array) */
-static inline float offset_term(const float *s, const float *o, float zero_point, const float *sum, int64_t groups) {
-    float total = 0.f;
-    if (o) {
-        for (int64_t g = 0; g < groups; ++g) total += o[g] * sum[g];
-    } else {
-        for (int64_t g = 0; g < groups; ++g) total += s[g] * sum[g];
-        total *= -zero_point;
-    }
-    return total;
+/* the activation codes at input `at` of row `row`, 4 bytes as one int32 */
+static inline int32_t x4(const int8_t *q, int64_t kp, int64_t row, int64_t at) {
+    int32_t v;
+    memcpy(&v, q + row * kp + at, 4);
+    return v;
 }
 
-/* integer dot of group g of a weight row with an activation row's codes (plain C) */
-static inline int32_t group_dot(const uint8_t *w, int bits, int64_t g, const int8_t *xq) {
-    int32_t total = 0;
-    if (bits == 4) {
-        const uint8_t *pair = w + (g / 2) * GROUP;
-        int shift = (g % 2) * 4;
-        for (int j = 0; j < GROUP; ++j) total += (int32_t)((pair[j] >> shift) & 0x0f) * xq[g * GROUP + j];
-    } else {
-        for (int j = 0; j < GROUP; ++j) total += (int32_t)w[g * GROUP + j] * xq[g * GROUP + j];
-    }
-    return total;
+/* The code of block row r at input `col` (plain C). */
+static inline int32_t code_at(const uint8_t *block, int bits, int64_t r, int64_t col) {
+    const int64_t j = (col % GROUP) / 4, t = col % 4;
+    if (bits == 8) return block[((col / GROUP) * 8 + j) * STEP_BYTES + r * 4 + t];
+    const uint8_t byte = block[((col / PAIR) * 8 + j) * STEP_BYTES + r * 4 + t];
+    return (col % PAIR) < GROUP ? (byte & 0x0f) : (byte >> 4);
 }
 
-static inline void row_dots_generic(const uint8_t *w, int bits, const float *s, const acts_t *a, int64_t m0,
-                                    int tile, float *out) {
+/* out[i][r] for `tile` activation rows from m0 and the 16 rows of one block (plain C, the reference) */
+static void block_dots_generic(const uint8_t *block, int bits, const float *s, const float *o, const acts_t *a,
+                               int64_t m0, int tile, float out[][BLOCK]) {
     for (int i = 0; i < tile; ++i) {
-        const int8_t *xq = a->q + (m0 + i) * a->kp, *xq2 = a->q2 + (m0 + i) * a->kp;
-        const float *d = a->d + (m0 + i) * a->groups;
-        float total = 0.f;
-        for (int64_t g = 0; g < a->groups; ++g)
-            total += s[g] * d[g] * (float)(127 * group_dot(w, bits, g, xq) + group_dot(w, bits, g, xq2));
-        out[i] = total;
+        const int64_t row = m0 + i;
+        for (int r = 0; r < BLOCK; ++r) {
+            float total = 0.f;
+            for (int64_t g = 0; g < a->groups; ++g) {
+                int32_t hi = 0, lo = 0;
+                for (int64_t c = g * GROUP; c < (g + 1) * GROUP; ++c) {
+                    const int32_t w = code_at(block, bits, r, c);
+                    hi += w * a->q1[row * a->kp + c];
+                    lo += w * a->q2[row * a->kp + c];
+                }
+                const float scale = s[g * BLOCK + r] * a->d[row * a->groups + g];
+                total = fmaf((float)(127 * hi + lo), scale, total);
+                total = fmaf(o[g * BLOCK + r], a->sum[row * a->groups + g], total);
+            }
+            out[i][r] = total;
+        }
     }
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-/* the 64 codes of pair p as bytes: group 2p in the low 256 bits, group 2p+1 in the high */
-static inline __m512i load_codes(const uint8_t *w, int bits, int64_t p) {
-    if (bits == 8) return _mm512_loadu_si512((const void *)(w + p * PAIR));
-    const __m256i nibble = _mm256_set1_epi8(0x0f);
-    __m256i raw = _mm256_loadu_si256((const __m256i *)(w + p * GROUP));
-    __m256i lo = _mm256_and_si256(raw, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+/* one group's integer dots folded into the float sums: acc += (127 hi + lo) * s * d + o * sum */
+static inline __m512 fold_group(__m512 acc, __m512i hi, __m512i lo, __m512 s, __m512 o, float d, float sum) {
+    __m512i dot = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(hi, 7), hi), lo);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_set1_ps(d)), acc);
+    return _mm512_fmadd_ps(o, _mm512_set1_ps(sum), acc);
 }
 
-static inline __attribute__((always_inline)) void row_dots_simd(const uint8_t *w, int bits, const float *s,
-                                                                 const acts_t *a, int64_t m0, int tile,
-                                                                 float *out) {
-    const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+static inline __attribute__((always_inline)) void block_dots_simd(const uint8_t *block, int bits, const float *s,
+                                                                   const float *o, const acts_t *a, int64_t m0,
+                                                                   int tile, float out[][BLOCK]) {
+    const int64_t kp = a->kp, groups = a->groups;
     __m512 acc[TILE];
     for (int i = 0; i < tile; ++i) acc[i] = _mm512_setzero_ps();
-    const int64_t pairs = a->kp / PAIR, lane_stride = a->kp / 4;
-    for (int64_t p = 0; p < pairs; ++p) {
-        __m512i codes = load_codes(w, bits, p);
-        __m128 s2 = _mm_castpd_ps(_mm_load_sd((const double *)(s + 2 * p)));
-        __m512 ws = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s2));
-        for (int i = 0; i < tile; ++i) {
-            const int64_t at = (m0 + i) * a->kp + p * PAIR;
-            __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512((const void *)(a->q + at)));
-            __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512((const void *)(a->q2 + at)));
-            __m512i dot = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(hi, 7), hi), lo); /* 127 hi + lo */
-            __m512 scale = _mm512_mul_ps(ws, _mm512_loadu_ps(a->lanes + (m0 + i) * lane_stride + p * 16));
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i]);
+    if (bits == 4) {
+        const __m512i nibble = _mm512_set1_epi8(0x0f);
+        for (int64_t p = 0; p < kp / PAIR; ++p) {
+            __m512i hiA[TILE], loA[TILE], hiB[TILE], loB[TILE];
+            for (int i = 0; i < tile; ++i) hiA[i] = loA[i] = hiB[i] = loB[i] = _mm512_setzero_si512();
+            for (int j = 0; j < 8; ++j) {
+                __m512i raw = _mm512_loadu_si512((const void *)(block + (p * 8 + j) * STEP_BYTES));
+                __m512i wa = _mm512_and_si512(raw, nibble), wb = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+                const int64_t at = p * PAIR + 4 * j;
+                for (int i = 0; i < tile; ++i) {
+                    hiA[i] = _mm512_dpbusd_epi32(hiA[i], wa, _mm512_set1_epi32(x4(a->q1, kp, m0 + i, at)));
+                    loA[i] = _mm512_dpbusd_epi32(loA[i], wa, _mm512_set1_epi32(x4(a->q2, kp, m0 + i, at)));
+                    hiB[i] = _mm512_dpbusd_epi32(hiB[i], wb, _mm512_set1_epi32(x4(a->q1, kp, m0 + i, at + GROUP)));
+                    loB[i] = _mm512_dpbusd_epi32(loB[i], wb, _mm512_set1_epi32(x4(a->q2, kp, m0 + i, at + GROUP)));
+                }
+            }
+            const int64_t ga = 2 * p, gb = 2 * p + 1;
+            const __m512 sa = _mm512_loadu_ps(s + ga * BLOCK), oa = _mm512_loadu_ps(o + ga * BLOCK);
+            const __m512 sb = _mm512_loadu_ps(s + gb * BLOCK), ob = _mm512_loadu_ps(o + gb * BLOCK);
+            for (int i = 0; i < tile; ++i) {
+                const float *d = a->d + (m0 + i) * groups, *sum = a->sum + (m0 + i) * groups;
+                acc[i] = fold_group(acc[i], hiA[i], loA[i], sa, oa, d[ga], sum[ga]);
+                acc[i] = fold_group(acc[i], hiB[i], loB[i], sb, ob, d[gb], sum[gb]);
+            }
+        }
+    } else {
+        for (int64_t g = 0; g < groups; ++g) {
+            __m512i hi[TILE], lo[TILE];
+            for (int i = 0; i < tile; ++i) hi[i] = lo[i] = _mm512_setzero_si512();
+            for (int j = 0; j < 8; ++j) {
+                __m512i w = _mm512_loadu_si512((const void *)(block + (g * 8 + j) * STEP_BYTES));
+                const int64_t at = g * GROUP + 4 * j;
+                for (int i = 0; i < tile; ++i) {
+                    hi[i] = _mm512_dpbusd_epi32(hi[i], w, _mm512_set1_epi32(x4(a->q1, kp, m0 + i, at)));
+                    lo[i] = _mm512_dpbusd_epi32(lo[i], w, _mm512_set1_epi32(x4(a->q2, kp, m0 + i, at)));
+                }
+            }
+            const __m512 sg = _mm512_loadu_ps(s + g * BLOCK), og = _mm512_loadu_ps(o + g * BLOCK);
+            for (int i = 0; i < tile; ++i)
+                acc[i] = fold_group(acc[i], hi[i], lo[i], sg, og, a->d[(m0 + i) * groups + g],
+                                    a->sum[(m0 + i) * groups + g]);
         }
     }
-    for (int i = 0; i < tile; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
+    for (int i = 0; i < tile; ++i) _mm512_storeu_ps(out[i], acc[i]);
 }
 #elif defined(__AVX2__)
-static inline float hsum256(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
+/* 8 rows' dots of 4 inputs: codes (u8, < 16) times activation codes (s8), as int32 */
+static inline __m256i dot4(__m256i w, int32_t x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x)), _mm256_set1_epi16(1));
 }
 
-/* 8 int32 partial sums of group g: codes (u8) times activation codes (s8) */
-static inline __m256i group_dot256(const uint8_t *w, int bits, int64_t g, const int8_t *xq) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    if (bits == 4) {
-        __m256i raw = _mm256_loadu_si256((const __m256i *)(w + (g / 2) * GROUP));
-        __m256i codes = _mm256_and_si256(g % 2 ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0x0f));
-        __m256i x = _mm256_loadu_si256((const __m256i *)(xq + g * GROUP));
-        return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), ones); /* 15 * 127 * 2 fits int16 */
-    }
-    const uint8_t *c = w + g * GROUP;
-    const int8_t *x = xq + g * GROUP;
-    __m256i lo = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)c)),
-                                   _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x)));
-    __m256i hi = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(c + 16))),
-                                   _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + 16))));
-    return _mm256_add_epi32(lo, hi);
+static inline __m256 fold_group(__m256 acc, __m256i hi, __m256i lo, __m256 s, __m256 o, float d, float sum) {
+    __m256i dot = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(hi, 7), hi), lo);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, _mm256_set1_ps(d)), acc);
+    return _mm256_fmadd_ps(o, _mm256_set1_ps(sum), acc);
 }
 
-static inline __attribute__((always_inline)) void row_dots_simd(const uint8_t *w, int bits, const float *s,
-                                                                 const acts_t *a, int64_t m0, int tile,
-                                                                 float *out) {
+/* Half h (rows 8h..8h+7) of a block. 4-bit codes fit vpmaddubsw's int16 pairs (15 * 127 * 2); 8-bit
+ * codes are split into their two nibbles (q = 16 high + low), each dot taken as for 4 bits. */
+static inline __attribute__((always_inline)) void half_dots(const uint8_t *block, int bits, const float *s,
+                                                             const float *o, const acts_t *a, int64_t m0, int tile,
+                                                             int h, float out[][BLOCK]) {
+    const int64_t kp = a->kp, groups = a->groups;
+    const __m256i nibble = _mm256_set1_epi8(0x0f);
     __m256 acc[TILE];
     for (int i = 0; i < tile; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < a->groups; ++g) {
-        for (int i = 0; i < tile; ++i) {
-            __m256i hi = group_dot256(w, bits, g, a->q + (m0 + i) * a->kp);
-            __m256i lo = group_dot256(w, bits, g, a->q2 + (m0 + i) * a->kp);
-            __m256i dot = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(hi, 7), hi), lo); /* 127 hi + lo */
-            __m256 scale = _mm256_set1_ps(s[g] * a->d[(m0 + i) * a->groups + g]);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i]);
+    for (int64_t g = 0; g < groups; ++g) {
+        __m256i hi[TILE], lo[TILE];
+        for (int i = 0; i < tile; ++i) hi[i] = lo[i] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+            const int64_t at = g * GROUP + 4 * j;
+            if (bits == 4) {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(block + ((g / 2) * 8 + j) * STEP_BYTES + h * 32));
+                __m256i w = _mm256_and_si256(g % 2 ? _mm256_srli_epi16(raw, 4) : raw, nibble);
+                for (int i = 0; i < tile; ++i) {
+                    hi[i] = _mm256_add_epi32(hi[i], dot4(w, x4(a->q1, kp, m0 + i, at)));
+                    lo[i] = _mm256_add_epi32(lo[i], dot4(w, x4(a->q2, kp, m0 + i, at)));
+                }
+            } else {
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(block + (g * 8 + j) * STEP_BYTES + h * 32));
+                __m256i wl = _mm256_and_si256(raw, nibble), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+                for (int i = 0; i < tile; ++i) {
+                    const int32_t x1 = x4(a->q1, kp, m0 + i, at), x2 = x4(a->q2, kp, m0 + i, at);
+                    hi[i] = _mm256_add_epi32(hi[i], _mm256_add_epi32(_mm256_slli_epi32(dot4(wh, x1), 4), dot4(wl, x1)));
+                    lo[i] = _mm256_add_epi32(lo[i], _mm256_add_epi32(_mm256_slli_epi32(dot4(wh, x2), 4), dot4(wl, x2)));
+                }
+            }
         }
+        const __m256 sg = _mm256_loadu_ps(s + g * BLOCK + h * 8), og = _mm256_loadu_ps(o + g * BLOCK + h * 8);
+        for (int i = 0; i < tile; ++i)
+            acc[i] = fold_group(acc[i], hi[i], lo[i], sg, og, a->d[(m0 + i) * groups + g], a->sum[(m0 + i) * groups + g]);
     }
-    for (int i = 0; i < tile; ++i) out[i] = hsum256(acc[i]);
+    for (int i = 0; i < tile; ++i) _mm256_storeu_ps(out[i] + h * 8, acc[i]);
+}
+
+static inline __attribute__((always_inline)) void block_dots_simd(const uint8_t *block, int bits, const float *s,
+                                                                   const float *o, const acts_t *a, int64_t m0,
+                                                                   int tile, float out[][BLOCK]) {
+    half_dots(block, bits, s, o, a, m0, tile, 0, out);
+    half_dots(block, bits, s, o, a, m0, tile, 1, out);
 }
 #else
-#define row_dots_simd row_dots_generic
+#define block_dots_simd block_dots_generic
 #endif
 
 static inline void store_y(void *y, int dtype, int64_t index, float v) {
@@ -238,47 +285,47 @@ static inline void store_y(void *y, int dtype, int64_t index, float v) {
         ((float *)y)[index] = v;
 }
 
-/* one weight row n against every activation row, `tile` rows at a time (tile a compile-time constant) */
-static inline __attribute__((always_inline)) void weight_row(const uint8_t *codes, int bits, const float *scale,
-                                                              const float *offset, float zero_point,
-                                                              const float *bias, const acts_t *a, int64_t m,
-                                                              int64_t n, int64_t n_total, void *y, int y_dtype,
-                                                              int tile, int reference) {
-    const int64_t row_bytes = bits == 4 ? a->kp / 2 : a->kp;
-    const uint8_t *w = codes + n * row_bytes;
-    const float *s = scale + n * a->groups, *o = offset ? offset + n * a->groups : NULL;
-    float dots[TILE];
-    for (int64_t m0 = 0; m0 < m; m0 += tile) {
+/* block b's outputs for every activation row: TILE rows at a time, then 2, then 1 (each a compile-time
+ * constant, so that the SIMD loop keeps its accumulators in registers) */
+static void block_outputs(const uint8_t *codes, int bits, const float *scale, const float *offset, const float *bias,
+                          const acts_t *a, int64_t m, int64_t b, int64_t n, void *y, int y_dtype, int reference) {
+    const int64_t block_bytes = (bits == 4 ? a->kp / 2 : a->kp) * BLOCK;
+    const int64_t rows = n - b * BLOCK < BLOCK ? n - b * BLOCK : BLOCK;
+    const uint8_t *block = codes + b * block_bytes;
+    const float *s = scale + b * a->groups * BLOCK, *o = offset + b * a->groups * BLOCK;
+    float out[TILE][BLOCK];
+    for (int64_t m0 = 0; m0 < m;) {
+        const int tile = m - m0 >= TILE ? TILE : (m - m0 >= 2 ? 2 : 1);
         if (reference)
-            row_dots_generic(w, bits, s, a, m0, tile, dots);
+            block_dots_generic(block, bits, s, o, a, m0, tile, out);
+        else if (tile == TILE)
+            block_dots_simd(block, bits, s, o, a, m0, TILE, out);
+        else if (tile == 2)
+            block_dots_simd(block, bits, s, o, a, m0, 2, out);
         else
-            row_dots_simd(w, bits, s, a, m0, tile, dots);
-        for (int i = 0; i < tile && m0 + i < m; ++i) {
-            float v = dots[i] + offset_term(s, o, zero_point, a->sum + (m0 + i) * a->groups, a->groups);
-            store_y(y, y_dtype, (m0 + i) * n_total + n, bias ? v + bias[n] : v);
-        }
+            block_dots_simd(block, bits, s, o, a, m0, 1, out);
+        for (int i = 0; i < tile; ++i)
+            for (int64_t r = 0; r < rows; ++r)
+                store_y(y, y_dtype, (m0 + i) * n + b * BLOCK + r, out[i][r] + (bias ? bias[b * BLOCK + r] : 0.f));
+        m0 += tile;
     }
 }
 
 static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
-                         int64_t n, int64_t kp, const float *scale, const float *offset, float zero_point,
-                         const float *bias, void *y, int y_dtype, int reference) {
-    if ((m > 0 && (!x || !y)) || !codes || !scale || m < 0 || k <= 0 || n <= 0 || kp < k || kp % PAIR ||
-        (bits != 4 && bits != 8) || (x_dtype != DT_F32 && x_dtype != DT_BF16) ||
+                         int64_t n, int64_t kp, const float *scale, const float *offset, const float *bias, void *y,
+                         int y_dtype, int reference) {
+    if ((m > 0 && (!x || !y)) || !codes || !scale || !offset || m < 0 || k <= 0 || n <= 0 || kp < k ||
+        kp % PAIR || (bits != 4 && bits != 8) || (x_dtype != DT_F32 && x_dtype != DT_BF16) ||
         (y_dtype != DT_F32 && y_dtype != DT_BF16))
         return ERR_ARGS;
     if (m == 0) return OK;
     acts_t a;
     int status = quantize_acts(x, x_dtype, m, k, kp, &a);
     if (status == OK) {
-        const int tile = m >= TILE ? TILE : 1;
+        const int64_t blocks = (n + BLOCK - 1) / BLOCK;
 #pragma omp parallel for schedule(static)
-        for (int64_t row = 0; row < n; ++row) {
-            if (tile == TILE)
-                weight_row(codes, bits, scale, offset, zero_point, bias, &a, m, row, n, y, y_dtype, TILE, reference);
-            else
-                weight_row(codes, bits, scale, offset, zero_point, bias, &a, m, row, n, y, y_dtype, 1, reference);
-        }
+        for (int64_t b = 0; b < blocks; ++b)
+            block_outputs(codes, bits, scale, offset, bias, &a, m, b, n, y, y_dtype, reference);
     }
     free_acts(&a);
     return status;
@@ -286,14 +333,14 @@ static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const
 
 /* y = x @ W^T + bias with the fastest loop this build has; returns 0, or 1 (bad arguments), 2 (memory). */
 int core_packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
-                       int64_t n, int64_t kp, const float *scale, const float *offset, float zero_point,
-                       const float *bias, void *y, int y_dtype) {
-    return packed_linear(x, x_dtype, m, k, codes, bits, n, kp, scale, offset, zero_point, bias, y, y_dtype, 0);
+                       int64_t n, int64_t kp, const float *scale, const float *offset, const float *bias, void *y,
+                       int y_dtype) {
+    return packed_linear(x, x_dtype, m, k, codes, bits, n, kp, scale, offset, bias, y, y_dtype, 0);
 }
 
 /* The same with the plain C loop: the reference the SIMD loops are tested against. */
 int core_packed_linear_reference(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
-                                 int64_t n, int64_t kp, const float *scale, const float *offset, float zero_point,
-                                 const float *bias, void *y, int y_dtype) {
-    return packed_linear(x, x_dtype, m, k, codes, bits, n, kp, scale, offset, zero_point, bias, y, y_dtype, 1);
+                                 int64_t n, int64_t kp, const float *scale, const float *offset, const float *bias,
+                                 void *y, int y_dtype) {
+    return packed_linear(x, x_dtype, m, k, codes, bits, n, kp, scale, offset, bias, y, y_dtype, 1);
 }
