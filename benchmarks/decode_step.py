@@ -1,6 +1,6 @@
 """Where one decode step of the pytorch backend goes: its phases timed, and its torch ops counted.
 
-    python benchmarks/decode_step.py [--batch 1 64] [--dtype bfloat16] [--steps 40] [--profile]
+    python benchmarks/decode_step.py [--batch 1 64] [--dtype auto] [--steps 40] [--profile]
 
 Runs the engine loop's step by hand (scheduler -> ModelRunner.prepare -> execute -> SamplingBatch +
 sample -> scheduler.update) on the default model, greedy, after a 128-token prompt per sequence, on the
@@ -29,9 +29,10 @@ def build(dtype: str, max_seqs: int):
     ops = select_ops("cpu")
     loaded = load_checkpoint(default_model_path(), dtype=dtype, ops=ops)
     block_size = 16
-    blocks = kv_cache_blocks(loaded.model, block_size, loaded.dtype, torch.device("cpu"), 1.0, 0.9)
+    kv_dtype = loaded.kv_cache_dtype or loaded.dtype
+    blocks = kv_cache_blocks(loaded.model, block_size, kv_dtype, torch.device("cpu"), 1.0, 0.9)
     runner = ModelRunner(loaded.model, block_size=block_size, num_blocks=blocks, device=torch.device("cpu"),
-                         dtype=loaded.dtype)
+                         dtype=loaded.dtype, kv_cache_dtype=kv_dtype)
     scheduler = Scheduler(BlockManager(blocks, block_size, False), max_num_seqs=max_seqs,
                           max_num_batched_tokens=8192)
     return runner, scheduler
@@ -122,7 +123,8 @@ def _nested_count(prof) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="the model's dtype (default: what the server runs, load_checkpoint's auto)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--stub-matmuls", action="store_true", help="time all but the matmuls")
@@ -134,7 +136,7 @@ def main() -> None:
     vocab = runner.model.config.vocab_size
     if args.stub_matmuls:
         stub_matmuls(runner.model)
-    print(f"# decode step, {args.dtype}{', matmuls stubbed' if args.stub_matmuls else ''}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+    print(f"# decode step, {runner.dtype} (KV cache {runner.kv_cache_dtype}){', matmuls stubbed' if args.stub_matmuls else ''}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
     for batch in args.batch:
         start(runner, scheduler, batch, vocab)

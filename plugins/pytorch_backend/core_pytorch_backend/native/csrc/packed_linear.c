@@ -74,34 +74,103 @@ static inline float load_x(const void *x, int dtype, int64_t index) {
     return dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)x)[index]) : ((const float *)x)[index];
 }
 
-static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, acts_t *a) {
+/* one group's codes, scale and sum from its 32 floats (plain C: the reference, and a partial last group) */
+static void quantize_group_generic(const float *buf, int8_t *q1, int8_t *q2, float *d_out, float *sum_out) {
+    float amax = 0.f;
+    for (int j = 0; j < GROUP; ++j) {
+        float v = fabsf(buf[j]);
+        amax = v > amax ? v : amax;
+    }
+    const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    float total = 0.f;
+    for (int j = 0; j < GROUP; ++j) {
+        int v = (int)lrintf(buf[j] * inv);
+        v = v > 127 ? 127 : (v < -127 ? -127 : v);
+        int rest = (int)lrintf((buf[j] - d * (float)v) * inv * 127.f); /* |rest| <= 64 */
+        rest = rest > 127 ? 127 : (rest < -127 ? -127 : rest);
+        q1[j] = (int8_t)v;
+        q2[j] = (int8_t)rest;
+        total += buf[j];
+    }
+    *d_out = d / 127.f;
+    *sum_out = total;
+}
+
+#if defined(__AVX2__)
+static inline __m256 load8(const void *x, int dtype, int64_t index) {
+    if (dtype == DT_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + index))), 16));
+    return _mm256_loadu_ps((const float *)x + index);
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+/* 4 x 8 int32 (each within +-127) -> 32 int8 in order */
+static inline void store_codes(int8_t *out, const __m256i v[4]) {
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)out, bytes);
+}
+
+/* The same as quantize_group_generic (the same rounding of the same products: codes equal), 8 lanes at
+ * a time; only the group's sum is added up in another order. */
+static void quantize_group_simd(const void *x, int dtype, int64_t index, int8_t *q1, int8_t *q2, float *d_out,
+                                float *sum_out) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+        v[i] = load8(x, dtype, index + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
+    }
+    const float a = hmax8(amax), d = a / 127.f, inv_s = a > 0.f ? 127.f / a : 0.f;
+    const __m256 inv = _mm256_set1_ps(inv_s), dv = _mm256_set1_ps(d), k127 = _mm256_set1_ps(127.f);
+    __m256i c1[4], c2[4];
+    for (int i = 0; i < 4; ++i) {
+        __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)); /* round to nearest even, as lrintf */
+        q = _mm256_max_epi32(_mm256_min_epi32(q, top), bottom);
+        __m256 rest = _mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(v[i], _mm256_mul_ps(dv, _mm256_cvtepi32_ps(q))), inv), k127);
+        c1[i] = q;
+        c2[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(rest), top), bottom);
+    }
+    store_codes(q1, c1);
+    store_codes(q2, c2);
+    *d_out = d / 127.f;
+    *sum_out = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+}
+#endif
+
+static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, acts_t *a, int reference) {
     float buf[GROUP];
     int8_t *q1 = a->q1 + row * a->kp, *q2 = a->q2 + row * a->kp;
+    float *d = a->d + row * a->groups, *sum = a->sum + row * a->groups;
     for (int64_t g = 0; g < a->groups; ++g) {
-        float amax = 0.f;
+#if defined(__AVX2__)
+        if (!reference && (g + 1) * GROUP <= k) {
+            quantize_group_simd(x, dtype, row * k + g * GROUP, q1 + g * GROUP, q2 + g * GROUP, d + g, sum + g);
+            continue;
+        }
+#endif
         for (int j = 0; j < GROUP; ++j) {
             int64_t col = g * GROUP + j;
             buf[j] = col < k ? load_x(x, dtype, row * k + col) : 0.f;
-            float v = fabsf(buf[j]);
-            amax = v > amax ? v : amax;
         }
-        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        float total = 0.f;
-        for (int j = 0; j < GROUP; ++j) {
-            int v = (int)lrintf(buf[j] * inv);
-            v = v > 127 ? 127 : (v < -127 ? -127 : v);
-            int rest = (int)lrintf((buf[j] - d * (float)v) * inv * 127.f); /* |rest| <= 64 */
-            rest = rest > 127 ? 127 : (rest < -127 ? -127 : rest);
-            q1[g * GROUP + j] = (int8_t)v;
-            q2[g * GROUP + j] = (int8_t)rest;
-            total += buf[j];
-        }
-        a->d[row * a->groups + g] = d / 127.f;
-        a->sum[row * a->groups + g] = total;
+        quantize_group_generic(buf, q1 + g * GROUP, q2 + g * GROUP, d + g, sum + g);
     }
 }
 
-static int quantize_acts(const void *x, int dtype, int64_t m, int64_t k, int64_t kp, acts_t *a) {
+static int quantize_acts(const void *x, int dtype, int64_t m, int64_t k, int64_t kp, acts_t *a, int reference) {
     a->kp = kp;
     a->groups = kp / GROUP;
     a->q1 = malloc((size_t)(m * kp));
@@ -110,7 +179,7 @@ static int quantize_acts(const void *x, int dtype, int64_t m, int64_t k, int64_t
     a->sum = malloc((size_t)(m * a->groups) * sizeof(float));
     if (!a->q1 || !a->q2 || !a->d || !a->sum) return ERR_MEMORY;
 #pragma omp parallel for schedule(static) if (m * k > 65536)
-    for (int64_t row = 0; row < m; ++row) quantize_row(x, dtype, row, k, a);
+    for (int64_t row = 0; row < m; ++row) quantize_row(x, dtype, row, k, a, reference);
     return OK;
 }
 
@@ -121,11 +190,12 @@ static void free_acts(acts_t *a) {
     free(a->sum);
 }
 
-/* the activation codes at input `at` of row `row`, 4 bytes as one int32 */
+/* the activation codes at input `at` of row `row`, 4 bytes as one int32 (read in place, so that the
+ * compiler can fold it into the multiply-add as a broadcast memory operand) */
+typedef int32_t __attribute__((may_alias, aligned(1))) int32_unaligned;
+
 static inline int32_t x4(const int8_t *q, int64_t kp, int64_t row, int64_t at) {
-    int32_t v;
-    memcpy(&v, q + row * kp + at, 4);
-    return v;
+    return *(const int32_unaligned *)(q + row * kp + at);
 }
 
 /* The code of block row r at input `col` (plain C). */
@@ -320,7 +390,7 @@ static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const
         return ERR_ARGS;
     if (m == 0) return OK;
     acts_t a;
-    int status = quantize_acts(x, x_dtype, m, k, kp, &a);
+    int status = quantize_acts(x, x_dtype, m, k, kp, &a, reference);
     if (status == OK) {
         const int64_t blocks = (n + BLOCK - 1) / BLOCK;
 #pragma omp parallel for schedule(static)
