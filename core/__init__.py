@@ -1,6 +1,6 @@
 """core: a pluggable LLM-serving framework.
 
-Public API: `pipeline()`, `Pipeline`, `AsyncEngine`, `GenerationConfig`, `EngineConfig`. Importing core
+Public API: `pipeline()`, `Pipeline`, `AsyncEngine`, `GenerationConfig`, `EngineConfig`, `StructuredOutput`. Importing core
 is cheap: it never imports torch; backends load lazily through plugins.
 """
 
@@ -9,10 +9,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["AsyncEngine", "EngineConfig", "GenerationConfig", "Pipeline", "hookimpl", "pipeline", "__version__"]
+__all__ = ["AsyncEngine", "EngineConfig", "GenerationConfig", "Pipeline", "StructuredOutput", "hookimpl", "pipeline",
+           "__version__"]
 
 from core.config import EngineConfig, GenerationConfig
 from core.hookspecs import hookimpl
+from core.structured_output import StructuredOutput
 
 if TYPE_CHECKING:
     from core.engine import AsyncEngine

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from core.config import GenerationConfig
+from core.errors import UnsupportedError
+from core.pooling import PoolingConfig
 
 WAKE_TAGS = frozenset({"weights", "kv_cache"})
 
@@ -76,6 +78,8 @@ class GenerateRequest:
         config.min_new_tokens.
     :param max_new_tokens: already resolved against the context window.
     :param multimodal: opaque inputs a vision processor prepared (embeddings, placeholder ranges).
+    :param constraint: the compiled `config.structured_output` (a core.structured_output.Constraint),
+        or None; each choice takes its own matcher from it.
     """
 
     session_id: str
@@ -84,6 +88,7 @@ class GenerateRequest:
     max_new_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
     multimodal: Any = None
+    constraint: Any = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +156,19 @@ class Backend(ABC):
     #: Whether the backend returns prompt logprobs (BackendOutput.prompt_logprobs); the engine refuses
     #: requests asking for them with a 400 otherwise.
     supports_prompt_logprobs: bool = False
+    #: Whether the backend applies `GenerateRequest.constraint` (structured output); the engine refuses
+    #: constrained requests with a 400 otherwise.
+    supports_structured_output: bool = False
+    #: Whether the backend generates text. An encoder-only model's does not (it only pools): the engine
+    #: refuses generation requests with a 400.
+    supports_generation: bool = True
+    #: How the model pools hidden states into embeddings (core.pooling), or None: it serves none.
+    pooling: PoolingConfig | None = None
+
+    async def embed(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
+        """One pooled vector per prompt (token ids, each within the context window), as `pooling` says,
+        not truncated. The default refuses: a backend that sets `pooling` overrides it."""
+        raise UnsupportedError(f"the {type(self).__name__} backend does not compute embeddings")
 
     @abstractmethod
     def generate(self, request: GenerateRequest) -> AsyncIterator[BackendOutput]:

@@ -1,23 +1,16 @@
-"""How messages become a prompt: the ChatTemplate contract and how the engine picks one.
+"""How messages become a prompt: the ChatTemplate contract and the checks on messages and tools.
 
 Templates come from plugins (the templates plugin renders Hugging Face Jinja templates and ships named
-built-ins). The core only chooses, in this order: the template the user named (a registered name or a
-file), the model's own template, a built-in registered for the model's architecture. It never guesses
-by import order.
+built-ins); which one serves a model is core.resolve's question (`resolve_chat_template`).
 """
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from core.errors import InvalidRequestError, PluginError
-
-if TYPE_CHECKING:
-    from core.backend import ModelInfo, Tokenizer
-    from core.plugins import PluginHost
+from core.errors import InvalidRequestError
 
 Message = Mapping[str, Any]
 
@@ -33,6 +26,9 @@ class ChatTemplate(ABC):
     #: How the template reads `content` (core.content_format): "string" (text parts are joined before
     #: rendering) or "openai" (content is passed as the client sent it: a string or a list of parts).
     content_format: str = "openai"
+    #: The template text this template renders (e.g. Jinja source), or None: parsers are chosen by
+    #: markers in it (core.resolve.automatic_entry).
+    source: str | None = None
 
     @abstractmethod
     def render(
@@ -70,7 +66,7 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
 def _check_content(content: Any, where: str) -> None:
     """Content is a string, null (an assistant turn of tool calls) or a list of parts, each an object with
     a string `type` (a text part with a string `text`); what a part of another type holds is checked by
-    whoever reads it (images: core.multimodal)."""
+    whoever reads it (images: core.media)."""
     if content is None or isinstance(content, str):
         return
     if not isinstance(content, (list, tuple)):
@@ -107,33 +103,3 @@ def _validate_tool(tool: Any, where: str) -> dict[str, Any]:
         if function.get(key) is not None and not isinstance(function[key], kind):
             raise InvalidRequestError(f"{where}.function.{key} must be {expected}", param=f"{where}.function.{key}")
     return dict(tool)
-
-
-def resolve_chat_template(
-    plugins: PluginHost, requested: str | None, model: ModelInfo, tokenizer: Tokenizer | None
-) -> ChatTemplate | None:
-    """The template to use: the user's choice, else the model's own, else an architecture built-in."""
-    if requested:
-        if os.path.isfile(requested):
-            with open(requested, encoding="utf-8") as f:
-                return _from_source(plugins, f.read(), tokenizer, requested)
-        try:
-            return plugins.chat_templates.get(requested).load()(tokenizer)
-        except LookupError as exc:
-            raise PluginError(f"--chat-template {requested!r} is neither a file nor a registered template: {exc}") from exc
-    if model.chat_template:
-        return _from_source(plugins, model.chat_template, tokenizer, f"{model.name}'s own template")
-    for entry in plugins.chat_templates:
-        if model.architecture in entry.meta.get("architectures", ()):
-            return entry.load()(tokenizer)
-    return None
-
-
-def _from_source(plugins: PluginHost, source: str, tokenizer: Tokenizer | None, what: str) -> ChatTemplate:
-    template = plugins.hook.core_make_chat_template(source=source, tokenizer=tokenizer)
-    if template is None:
-        raise PluginError(
-            f"no installed plugin can render {what}; install the templates plugin "
-            "(pip install ./plugins/templates) or pass --chat-template NAME"
-        )
-    return template

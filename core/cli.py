@@ -14,83 +14,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from core import __version__
-from core.config import QUANTIZATIONS
-from core.content_format import CONTENT_FORMATS
+from core.cli_options import add_engine_arguments, add_media_arguments, engine_config
 from core.errors import CoreError, PluginError
-
-ENGINE_FLAGS = ("backend", "dtype", "quantization", "device", "max_model_len", "block_size", "kv_cache_memory_gib",
-                "max_num_seqs", "max_num_batched_tokens", "chat_template", "served_model_name", "seed",
-                "allow_special_tokens_in_content", "chat_template_content_format")
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by every command that builds an engine."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--backend", help="backend name (see `core plugins`); default: best available")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
-                   help="auto: a GGUF file's quantized weights stay packed (CPU); none: dequantize them; "
-                        "int8 / int4: quantize a float checkpoint at load (CPU)")
-    g.add_argument("--device", help="cpu, cuda or cuda:N (default: the backend's choice)")
-    g.add_argument("--max-model-len", type=int, help="context window (default: the model's)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    g.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, metavar="GIB",
-                   help="KV-cache budget in GiB (default: a fraction of free GPU memory, or 1 GiB on CPU)")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
-    g.add_argument("--chat-template", help="a registered template name or a Jinja file")
-    g.add_argument("--chat-template-content-format", choices=list(CONTENT_FORMATS),
-                   help="how message content reaches the template: string (text parts joined with a newline), "
-                        "openai (a list of parts, as sent) or auto (detected from the template; the default)")
-    g.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                   help="the model names clients use: the first is reported in responses, all are accepted")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--allow-special-tokens-in-content", action="store_true", default=None,
-                   help="let control strings in message text (<|im_end|>, ...) become control tokens; by "
-                        "default they stay text, so a client cannot forge turns")
-
-
-def add_media_arguments(parser: argparse.ArgumentParser) -> None:
-    """Where request images may come from (vision-language models), and their limits."""
-    from core.multimodal import DOMAINS_FLAG, LOCAL_PATH_FLAG, MediaPolicy
-
-    g = parser.add_argument_group("images (vision-language models)")
-    g.add_argument(DOMAINS_FLAG, dest="allowed_media_domains", nargs="+", metavar="DOMAIN", default=[],
-                   help="domains (and their subdomains) that http(s) image URLs may name; default: none")
-    g.add_argument(LOCAL_PATH_FLAG, dest="allowed_local_media_path", metavar="DIR",
-                   help="allow local image files (paths, file:// URLs) under DIR; default: none")
-    g.add_argument("--max-images-per-request", type=int, default=MediaPolicy.max_images_per_request)
-    g.add_argument("--max-image-bytes", type=int, default=MediaPolicy.max_image_bytes,
-                   help="largest encoded image, in bytes")
-    g.add_argument("--max-image-pixels", type=int, default=MediaPolicy.max_image_pixels,
-                   help="largest decoded image, width x height")
-    g.add_argument("--media-fetch-timeout", dest="fetch_timeout_s", type=float,
-                   default=MediaPolicy.fetch_timeout_s, metavar="SECONDS", help="time limit of one image fetch")
-
-
-MEDIA_FLAGS = ("allowed_media_domains", "allowed_local_media_path", "max_images_per_request", "max_image_bytes",
-               "max_image_pixels", "fetch_timeout_s")
-
-
-def engine_config(args: argparse.Namespace) -> Any:
-    from core.config import EngineConfig
-    from core.multimodal import MediaPolicy
-
-    options = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name, None) is not None}
-    media = MediaPolicy(**{name: getattr(args, name) for name in MEDIA_FLAGS if hasattr(args, name)})
-    return EngineConfig(model=getattr(args, "model", None), enable_prefix_caching=not args.no_prefix_caching,
-                        enforce_eager=args.enforce_eager, media=media, **options)
-
 
 # -- plugins ---------------------------------------------------------------------------------------
 
 
 def plugins_report() -> dict[str, Any]:
     """Everything `core plugins` shows, as plain data."""
-    from core.backend_selection import backend_choices
     from core.plugins import get_plugins
+    from core.resolve import backend_choices
 
     host = get_plugins()
     report: dict[str, Any] = {
@@ -107,7 +40,8 @@ def plugins_report() -> dict[str, Any]:
     }
     for key, registry in (("model_architectures", host.model_architectures), ("chat_templates", host.chat_templates),
                           ("reasoning_parsers", host.reasoning_parsers), ("tool_call_parsers", host.tool_call_parsers),
-                          ("vision_processors", host.vision_processors), ("commands", host.commands)):
+                          ("vision_processors", host.vision_processors),
+                          ("structured_output_engines", host.structured_output_engines), ("commands", host.commands)):
         report[key] = [{"name": e.name, "plugin": e.plugin, **({"backend": e.scope} if e.scope else {})}
                        for e in registry]
     return report
@@ -128,7 +62,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         state = "available" if b["available"] else f"unavailable: {b['reason']}"
         print(f"  {b['name']} (priority {b['priority']}, from {b['plugin']}): {state}")
     for key in ("model_architectures", "chat_templates", "reasoning_parsers", "tool_call_parsers",
-                "vision_processors", "commands"):
+                "vision_processors", "structured_output_engines", "commands"):
         if report[key]:
             print(f"{key.replace('_', ' ')}: {', '.join(sorted({e['name'] for e in report[key]}))}")
     return 0
@@ -150,7 +84,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise SystemExit("core generate: give at most a model and one prompt (quote the prompt)")
     args.model, prompt = (args.words[0], args.words[1]) if len(args.words) == 2 else (None, args.words[0])
     with Pipeline.from_config(engine_config(args)) as pipe:
-        has_template = pipe.engine.preparer.template is not None
+        has_template = pipe.engine.chat_template is not None
         inputs: Any = [{"role": "user", "content": prompt}] if has_template and not args.raw else prompt
         print(pipe.infer(inputs, _generation_config(args)).text)
     return 0
@@ -198,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require this key (also read from CORE_API_KEY)")
+    p.add_argument("--no-web-ui", action="store_true", help="do not serve the chat page at / (see README)")
     p.add_argument("--reasoning-parser", metavar="NAME",
                    help="a registered reasoning parser, or 'none' (default: chosen by the model's architecture "
                         "and chat template when exactly one fits)")
@@ -235,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_plugins)
     from core.bench.commands import add_bench_parser  # light: httpx and torch load only when a bench runs
 
-    add_bench_parser(sub, add_engine_arguments)
+    add_bench_parser(sub)
     _add_plugin_commands(sub)
     return parser
 

@@ -14,7 +14,8 @@ from typing import Any
 
 from core.content_format import AUTO, check_content_format
 from core.errors import InvalidRequestError
-from core.multimodal import MediaPolicy
+from core.media import MediaPolicy
+from core.structured_output import StructuredOutput
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TOP_LOGPROBS = 20
@@ -71,6 +72,8 @@ class GenerationConfig:
     (see `with_defaults`). temperature 0 means greedy. max_new_tokens None means "until the context
     window is full". prompt_logprobs k (None: off) asks for the logprob of every prompt token and its k
     likeliest alternatives (the backend must support it; such a request does not read the prefix cache).
+    structured_output constrains the output (a JSON schema, regex, choice or grammar; see
+    core.structured_output); logprobs still report the model's own distribution, before the constraint.
     """
 
     n: int = 1
@@ -93,6 +96,7 @@ class GenerationConfig:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         self._normalise_sequences()
@@ -162,6 +166,8 @@ class GenerationConfig:
             _check_bool(name, getattr(self, name))
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=True", param="top_logprobs")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise _fail("structured_output", self.structured_output, "a core.StructuredOutput")
 
     @property
     def is_greedy(self) -> bool:
@@ -199,9 +205,10 @@ class EngineConfig:
     :param model: a Hugging Face folder or a .gguf file; None serves the backend's default model.
     :param quantization: one of QUANTIZATIONS: how the backend keeps the weights.
     :param backend: a registered backend name; None picks the best available one by priority.
-    :param kv_cache_memory_gib: absolute KV-cache budget; None uses kv_cache_memory_fraction on GPUs
-        and a fixed default on the CPU.
-    :param backend_options: options only a particular backend understands (documented by it).
+    :param kv_cache_memory_gib: absolute KV-cache budget; None lets the backend choose (the pytorch
+        backend: a fraction of free GPU memory, a fixed default on the CPU).
+    :param backend_options: options only a particular backend understands, validated and documented by
+        it (the pytorch backend's GPU knobs: ``enforce_eager``, ``kv_cache_memory_fraction``).
     :param media: where request images may come from and how large they may be (vision models).
     :param allow_special_tokens_in_content: let control strings in message text (``<|im_end|>``)
         become control tokens; off by default, so a client cannot forge turns (core.special_tokens).
@@ -210,6 +217,8 @@ class EngineConfig:
         `served_model_aliases`).
     :param chat_template_content_format: how message content reaches the template (core.content_format):
         "auto" (detected from the template), "string" or "openai".
+    :param structured_output_engine: a registered structured-output engine; None: the one of highest
+        priority (xgrammar, from the pytorch backend plugin).
     """
 
     model: str | None = None
@@ -220,19 +229,17 @@ class EngineConfig:
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory_gib: float | None = None
-    kv_cache_memory_fraction: float = 0.85
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     chat_template: str | None = None
     served_model_name: str | None = None
     served_model_aliases: tuple[str, ...] = ()
-    seed: int = 0
-    enforce_eager: bool = False
     backend_options: Mapping[str, Any] = field(default_factory=dict)
     media: MediaPolicy = field(default_factory=MediaPolicy)
     allow_special_tokens_in_content: bool = False
     chat_template_content_format: str = AUTO
+    structured_output_engine: str | None = None
 
     def __post_init__(self) -> None:
         self._normalise_names()
@@ -246,14 +253,14 @@ class EngineConfig:
         _check_int("block_size", self.block_size, 1, 1024)
         if self.kv_cache_memory_gib is not None:
             _check_float("kv_cache_memory_gib", self.kv_cache_memory_gib, 0.0, 1e6, low_open=True)
-        _check_float("kv_cache_memory_fraction", self.kv_cache_memory_fraction, 0.0, 1.0, low_open=True)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
-        _check_bool("enforce_eager", self.enforce_eager)
+        if not isinstance(self.backend_options, Mapping) or not all(isinstance(k, str) for k in self.backend_options):
+            raise _fail("backend_options", self.backend_options, "a mapping of option names to values")
         _check_bool("allow_special_tokens_in_content", self.allow_special_tokens_in_content)
         if not isinstance(self.media, MediaPolicy):
-            raise _fail("media", self.media, "a core.multimodal.MediaPolicy")
+            raise _fail("media", self.media, "a core.media.MediaPolicy")
 
     def _normalise_names(self) -> None:
         names, aliases = self.served_model_name, self.served_model_aliases

@@ -71,16 +71,17 @@ def core_register_chat_templates(register: Register) -> None:
 
     :param register: ``register(name, factory, *, architectures=())``: ``factory(tokenizer) ->
         ChatTemplate``. ``architectures`` lists the model architectures that use this template when
-        the checkpoint ships none.
+        the checkpoint ships none (when several templates list the model's, none is chosen).
     :returns: nothing.
     """
 
 
-@hookspec(firstresult=True)
+@hookspec
 def core_make_chat_template(source: str, tokenizer: Tokenizer | None) -> ChatTemplate | None:
     """Build a ChatTemplate from template source text (a model's own Jinja template or a file).
 
-    firstresult: the first non-None answer is used.
+    Every implementation is asked (core.resolve): exactly one may answer; several answers are an error
+    naming the plugins (keep one with CORE_PLUGINS), never a matter of call order.
 
     :param source: the template text.
     :param tokenizer: the model's tokenizer (for bos/eos tokens), or None.
@@ -107,6 +108,23 @@ def core_register_tool_call_parsers(register: Register) -> None:
     :param register: ``register(name, factory, *, architectures=(), chat_template_contains=())``:
         ``factory(tokenizer) -> ToolCallParser``; chosen automatically like reasoning parsers (see
         ``core_register_reasoning_parsers``), and then used only for requests that send tools.
+    :returns: nothing.
+    """
+
+
+# ---------------------------------------------------------------------------------------------------
+# Structured output
+# ---------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def core_register_structured_output_engines(register: Register) -> None:
+    """Register grammar engines that constrain generation (JSON schema, regex, choice, grammar).
+
+    :param register: ``register(name, factory, *, priority=0, description="")``: ``factory(tokenizer,
+        vocab_size) -> core.structured_output.StructuredOutputEngine`` (or a "module:attr" string naming
+        it; it may import its engine then, never at registration). Without ``--structured-output-engine``,
+        the engine with the highest ``priority`` serves (none when several share it).
     :returns: nothing.
     """
 
@@ -146,6 +164,7 @@ def core_register_commands(register: Register) -> None:
 # Options each registration hook's ``register`` accepts beyond ``override``; the scope key (if any)
 # namespaces names, so two backends may both implement "LlamaForCausalLM".
 _PARSER_OPTIONS = frozenset({"architectures", "chat_template_contains"})
+_ENGINE_OPTIONS = frozenset({"priority", "description"})
 REGISTRATION_HOOKS: dict[str, tuple[str, frozenset[str], str]] = {
     # hook name: (kind, allowed options, scope option)
     "core_register_backends": ("backend", frozenset({"priority", "available", "description"}), ""),
@@ -154,6 +173,7 @@ REGISTRATION_HOOKS: dict[str, tuple[str, frozenset[str], str]] = {
     "core_register_reasoning_parsers": ("reasoning parser", _PARSER_OPTIONS, ""),
     "core_register_tool_call_parsers": ("tool-call parser", _PARSER_OPTIONS, ""),
     "core_register_vision_processors": ("vision processor", frozenset(), ""),
+    "core_register_structured_output_engines": ("structured-output engine", _ENGINE_OPTIONS, ""),
     "core_register_commands": ("command", frozenset({"help", "configure"}), ""),
 }
 

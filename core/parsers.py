@@ -19,24 +19,19 @@ the tool-call parser. The deltas map onto the wire formats without further parsi
 
 Parsers never raise on malformed model output: what they cannot parse is returned as plain content.
 
-`parser_entry` picks the parser a server uses: the name given, none for "none", or the automatic choice
-by the model's architecture and chat template (`automatic_entry`).
+Which parser a server uses is core.resolve's question (`parser_entry`): the name given, none for "none",
+or the automatic choice by the model's architecture and chat template.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from core.errors import PluginError
-from core.registry import Entry, Registry
-
-log = logging.getLogger(__name__)
 Tool = Mapping[str, Any]
 _Parser = TypeVar("_Parser", bound="_ResponseParser")
 
@@ -121,16 +116,6 @@ def new_tool_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def collect_tool_calls(deltas: Sequence[ToolCallDelta]) -> ParsedToolCalls:
-    """Join streamed deltas into the response they describe (tests, non-streaming fallbacks)."""
-    content = "".join(d.content for d in deltas)
-    calls: dict[int, list[str]] = {}
-    for fragment in (f for d in deltas for f in d.tool_calls):
-        call = calls.setdefault(fragment.index, [fragment.id or "", fragment.name or "", ""])
-        call[2] += fragment.arguments
-    return ParsedToolCalls(content, tuple(ToolCall(*calls[i]) for i in sorted(calls)))
-
-
 class _ResponseParser:
     """State every parser shares: the tokenizer and the request context."""
 
@@ -160,8 +145,25 @@ class ReasoningParser(_ResponseParser, ABC):
         """Whatever is still held back, once the response has ended."""
 
 
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How a parser reads one call, so that a forced call (tool_choice "required" or a named function)
+    can be generated under a constraint: the text `begin`, a JSON object ``{"name": ..., ARGUMENTS_KEY:
+    {...}}``, then the text `end`."""
+
+    begin: str = ""
+    end: str = ""
+    arguments_key: str = "arguments"
+
+
 class ToolCallParser(_ResponseParser, ABC):
-    """Finds tool calls in one response (after reasoning was split off)."""
+    """Finds tool calls in one response (after reasoning was split off).
+
+    ``call_format`` says how one call is written (None: a format no JSON constraint can produce, so
+    forced tool calls are refused with a 400).
+    """
+
+    call_format: ToolCallFormat | None = None
 
     @abstractmethod
     def parse(self, text: str, tools: Sequence[Tool] | None = None) -> ParsedToolCalls:
@@ -174,45 +176,3 @@ class ToolCallParser(_ResponseParser, ABC):
     @abstractmethod
     def flush(self) -> ToolCallDelta:
         """Whatever is still held back, once the response has ended."""
-
-
-# -- choosing a parser -------------------------------------------------------------------------------
-
-#: The flag value that turns a parser off (no automatic choice either).
-NO_PARSER = "none"
-
-
-def parser_entry(registry: Registry, requested: str | None, flag: str, architecture: str,
-                 template_source: str | None) -> Entry | None:
-    """The registered parser to use: the one `requested` names, none for "none", else the automatic choice.
-
-    :raises PluginError: when `requested` names no registered parser (the message lists the registered ones).
-    """
-    if requested == NO_PARSER:
-        return None
-    if requested:
-        entry = registry.find(requested)
-        if entry is None:
-            known = ", ".join(registry.names()) or "none registered; install the templates plugin"
-            raise PluginError(f"{flag} {requested!r} is not a registered {registry.kind}; choose one of: "
-                              f"{known} (or {NO_PARSER!r} to turn it off)")
-        return entry
-    return automatic_entry(registry, architecture, template_source)
-
-
-def automatic_entry(registry: Registry, architecture: str, template_source: str | None) -> Entry | None:
-    """The one parser registered for `architecture` whose template markers all occur in the chat template.
-
-    A registration's ``architectures`` option lists the model architectures it fits; its optional
-    ``chat_template_contains`` lists text that must appear in the chat template (several model families
-    share an architecture; the template tells them apart). No match, or more than one, means no parser:
-    the choice is automatic only when it is unambiguous.
-    """
-    source = template_source or ""
-    matches = [entry for entry in registry
-               if architecture in entry.meta.get("architectures", ())
-               and all(marker in source for marker in entry.meta.get("chat_template_contains", ()))]
-    if len(matches) > 1:
-        log.warning("several %ss fit %s (%s): none is chosen automatically; name one with a flag",
-                    registry.kind, architecture, ", ".join(e.name for e in matches))
-    return matches[0] if len(matches) == 1 else None

@@ -8,21 +8,21 @@ recorded only when it finished normally.
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from core.channel import ThreadChannel
 from core.config import EngineConfig, GenerationConfig
 from core.engine import AsyncEngine
 from core.errors import CoreError, EngineUnavailableError
-from core.multimodal import image_prompt_messages
+from core.media import image_prompt_messages
 from core.request import RequestOutput, reject_removed_keywords
 from core.response import Response
+from core.stream import merge
 
 T = TypeVar("T")
-_DONE = object()
 FAILED_FINISH_REASONS = ("abort", "error")
 DROPPED_MESSAGE = ("the engine was stopped (stop_all, sleep or an abort) before this request started; "
                    "nothing was generated: send it again once the engine is awake")
@@ -46,32 +46,28 @@ class _LoopThread:
 
     def iterate(self, agen_factory: Callable[[], AsyncIterator[T]]) -> Iterator[T]:
         """Drive an async iterator on the loop, yielding its items here; closing stops it there."""
-        items: queue.Queue[Any] = queue.Queue()
+        channel = ThreadChannel()
 
         async def pump() -> None:
             try:
                 async for item in agen_factory():
-                    items.put(item)
+                    channel.send(item)
             except BaseException as exc:  # handed to the consuming thread
-                items.put(exc)
+                channel.send(exc)
             finally:
-                items.put(_DONE)
+                channel.close()
 
         future = asyncio.run_coroutine_threadsafe(pump(), self.loop)
         finished = False
         try:
-            while (item := items.get()) is not _DONE:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+            yield from channel
             finished = True
         finally:
             if not finished:
                 # Stopped early: cancel the work on the loop and wait until its cleanup has run
-                # (the concurrent future reports "cancelled" before that, so wait for the marker).
+                # (the concurrent future reports "cancelled" before that, so wait for the close).
                 future.cancel()
-                while items.get(timeout=60) is not _DONE:
-                    pass
+                channel.wait_closed(timeout=60)
 
     def stop(self) -> None:
         if self.loop.is_closed():
@@ -178,32 +174,12 @@ class Pipeline:
 
     async def _multiplex(self, batch: list[Any], configs: list[GenerationConfig]) -> AsyncIterator[tuple[int, RequestOutput]]:
         streams = [self.engine.generate(_engine_inputs(p), c) for p, c in zip(batch, configs, strict=True)]
-        merged: asyncio.Queue[Any] = asyncio.Queue()
-
-        async def pump(i: int) -> None:
-            try:
-                async for output in streams[i]:
-                    await merged.put((i, output))
-            except BaseException as exc:
-                await merged.put(exc)
-            finally:
-                await merged.put(_DONE)
-
-        tasks = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+        merged = merge(streams)
         try:
-            remaining = len(tasks)
-            while remaining:
-                item = await merged.get()
-                if item is _DONE:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
+            async for item in merged:
+                yield item
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await merged.aclose()  # type: ignore[attr-defined]
             for stream in streams:
                 await stream.aclose()
 

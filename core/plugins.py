@@ -110,6 +110,10 @@ class PluginHost:
         return self.registry("core_register_vision_processors")
 
     @property
+    def structured_output_engines(self) -> Registry:
+        return self.registry("core_register_structured_output_engines")
+
+    @property
     def commands(self) -> Registry:
         return self.registry("core_register_commands")
 
@@ -217,10 +221,3 @@ def get_plugins() -> PluginHost:
         if _host is None:
             _host = load_plugins()
         return _host
-
-
-def reset_plugins() -> None:
-    """Forget the loaded plugins (tests; changing CORE_PLUGINS at run time)."""
-    global _host
-    with _host_lock:
-        _host = None

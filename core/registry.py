@@ -15,6 +15,19 @@ from typing import Any
 from core.errors import PluginError
 
 
+def import_target(target: str) -> Any:
+    """The object a ``"module:attr"`` (or ``"module:attr.sub"``) string names, imported; a plain
+    ``"module"`` is the module.
+
+    :raises ImportError, AttributeError: when it names nothing importable.
+    """
+    module_name, _, attr = target.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split(".") if attr else ():
+        obj = getattr(obj, part)
+    return obj
+
+
 @dataclass(frozen=True)
 class Entry:
     """One registered item: a name, what it points to, which plugin registered it, and metadata."""
@@ -34,17 +47,13 @@ class Entry:
         """The target, importing it first when it is a "module:attr" string."""
         if not isinstance(self.target, str):
             return self.target
-        module_name, _, attr = self.target.partition(":")
         try:
-            obj: Any = importlib.import_module(module_name)
-            for part in attr.split(".") if attr else ():
-                obj = getattr(obj, part)
+            return import_target(self.target)
         except (ImportError, AttributeError) as exc:
             raise PluginError(
                 f"{self.kind} {self.name!r} from plugin {self.plugin!r} points to "
                 f"{self.target!r}, which cannot be loaded: {exc}"
             ) from exc
-        return obj
 
     def describe(self) -> str:
         where = f" for {self.scope}" if self.scope else ""

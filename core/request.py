@@ -1,30 +1,27 @@
-"""What the engine returns per request, and how one request's inputs are prepared.
+"""What a request is on its way through the engine, and the rules that prepare one.
 
-`prepare_request` turns user inputs (a prompt string, token ids, or OpenAI-style messages) plus a
-GenerationConfig into token ids and limits the backend can run, raising clear request errors. The
-removed interactive-mode keywords are rejected here by name.
+`RequestPreparer.prepare` turns user inputs (a prompt string, token ids, or OpenAI-style messages) plus a
+GenerationConfig into a `PreparedRequest`: the rendered prompt text, token ids and limits the backend can
+run, raising clear request errors. It runs on whatever thread calls it; core.preparation runs it on
+worker threads. The removed interactive-mode keywords are rejected here by name.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, NamedTuple
 
 from core.backend import ModelInfo, Tokenizer, TokenLogprob
 from core.chat_template import ChatTemplate, validate_messages, validate_tools
 from core.config import GenerationConfig
 from core.content_format import AUTO, apply_content_format, resolve_content_format
 from core.errors import ContextTooLongError, InvalidRequestError
-from core.multimodal import (
-    ImageSource,
-    MediaPolicy,
-    MultiModalInputs,
-    VisionProcessor,
-    extract_images,
-    load_images,
-)
+from core.media import ImageSource, MediaPolicy, extract_images, load_images
+from core.session import Session
 from core.special_tokens import ContentGuard
+from core.structured_output import Constraint, ConstraintCompiler, StructuredOutput, no_engine_error
+from core.vision import MultiModalInputs, VisionProcessor
 
 REMOVED_KEYWORDS = ("sequence_start", "sequence_end", "step", "interactive")
 # The same, as HTTP bodies spelled them (LMDeploy's interactive_mode).
@@ -63,13 +60,35 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    """A request ready for the backend: prompt ids, resolved config and stopping rules."""
+    """A request ready to run: prompt ids, resolved config and stopping rules, and what the response's
+    postprocessors need (the prompt text as rendered, the tools and template switches it was rendered with).
+
+    :param prompt_text: the prompt as text: a prompt string as given, chat messages as rendered ("" for
+        token ids).
+    :param session: the session opened when preparation started (`AsyncEngine.prepare`), so that aborts,
+        stop_all and back-pressure reach a request still being prepared; None when `AsyncEngine.generate`
+        prepares it itself.
+    """
 
     prompt_token_ids: tuple[int, ...]
     config: GenerationConfig
     max_new_tokens: int
     stop_token_ids: frozenset[int]
     stop_strings: tuple[str, ...]
+    multimodal: MultiModalInputs | None = None
+    prompt_text: str = ""
+    tools: Sequence[Mapping[str, Any]] | None = None
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    session: Session | None = field(default=None, compare=False, repr=False)
+    constraint: Any = field(default=None, compare=False, repr=False)  # config.structured_output compiled
+
+
+class Encoded(NamedTuple):
+    """One request's prompt: token ids, text, whether it came from chat messages, its images' inputs."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    is_chat: bool
     multimodal: MultiModalInputs | None = None
 
 
@@ -110,8 +129,11 @@ class RequestPreparer:
 
     def __init__(self, model: ModelInfo, tokenizer: Tokenizer, template: ChatTemplate | None,
                  vision: VisionProcessor | None = None, media_policy: MediaPolicy | None = None, *,
-                 allow_special_tokens_in_content: bool = False, content_format: str = AUTO) -> None:
+                 allow_special_tokens_in_content: bool = False, content_format: str = AUTO,
+                 constraints: ConstraintCompiler | str | None = None) -> None:
         self.model = model
+        # the structured-output compiler, or why this engine has none
+        self.constraints = constraints
         self.tokenizer = tokenizer
         self.template = template
         self.content_format = resolve_content_format(content_format, template.content_format if template else AUTO)
@@ -154,38 +176,38 @@ class RequestPreparer:
 
     def tokenize(self, inputs: Inputs, **render_options: Any) -> tuple[tuple[int, ...], bool]:
         """Prompt token ids (image placeholders expanded) and whether the inputs were chat messages."""
-        ids, is_chat, _ = self.encode(inputs, **render_options)
-        return ids, is_chat
+        encoded = self.encode(inputs, **render_options)
+        return encoded.token_ids, encoded.is_chat
 
-    def encode(self, inputs: Inputs, **render_options: Any) -> tuple[tuple[int, ...], bool, MultiModalInputs | None]:
-        """Prompt token ids, whether the inputs were chat messages, and their images' inputs (or None)."""
+    def encode(self, inputs: Inputs, **render_options: Any) -> Encoded:
+        """Prompt token ids and text, whether the inputs were chat messages, and their images' inputs."""
         if isinstance(inputs, str):
-            return tuple(self.tokenizer.encode(inputs, add_special_tokens=True)), False, None
+            return Encoded(tuple(self.tokenizer.encode(inputs, add_special_tokens=True)), inputs, False)
         if is_message_list(inputs):
             rendered, sources = extract_images(validate_messages(inputs))
             if sources:
-                multimodal = self._multimodal(rendered, sources, render_options)
-                return tuple(multimodal.prompt_token_ids), True, multimodal
-            return self._encode_chat(inputs, render_options), True, None
+                return self._multimodal(rendered, sources, render_options)
+            return self._encode_chat(inputs, render_options)
         if isinstance(inputs, Sequence) and inputs and all(_is_token(t) for t in inputs):
             self._check_token_ids(inputs, "prompt")
-            return tuple(inputs), False, None
+            return Encoded(tuple(inputs), "", False)
         raise InvalidRequestError(
             "the prompt must be a non-empty string, a list of token ids or a list of chat messages",
             param="prompt",
         )
 
-    def _encode_chat(self, messages: Any, render_options: Mapping[str, Any]) -> tuple[int, ...]:
+    def _encode_chat(self, messages: Any, render_options: Mapping[str, Any]) -> Encoded:
         """Rendered and tokenized; control strings in the messages' text stay text (the guard)."""
         tools, mark = validate_tools(render_options.get("tools")), None
         if self.guard is not None:
             (messages, tools), mark = self.guard.mark((messages, tools))
         text = self.render(messages, **{**render_options, "tools": tools})
         add_special = self.template is not None and self.template.encode_with_special_tokens
-        return tuple(ContentGuard.encode(self.tokenizer, text, mark, add_special))
+        ids = tuple(ContentGuard.encode(self.tokenizer, text, mark, add_special))
+        return Encoded(ids, text.replace(mark, "") if mark else text, True)
 
     def _multimodal(self, rendered: list[dict[str, Any]], sources: list[ImageSource],
-                    render_options: Mapping[str, Any]) -> MultiModalInputs:
+                    render_options: Mapping[str, Any]) -> Encoded:
         if self.vision is None:
             raise InvalidRequestError(
                 f"{sources[0].field} is an image, but model {self.model.name!r} ({self.model.architecture}) "
@@ -195,8 +217,10 @@ class RequestPreparer:
             raise InvalidRequestError(
                 f"the messages hold the control string {control!r}; with images this server does not accept "
                 "control strings in message text", param="messages")
-        images = load_images(sources, self.media_policy)
-        return self.vision.preprocess(self.render(rendered, **render_options), images)
+        images = load_images(sources, self.media_policy)  # already decoded when core.preparation loaded them
+        text = self.render(rendered, **render_options)
+        multimodal = self.vision.preprocess(text, images)
+        return Encoded(tuple(multimodal.prompt_token_ids), text, True, multimodal)
 
     def _check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
         vocab = self.model.vocab_size
@@ -207,7 +231,8 @@ class RequestPreparer:
 
     def prepare(self, inputs: Inputs, config: GenerationConfig, **render_options: Any) -> PreparedRequest:
         """Everything the backend needs, or a clear request error."""
-        prompt, is_chat, multimodal = self.encode(inputs, **render_options)
+        encoded = self.encode(inputs, **render_options)
+        prompt = encoded.token_ids
         if not prompt:
             raise InvalidRequestError("the prompt is empty after tokenization", param="prompt")
         max_new = self._max_new_tokens(len(prompt), config)
@@ -217,8 +242,18 @@ class RequestPreparer:
         stop_ids = set(config.stop_token_ids)
         if not config.ignore_eos:
             stop_ids |= set(self.model.eos_token_ids) | self.template_stop_ids
-        strings = config.stop + (self.template_stop_strings if is_chat and not config.ignore_eos else ())
-        return PreparedRequest(prompt, config, max_new, frozenset(stop_ids), strings, multimodal)
+        strings = config.stop + (self.template_stop_strings if encoded.is_chat and not config.ignore_eos else ())
+        return PreparedRequest(prompt, config, max_new, frozenset(stop_ids), strings, encoded.multimodal,
+                               encoded.text, render_options.get("tools"), _template_kwargs(render_options),
+                               constraint=self._compile(config.structured_output))
+
+    def _compile(self, spec: StructuredOutput | None) -> Constraint | None:
+        """The request's constraint compiled (once per distinct spec), on the preparing thread."""
+        if spec is None:
+            return None
+        if not isinstance(self.constraints, ConstraintCompiler):
+            raise no_engine_error(self.constraints or "no structured-output engine is installed")
+        return self.constraints.compile(spec)
 
     def _check_logit_bias(self, config: GenerationConfig) -> None:
         # A backend would fail the whole batch step on an id outside its vocabulary.
@@ -256,6 +291,11 @@ def is_message_list(inputs: Any) -> bool:
     """Whether ``inputs`` are chat messages (a non-empty list of mappings) rather than a prompt."""
     return isinstance(inputs, Sequence) and not isinstance(inputs, str) and bool(inputs) \
         and all(isinstance(m, Mapping) for m in inputs)
+
+
+def _template_kwargs(render_options: Mapping[str, Any]) -> dict[str, Any]:
+    kwargs = render_options.get("chat_template_kwargs")
+    return dict(kwargs) if isinstance(kwargs, Mapping) else {}
 
 
 def _is_token(value: Any) -> bool:

@@ -83,6 +83,14 @@ class SessionManager:
         """True when stop_all ran after the session was stamped."""
         return session.epoch != self.epoch
 
+    def is_dropped(self, session: Session) -> bool:
+        """True when the session must not reach the backend: aborted, or stamped before a stop_all."""
+        return self.is_stale(session) or session.state is SessionState.ABORTED
+
+    def mark_running(self, session: Session) -> None:
+        """The session is handed to the backend now: from here on aborting and ending it reach the backend."""
+        session.reached_backend, session.state = True, SessionState.RUNNING
+
     def remove(self, session: Session) -> bool:
         """Forget `session`; a stale object whose id now belongs to another session is a no-op."""
         if self._sessions.get(session.id) is session:

@@ -50,7 +50,7 @@ def test_from_dict_rejects_unknown_keys():
 
 
 @pytest.mark.parametrize(("field", "value"), [("dtype", "int4"), ("quantization", "q4"), ("block_size", 0), ("kv_cache_memory_gib", 0),
-                                              ("max_num_seqs", 0), ("kv_cache_memory_fraction", 1.5)])
+                                              ("max_num_seqs", 0), ("backend_options", "eager")])
 def test_engine_config_validation(field, value):
     with pytest.raises(InvalidRequestError, match=field):
         EngineConfig(**{field: value})

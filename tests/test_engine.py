@@ -202,17 +202,17 @@ async def test_a_failed_preparation_hands_its_memory_back(engine, monkeypatch):
     """A multi-MB prompt that fails preparation (too long, out of vocabulary) leaves its render and
     tokens freed but kept by the allocator; the engine trims the heap on a preparation thread
     (measured on the default model: a 7 MiB message left resident memory at 1,270 MiB instead of 794)."""
-    import core.engine
+    import core.preparation
 
     trimmed = asyncio.Event()
     loop = asyncio.get_running_loop()
-    monkeypatch.setattr(core.engine, "trim_heap", lambda: loop.call_soon_threadsafe(trimmed.set))
+    monkeypatch.setattr(core.preparation, "trim_heap", lambda: loop.call_soon_threadsafe(trimmed.set))
     with pytest.raises(InvalidRequestError, match="vocabulary"):
-        await engine.generate_async([1, 2, 999], GREEDY)
+        await engine.prepare([1, 2, 999], GREEDY)
     await asyncio.wait_for(trimmed.wait(), 5)
     assert len(engine.sessions) == 0
     trimmed.clear()
-    await collect(await engine.generate_async("hi", GREEDY))  # a request that succeeds trims nothing
+    await collect(engine.generate(await engine.prepare("hi", GREEDY)))  # a request that succeeds trims nothing
     await asyncio.sleep(0.05)
     assert not trimmed.is_set()
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from core import hookimpl, hookspecs
-from core.backend_selection import select_backend
-from core.chat_template import ChatTemplate, resolve_chat_template
+from core.chat_template import ChatTemplate
 from core.cli import build_parser
 from core.config import EngineConfig
 from core.engine import AsyncEngine
 from core.errors import PluginError
 from core.plugins import PluginHost, load_plugins
+from core.resolve import resolve_chat_template, select_backend
 from core.testing.fake import ByteTokenizer, FakeBackend
 
 HOOKS = hookspecs.hook_names()

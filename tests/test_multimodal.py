@@ -18,18 +18,9 @@ import time
 import pytest
 
 from core.errors import InvalidRequestError
-from core.multimodal import (
-    ImageSource,
-    MediaPolicy,
-    MultiModalInputs,
-    PlaceholderRange,
-    VisionProcessor,
-    extract_images,
-    image_hash,
-    load_image,
-    load_images,
-    prepare_chat,
-)
+from core.media import ImageSource, MediaPolicy, extract_images, load_image, load_images
+from core.testing.vision import decode_position, prepare_chat
+from core.vision import MultiModalInputs, PlaceholderRange, VisionProcessor, image_hash
 
 Image = pytest.importorskip("PIL.Image")
 
@@ -53,7 +44,7 @@ def _rejects(source, policy: MediaPolicy | None = None, match: str = "") -> Inva
 
 
 def test_import_is_torch_and_pil_free():
-    code = "import sys, core.multimodal; assert not {'torch', 'PIL'} & set(sys.modules)"
+    code = "import sys, core.media, core.vision; assert not {'torch', 'PIL'} & set(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -283,7 +274,7 @@ class _RecordingProcessor(VisionProcessor):
 
 def test_prepare_chat_and_merge():
     torch = pytest.importorskip("torch")
-    from core.multimodal import merge_image_embeddings
+    from core.testing.vision import merge_image_embeddings
 
     processor = _RecordingProcessor()
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_uri(_png())}}]}]
@@ -292,7 +283,7 @@ def test_prepare_chat_and_merge():
     assert inputs.embedding_positions(0) == [1, 2]
     merged = merge_image_embeddings(torch.zeros(4, 3), inputs, processor.encode(inputs))
     assert merged.sum(dim=1).tolist() == [0.0, 3.0, 3.0, 0.0]
-    assert inputs.decode_position(4) == 4
+    assert decode_position(inputs, 4) == 4
 
 
 def test_engine_loads_media_off_the_event_loop(server):
@@ -301,7 +292,7 @@ def test_engine_loads_media_off_the_event_loop(server):
     import asyncio
 
     from core.engine import AsyncEngine
-    from core.multimodal import extract_images, is_decoded_image
+    from core.media import extract_images, is_decoded_image
     from core.testing.fake import FakeBackend
 
     engine = AsyncEngine(FakeBackend(), vision=_RecordingProcessor(), media_policy=ALLOW_LOCALHOST)

@@ -11,9 +11,9 @@ from core.chat_template import ChatTemplate
 from core.config import GenerationConfig
 from core.engine import AsyncEngine
 from core.errors import ContextTooLongError
-from core.multimodal import MultiModalInputs, PlaceholderRange, VisionProcessor
 from core.pipeline import DROPPED_MESSAGE, Pipeline
 from core.testing.fake import FakeBackend, next_token_rule
+from core.vision import MultiModalInputs, PlaceholderRange, VisionProcessor
 
 GREEDY = GenerationConfig(temperature=0.0, max_new_tokens=6, ignore_eos=True)
 MARKER = list(b"BOOM")

@@ -11,14 +11,14 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from core.bench.datasets import DATASETS, BenchRequest, build_requests
+from core.cli_options import add_engine_arguments, engine_config
 
 
-def add_bench_parser(sub: Any, add_engine_arguments: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_bench_parser(sub: Any) -> None:
     """Register `bench` with its two subcommands on the CLI's subparsers."""
     bench = sub.add_parser("bench", help="benchmark a running server (serve) or the engine in-process (offline)")
     modes = bench.add_subparsers(dest="bench_mode", metavar="MODE", required=True)
@@ -35,12 +35,16 @@ def add_bench_parser(sub: Any, add_engine_arguments: Callable[[argparse.Argument
     p.add_argument("--seed", type=int, default=0, help="seed of the dataset and of the arrivals")
     p.add_argument("--extra-body", type=_json_object, default={},
                    help='JSON fields added to every request, e.g. \'{"min_tokens": 128}\'')
+    p.add_argument("--structured", choices=["json_schema"],
+                   help="run the load twice, unconstrained then under a JSON schema (vLLM's structured_outputs), "
+                        "and report the constrained / unconstrained output tokens/s")
     p.set_defaults(run=cmd_bench_serve)
 
     p = modes.add_parser("offline", help="run the same datasets in-process through core.pipeline")
     p.add_argument("--model", help="a Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
     _add_dataset_arguments(p)
-    add_engine_arguments(p)  # its --seed seeds the dataset too
+    p.add_argument("--seed", type=int, default=0, help="seed of the dataset")
+    add_engine_arguments(p)
     p.set_defaults(run=cmd_bench_offline)
 
 
@@ -113,13 +117,15 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     requests = requests_from(args)
     options = LoadOptions(args.request_rate, args.max_concurrency, args.burstiness, args.seed, not args.no_progress)
 
-    async def run() -> Any:
+    async def run(extra_body: dict[str, Any]) -> Any:
         model = args.model or await first_model(args.base_url, args.api_key)
         return model, await benchmark_server(args.base_url, model, requests, options, api_key=args.api_key,
-                                             ignore_eos=args.ignore_eos, extra_body=args.extra_body)
+                                             ignore_eos=args.ignore_eos, extra_body=extra_body)
 
+    if args.structured:
+        return _structured_comparison(args, run)
     try:
-        model, metrics = asyncio.run(run())
+        model, metrics = asyncio.run(run(args.extra_body))
     except (ConnectionError, OSError, ValueError) as exc:
         raise SystemExit(f"core bench serve: error: {exc}") from None
     except Exception as exc:  # httpx errors: a clear line, not a traceback
@@ -129,9 +135,32 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if metrics.failed == 0 else 1
 
 
+# A schema that cannot close before --output-len tokens (64 items at least), so both runs generate the same
+# number of tokens, through string, integer and structural states of the grammar.
+BENCH_SCHEMA = {"type": "object", "required": ["items"], "properties": {"items": {
+    "type": "array", "minItems": 64, "items": {"type": "object", "required": ["id", "name"], "properties": {
+        "id": {"type": "integer"}, "name": {"type": "string", "maxLength": 16}}}}}}
+
+
+def _structured_comparison(args: argparse.Namespace, run: Any) -> int:
+    """The same load unconstrained, then constrained; both reports and the ratio of output tokens/s."""
+    results = {}
+    for name, extra in (("unconstrained", {}), ("json_schema", {"structured_outputs": {"json": BENCH_SCHEMA}})):
+        try:
+            model, results[name] = asyncio.run(run({**args.extra_body, **extra}))
+        except Exception as exc:
+            raise SystemExit(f"core bench serve: error: {exc}") from None
+        _print(results[name], args, f"Serving benchmark result ({name})", base_url=args.base_url, model=model,
+               structured=name, max_concurrency=args.max_concurrency)
+    plain, constrained = results["unconstrained"].output_throughput, results["json_schema"].output_throughput
+    ratio = constrained / plain if plain else 0.0
+    print(json.dumps({"structured_ratio": ratio}) if args.json else
+          f"json_schema / unconstrained output tokens/s: {constrained:.1f} / {plain:.1f} = {ratio:.2f}x")
+    return 0 if all(m.failed == 0 for m in results.values()) else 1
+
+
 def cmd_bench_offline(args: argparse.Namespace) -> int:
     from core.bench.offline import run_offline, warm_up
-    from core.cli import engine_config
     from core.pipeline import Pipeline
 
     requests = requests_from(args)

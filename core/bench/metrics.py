@@ -15,8 +15,7 @@ import itertools
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -93,9 +92,6 @@ class BenchmarkMetrics:
     e2el_ms: Stat
     usage_missing: int = 0
     errors: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def compute_metrics(results: Sequence[RequestResult], duration_s: float) -> BenchmarkMetrics:

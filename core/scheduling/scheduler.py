@@ -77,12 +77,6 @@ class SchedulerOutput:
         """Tokens run this step."""
         return sum(s.num_new_tokens for s in self.scheduled)
 
-    @property
-    def is_empty(self) -> bool:
-        """Nothing to run (no chunk, no copy)."""
-        return not self.scheduled and not self.block_copies
-
-
 class Scheduler:
     """Decides, step by step, which tokens of which sequences the model computes.
 

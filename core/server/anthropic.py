@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,21 +9,22 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from core.errors import CoreError
+from core.parsers import ToolCallFormat
 from core.request import RequestOutput
 from core.server import anthropic_protocol as ap
 from core.server.anthropic_stream import ContentBlockEvents
-from core.server.errors import Protocol, core_error_body, renamed_fields, renamed_params
+from core.server.errors import Protocol, core_error_body, renamed_fields
 from core.server.postprocess import ChatPostprocessor
 from core.server.serving import (
     EventStreamResponse,
+    Plan,
     check_model,
     collect_all,
     guarded_events,
     parse_body,
-    start_requests,
+    start_route,
     state_of,
     until_disconnected,
-    user_request_id,
 )
 from core.server.sse import sse_event
 
@@ -40,21 +40,13 @@ def anthropic_error_event(exc: CoreError) -> str:
 async def messages(request: Request) -> Response:
     """Anthropic Messages: one assistant turn for the conversation."""
     state = state_of(request)
-    req = await parse_body(request, ap.MessagesRequest)
-    check_model(state, req.model)
-    rid = user_request_id(request, None)
-    with renamed_params(ap.PARAM_NAMES):
-        config = ap.generation_config(req)
-        tools, template_kwargs = ap.chat_tools(req), ap.chat_template_kwargs(req)
-        chat, names = ap.translate_messages(req)
-        with renamed_fields(names):
-            [stream] = await start_requests(request, [chat], config, [rid], tools=tools,
-                                            chat_template_kwargs=template_kwargs)
-    message_id = f"msg_{rid or uuid.uuid4().hex}"
-    post = state.postprocessors.for_request(stream.prompt_token_ids, tools, template_kwargs)
-    source = state.metrics.track(stream)
+    started = await start_route(request, ap.MessagesRequest,
+                                lambda req: _messages_plan(req, state.postprocessors.tool_call_format),
+                                param_names=ap.PARAM_NAMES, id_prefix="msg_")
+    req, message_id, [prepared], [source] = started.body, started.response_id, started.prepared, started.sources
+    post = state.postprocessors.for_prepared(prepared)
     if req.stream:
-        events = _message_events(message_id, state.model_name, len(stream.prompt_token_ids), source, post,
+        events = _message_events(message_id, state.model_name, len(prepared.prompt_token_ids), source, post,
                                  req.stop_sequences)
         return EventStreamResponse(guarded_events(events, anthropic_error_event, None),
                                    headers={"X-Request-Id": message_id}, closing=[source])
@@ -62,6 +54,13 @@ async def messages(request: Request) -> Response:
     parts = post.final(result.text)
     return JSONResponse(ap.message_response(message_id, state.model_name, result, req.stop_sequences, parts),
                         headers={"X-Request-Id": message_id})
+
+
+def _messages_plan(req: ap.MessagesRequest, call_format: ToolCallFormat | None) -> Plan:
+    tools, template_kwargs = ap.chat_tools(req), ap.chat_template_kwargs(req)
+    config = ap.generation_config(req, ap.forced_tool_call(req, tools, call_format))
+    chat, names = ap.translate_messages(req)
+    return Plan([chat], config, {"tools": tools, "chat_template_kwargs": template_kwargs}, names)
 
 
 async def _message_events(message_id: str, model: str, input_tokens: int, source: AsyncIterator[RequestOutput],

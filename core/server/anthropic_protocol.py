@@ -9,9 +9,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from core.config import GenerationConfig
 from core.errors import InvalidRequestError, UnsupportedError
-from core.parsers import ToolCall
+from core.parsers import ToolCall, ToolCallFormat
 from core.response import Response
 from core.server.postprocess import ChatMessageParts
+from core.server.structured_fields import tool_call_constraint
+from core.structured_output import StructuredOutput
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 # Anthropic has no "aborted": like vLLM, anything else reads as end_turn.
@@ -177,9 +179,9 @@ def chat_tools(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]
     kind = (req.tool_choice or {}).get("type", "auto")
     if kind == "none":
         return None
-    if kind != "auto":
-        raise UnsupportedError(f'tool_choice type {kind!r} is not supported (only "auto" and "none")',
-                               param="tool_choice")
+    if kind not in ("auto", "any", "tool"):
+        raise InvalidRequestError(f'tool_choice.type must be "auto", "any", "tool" or "none", got {kind!r}',
+                                  param="tool_choice.type")
     tools = []
     for i, tool in enumerate(req.tools or ()):
         if tool.type not in (None, "custom"):
@@ -201,9 +203,23 @@ def chat_template_kwargs(req: MessagesRequest | CountTokensRequest) -> dict[str,
     return {"enable_thinking": kind == "enabled"}
 
 
-def generation_config(req: MessagesRequest) -> GenerationConfig:
-    """GenerationConfig from the sent fields (unsent sampling fields take the model's defaults)."""
-    fields: dict[str, Any] = {"max_new_tokens": req.max_tokens}
+def forced_tool_call(req: MessagesRequest, tools: list[dict[str, Any]] | None,
+                     call_format: ToolCallFormat | None) -> StructuredOutput | None:
+    """The constraint of tool_choice ``{"type": "any"}`` or ``{"type": "tool", "name": ...}``, else None."""
+    choice = req.tool_choice or {}
+    if choice.get("type") == "any":
+        return tool_call_constraint(tools, None, call_format)
+    if choice.get("type") != "tool":
+        return None
+    if not isinstance(choice.get("name"), str):
+        raise InvalidRequestError('tool_choice {"type": "tool"} needs the tool\'s name', param="tool_choice.name")
+    return tool_call_constraint(tools, choice["name"], call_format, param="tool_choice.name")
+
+
+def generation_config(req: MessagesRequest, forced_call: StructuredOutput | None = None) -> GenerationConfig:
+    """GenerationConfig from the sent fields (unsent sampling fields take the model's defaults); a forced
+    tool call's constraint as its structured output."""
+    fields: dict[str, Any] = {"max_new_tokens": req.max_tokens, "structured_output": forced_call}
     for name in ("temperature", "top_p", "top_k"):
         if getattr(req, name) is not None:
             fields[name] = getattr(req, name)

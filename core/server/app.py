@@ -11,7 +11,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core import __version__
 from core.engine import AsyncEngine
-from core.server import admin, anthropic, openai
+from core.server import admin, anthropic, embeddings, info, openai, responses, webui
 from core.server.errors import error_body, install_error_handlers, protocol_for_path
 from core.server.limits import ServerLimits
 from core.server.metrics import Metrics
@@ -29,9 +29,10 @@ class ApiKeyMiddleware:
     A plain ASGI middleware (not BaseHTTPMiddleware) so streaming and disconnect detection are untouched.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
         self._key = api_key.encode()
+        self._open = open_paths
 
     def _authorized(self, scope: Scope) -> bool:
         headers = dict(scope.get("headers") or ())
@@ -40,7 +41,7 @@ class ApiKeyMiddleware:
         return any(c and hmac.compare_digest(c, self._key) for c in candidates)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+        if scope["type"] != "http" or scope["path"] in self._open or self._authorized(scope):
             await self.app(scope, receive, send)
             return
         from fastapi.responses import JSONResponse
@@ -55,7 +56,7 @@ async def _on_client_disconnected(request: Request, exc: Exception) -> Response:
 
 def build_app(engine: AsyncEngine, *, api_key: str | None = None, reasoning_parser: str | None = None,
               tool_call_parser: str | None = None, metrics: Metrics | None = None, plugins: Any = None,
-              limits: ServerLimits | None = None, **fastapi_options: Any) -> FastAPI:
+              limits: ServerLimits | None = None, web_ui: bool = True, **fastapi_options: Any) -> FastAPI:
     """An app serving `engine` over the OpenAI, Anthropic and admin routes.
 
     :param api_key: when set, required on every route except /health.
@@ -64,6 +65,7 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, reasoning_pars
     :param tool_call_parser: the same for tool-call parsers (used for requests that send tools).
     :param plugins: the PluginHost whose parsers are used (default: the process-wide one).
     :param limits: request-size and back-pressure limits (default: ServerLimits()).
+    :param web_ui: serve the chat page at / (core.server.webui; open without the API key: it holds no data).
     :raises PluginError: when a parser name is not registered.
     """
     if plugins is None:
@@ -77,8 +79,12 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, reasoning_pars
                                  api_key=api_key, limits=limits or ServerLimits())
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _on_client_disconnected)
-    for router in (openai.router, anthropic.router, admin.router):
+    for router in (openai.router, responses.router, embeddings.router, anthropic.router, admin.router,
+                   info.router):
         app.include_router(router)
+    if web_ui:
+        app.include_router(webui.router)
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        open_paths = OPEN_PATHS | webui.PATHS if web_ui else OPEN_PATHS
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=open_paths)
     return app

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -16,27 +15,26 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from core.errors import CoreError
+from core.parsers import ToolCallFormat
 from core.request import RequestOutput
 from core.response import Response as EngineResponse
 from core.server import openai_translate as tr
-from core.server.errors import Protocol, core_error_body, renamed_params
+from core.server.errors import Protocol, core_error_body
 from core.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from core.server.postprocess import ChatPostprocessor
 from core.server.serving import (
     EventStreamResponse,
+    Plan,
     ServerState,
     check_model,
     collect_all,
     guarded_events,
-    merge,
-    parse_body,
-    session_ids,
-    start_requests,
+    start_route,
     state_of,
     until_disconnected,
-    user_request_id,
 )
 from core.server.sse import DONE, sse_data
+from core.stream import merge
 
 router = APIRouter()
 STARTED = int(time.time())
@@ -80,24 +78,26 @@ async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
 async def chat_completions(request: Request) -> Response:
     """Chat completion over the model's chat template (streamed as SSE when `stream` is true)."""
     state = state_of(request)
-    req = await parse_body(request, ChatCompletionRequest)
-    check_model(state, req.model)
-    rid = user_request_id(request, req.request_id)
-    with renamed_params(tr.chat_param_names(req)):
-        config = tr.chat_generation_config(req)
-        tools = tr.check_tool_choice(req)
-        tr.check_response_format(req)
-        [stream] = await start_requests(
-            request, [req.messages], config, [rid], tools=tools,
-            chat_template_kwargs=req.chat_template_kwargs, add_generation_prompt=req.add_generation_prompt)
-    response_id = f"chatcmpl-{rid or uuid.uuid4().hex}"
-    post = state.postprocessors.for_request(stream.prompt_token_ids, tools, req.chat_template_kwargs)
-    source = state.metrics.track(stream)
+    started = await start_route(request, ChatCompletionRequest,
+                                lambda req: chat_plan(req, state.postprocessors.tool_call_format),
+                                param_names=tr.chat_param_names, id_prefix="chatcmpl-",
+                                body_request_id=lambda req: req.request_id)
+    req, response_id, [source] = started.body, started.response_id, started.sources
+    post = state.postprocessors.for_prepared(started.prepared[0])
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _stream(_chat_events(state, response_id, source, post, include_usage), response_id, [source])
     [result] = await until_disconnected(request, collect_all([source]))
     return JSONResponse(chat_response(state, response_id, result, post), headers={"X-Request-Id": response_id})
+
+
+def chat_plan(req: ChatCompletionRequest, call_format: ToolCallFormat | None = None) -> Plan:
+    """What a chat request asks the engine for (also what a Responses request runs as); `call_format`
+    is the tool-call parser's, which a forced tool_choice is generated in (None: forcing is a 400)."""
+    tools = tr.check_tool_choice(req)
+    config = tr.chat_generation_config(req, tr.forced_tool_call(req, tools, call_format))
+    return Plan([req.messages], config, {"tools": tools, "chat_template_kwargs": req.chat_template_kwargs,
+                                         "add_generation_prompt": req.add_generation_prompt})
 
 
 def chat_response(state: ServerState, response_id: str, result: EngineResponse,
@@ -166,17 +166,12 @@ class _Totals:
 async def completions(request: Request) -> Response:
     """Text completion; a list prompt runs one independent request per item."""
     state = state_of(request)
-    req = await parse_body(request, CompletionRequest)
-    check_model(state, req.model)
-    rid = user_request_id(request, req.request_id)
-    with renamed_params(tr.COMPLETION_PARAM_NAMES):
-        config = tr.completion_generation_config(req)
-        prompts = tr.completion_prompts(req.prompt)
-        streams = await start_requests(request, prompts, config, session_ids(rid, len(prompts)))
-    response_id = f"cmpl-{rid or uuid.uuid4().hex}"
-    decode = state.engine.detokenize
-    echoes = [tr.completion_echo(req, p, s.prompt_token_ids, decode) for p, s in zip(prompts, streams, strict=True)]
-    sources = [state.metrics.track(s) for s in streams]
+    started = await start_route(request, CompletionRequest, _completion_plan, param_names=tr.COMPLETION_PARAM_NAMES,
+                                id_prefix="cmpl-", body_request_id=lambda req: req.request_id)
+    req, response_id, sources, config = started.body, started.response_id, started.sources, started.plan.config
+    prompts, decode = started.plan.prompts, state.engine.detokenize
+    echoes = [tr.completion_echo(req, p, prepared.prompt_token_ids, decode)
+              for p, prepared in zip(prompts, started.prepared, strict=True)]
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         events = _completion_events(state, response_id, sources, config.n, echoes, include_usage)
@@ -184,6 +179,10 @@ async def completions(request: Request) -> Response:
     results = await until_disconnected(request, collect_all(sources))
     body = completion_response(state, response_id, results, config.n, echoes, req.prompt_logprobs is not None)
     return JSONResponse(body, headers={"X-Request-Id": response_id})
+
+
+def _completion_plan(req: CompletionRequest) -> Plan:
+    return Plan(tr.completion_prompts(req.prompt), tr.completion_generation_config(req))
 
 
 def completion_response(state: ServerState, response_id: str, results: Sequence[EngineResponse], n: int,

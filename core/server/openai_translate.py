@@ -14,9 +14,11 @@ from core.backend import TokenLogprob
 from core.chat_template import validate_tools
 from core.config import GenerationConfig
 from core.errors import InvalidRequestError, UnsupportedError
-from core.parsers import ToolCall
+from core.parsers import ToolCall, ToolCallFormat
+from core.server import structured_fields as sf
 from core.server.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from core.server.postprocess import ChatMessageParts, StreamPiece
+from core.structured_output import StructuredOutput
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -25,6 +27,7 @@ _RENAMED = {"min_tokens": "min_new_tokens"}
 _COPIED = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
            "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
            "include_stop_str_in_output")
+VLLM_STRUCTURED_FIELDS = ("structured_outputs", *sf.GUIDED_FIELDS)
 
 
 def check_stream_options(req: SamplingFields) -> None:
@@ -54,6 +57,9 @@ def _sent_fields(req: SamplingFields) -> dict[str, Any]:
         fields["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
     if req.logit_bias is not None:
         fields["logit_bias"] = logit_bias_by_id(req.logit_bias)
+    constraint = sf.vllm_constraint({name: getattr(req, name) for name in VLLM_STRUCTURED_FIELDS})
+    if constraint is not None:
+        fields["structured_output"] = constraint
     return fields
 
 
@@ -70,10 +76,15 @@ def chat_param_names(req: ChatCompletionRequest) -> dict[str, str]:
 COMPLETION_PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
 
 
-def chat_generation_config(req: ChatCompletionRequest) -> GenerationConfig:
-    """GenerationConfig for a chat request; raises InvalidRequestError naming the engine field."""
+def chat_generation_config(req: ChatCompletionRequest, forced_call: StructuredOutput | None = None) -> GenerationConfig:
+    """GenerationConfig for a chat request; raises InvalidRequestError naming the engine field.
+    `forced_call` is the constraint of a forced tool call (`forced_tool_call`)."""
     check_stream_options(req)
     fields = _sent_fields(req)
+    constraint = sf.one_constraint(forced_call, sf.response_format_constraint(req.response_format),
+                                   fields.get("structured_output"))
+    if constraint is not None:
+        fields["structured_output"] = constraint
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if limit is not None:
         fields["max_new_tokens"] = limit
@@ -143,19 +154,28 @@ def completion_echo(req: CompletionRequest, prompt: str | list[int], token_ids: 
 
 
 def check_tool_choice(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """The tools to render into the prompt, checked; "none" hides them. Forced choices need a parser
-    (later)."""
-    if req.tool_choice in (None, "auto"):
-        return validate_tools(req.tools)
+    """The tools to render into the prompt, checked; "none" hides them."""
     if req.tool_choice == "none":
         return None
-    raise UnsupportedError('tool_choice must be "auto" or "none" on this server', param="tool_choice")
+    if req.tool_choice in (None, "auto", "required") or isinstance(req.tool_choice, dict):
+        return validate_tools(req.tools)
+    raise InvalidRequestError('tool_choice must be "auto", "none", "required" or {"type": "function", '
+                              f'"function": {{"name": ...}}}}, got {req.tool_choice!r}', param="tool_choice")
 
 
-def check_response_format(req: ChatCompletionRequest) -> None:
-    """Only plain text output: structured output is not implemented yet."""
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise UnsupportedError("response_format other than text is not supported", param="response_format")
+def forced_tool_call(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
+                     call_format: ToolCallFormat | None) -> StructuredOutput | None:
+    """The constraint of `tool_choice: "required"` or a named function (None for auto / none)."""
+    choice = req.tool_choice
+    if choice == "required":
+        return sf.tool_call_constraint(tools, None, call_format)
+    if not isinstance(choice, dict):
+        return None
+    name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise InvalidRequestError('tool_choice must be {"type": "function", "function": {"name": ...}}',
+                                  param="tool_choice")
+    return sf.tool_call_constraint(tools, name, call_format)
 
 
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

@@ -15,12 +15,18 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from core.server import anthropic_protocol as ap
+from core.server import embeddings_protocol as ep
 from core.server import openai_protocol as op
+from core.server import responses_protocol as rp
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": op.ChatCompletionRequest,
     "/v1/completions": op.CompletionRequest,
+    "/v1/responses": rp.ResponsesRequest,
+    "/v1/embeddings": ep.EmbeddingRequest,
+    "/v1/score": ep.ScoreRequest,
+    "/v1/rerank": ep.RerankRequest,
     "/v1/messages": ap.MessagesRequest,
     "/v1/messages/count_tokens": ap.CountTokensRequest,
     "/tokenize": op.TokenizeRequest,

@@ -2,7 +2,7 @@
 
 `Postprocessors.choose` picks the parsers once, at start-up: the ones `core serve --reasoning-parser /
 --tool-call-parser` name, else the ones registered for the model's architecture and chat template (see
-core.parsers.automatic_entry); "none" turns either off. Per request, `for_request` makes a
+core.resolve.automatic_entry); "none" turns either off. Per request, `for_request` makes a
 ChatPostprocessor that keeps one pair of parsers per choice: text goes through the reasoning parser first
 and only its content reaches the tool-call parser, which runs only for requests that send tools. The routes
 call `final` on a whole response or `delta` on each streamed piece, and map the protocol-neutral result
@@ -14,6 +14,7 @@ its choice falls back to plain text, so a response never fails because of parsin
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,14 +26,16 @@ from core.parsers import (
     ReasoningParser,
     ToolCall,
     ToolCallDelta,
+    ToolCallFormat,
     ToolCallParser,
-    parser_entry,
 )
+from core.resolve import parser_entry
 
 if TYPE_CHECKING:
     from core.engine import AsyncEngine
     from core.plugins import PluginHost
     from core.registry import Entry
+    from core.request import PreparedRequest
 
 log = logging.getLogger(__name__)
 PieceKind = Literal["reasoning", "content", "tool_call", "arguments"]
@@ -155,21 +158,18 @@ class Postprocessors:
 
     :param reasoning: ``factory(tokenizer) -> ReasoningParser``, or None.
     :param tools: ``factory(tokenizer) -> ToolCallParser``, or None.
-    :param decode: prompt token ids -> text (the reasoning parser looks for a ``<think>`` the prompt opened).
     """
 
     reasoning: Callable[[Any], ReasoningParser] | None = None
     tools: Callable[[Any], ToolCallParser] | None = None
     tokenizer: Any = None
-    decode: Callable[[Sequence[int]], str] | None = None
 
     @classmethod
     def choose(cls, plugins: PluginHost, engine: AsyncEngine, reasoning_parser: str | None = None,
                tool_call_parser: str | None = None) -> Postprocessors:
         """Load the named parsers, or the automatic choice for the engine's model; unknown names fail here."""
-        architecture = engine.model_info.architecture
-        template = engine.preparer.template
-        source = getattr(template, "source", None) or engine.model_info.chat_template
+        architecture, template = engine.model_info.architecture, engine.chat_template
+        source = (template.source if template is not None else None) or engine.model_info.chat_template
         reasoning = parser_entry(plugins.reasoning_parsers, reasoning_parser, "--reasoning-parser", architecture,
                                  source)
         tools = parser_entry(plugins.tool_call_parsers, tool_call_parser, "--tool-call-parser", architecture,
@@ -178,15 +178,24 @@ class Postprocessors:
             if entry is not None:
                 how = "as named" if named else f"automatically for {architecture}"
                 log.info("%s %r from plugin %r, chosen %s", entry.kind, entry.name, entry.plugin, how)
-        return cls(_load(reasoning), _load(tools), engine.tokenizer, engine.detokenize)
+        return cls(_load(reasoning), _load(tools), engine.tokenizer)
 
-    def for_request(self, prompt_token_ids: Sequence[int], tools: Sequence[Mapping[str, Any]] | None = None,
+    @functools.cached_property
+    def tool_call_format(self) -> ToolCallFormat | None:
+        """How the tool-call parser reads one call (a forced tool_choice is generated in it), or None."""
+        return None if self.tools is None else self.tools(self.tokenizer).call_format
+
+    def for_prepared(self, prepared: PreparedRequest) -> ChatPostprocessor:
+        """The postprocessor of a prepared request: its prompt as rendered, its tools and template switches."""
+        return self.for_request(prepared.prompt_text, prepared.tools, prepared.chat_template_kwargs)
+
+    def for_request(self, prompt: str, tools: Sequence[Mapping[str, Any]] | None = None,
                     chat_template_kwargs: Mapping[str, Any] | None = None) -> ChatPostprocessor:
-        """The postprocessor of one request; tool calls are parsed only when the request sends tools."""
+        """The postprocessor of one request whose rendered prompt is `prompt`; tool calls are parsed only
+        when the request sends tools."""
         if self.reasoning is None and (self.tools is None or not tools):
             return ChatPostprocessor()
-        prompt = self.decode(prompt_token_ids) if self.reasoning and self.decode else ""
-        context = ParseContext(prompt, tools, dict(chat_template_kwargs or {}))
+        context = ParseContext(prompt if self.reasoning else "", tools, dict(chat_template_kwargs or {}))
         reasoning, tool_calls = self.reasoning, self.tools if tools else None
         return ChatPostprocessor(
             (lambda: reasoning(self.tokenizer).start(context)) if reasoning else None,

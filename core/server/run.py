@@ -96,7 +96,7 @@ async def _serve(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_VARIABLE) or None
         app = build_app(engine, api_key=api_key, reasoning_parser=getattr(args, "reasoning_parser", None),
                         tool_call_parser=getattr(args, "tool_call_parser", None),
-                        limits=ServerLimits.from_args(args))
+                        limits=ServerLimits.from_args(args), web_ui=not getattr(args, "no_web_ui", False))
         log.info(startup_summary(engine, engine_config, f"http://{args.host}:{args.port}"))
         config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="off", access_log=False,
                                 log_level="debug" if getattr(args, "verbose", False) else "info",

@@ -1,4 +1,5 @@
-"""Machinery shared by the protocol routers: server state, starting requests, merging and collecting
+"""Machinery shared by the protocol routers: server state, the preamble of every generating route
+(`start_route`: parse, check the model, request id, renamed fields, prepare and start), collecting
 streams, watching for clients that leave, and SSE responses that clean up after themselves.
 """
 
@@ -7,27 +8,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from core.config import GenerationConfig
-from core.engine import AsyncEngine, RequestStream
+from core.engine import AsyncEngine
 from core.errors import CoreError, InvalidRequestError, ModelNotFoundError
-from core.request import REMOVED_HTTP_FIELDS, Inputs
+from core.request import REMOVED_HTTP_FIELDS, Inputs, PreparedRequest
 from core.response import Response
-from core.server.errors import validation_to_core_error
+from core.server.errors import renamed_fields, renamed_params, validation_to_core_error
 from core.server.limits import ServerLimits
-from core.server.metrics import Metrics
+from core.server.metrics import Metrics, TrackedStream
 from core.server.postprocess import Postprocessors
 from core.server.sse import SSE_HEADERS
+from core.stream import RequestStream, merge
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Body = TypeVar("Body")
 REQUEST_ID_HEADER = "X-Request-Id"
 PARSE_OFF_LOOP_BYTES = 64 * 1024  # larger bodies are parsed on a thread, so the event loop runs on
 
@@ -115,9 +119,54 @@ def session_ids(request_id: str | None, count: int) -> list[str | None]:
     return [request_id] if count == 1 else [f"{request_id}-{i}" for i in range(count)]
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What a route's body asks the engine for, in engine terms: one request per prompt.
+
+    :param options: render options for `AsyncEngine.prepare` (tools, chat_template_kwargs, ...).
+    :param field_names: engine field names -> the client's own, for errors raised while preparing
+        (a translated message list: core.server.errors.renamed_fields).
+    """
+
+    prompts: Sequence[Inputs]
+    config: GenerationConfig
+    options: Mapping[str, Any] = field(default_factory=dict)
+    field_names: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Started(Generic[Body]):
+    """A route's requests once started: its parsed body and plan, the response id, and per prompt the
+    prepared request and its stream, timed into the metrics (closing a source closes its stream)."""
+
+    body: Body
+    plan: Plan
+    response_id: str
+    prepared: list[PreparedRequest]
+    sources: list[TrackedStream]
+
+
+async def start_route(request: Request, body_type: type[Body], plan: Callable[[Body], Plan], *,
+                      param_names: Mapping[str, str] | Callable[[Body], Mapping[str, str]], id_prefix: str,
+                      body_request_id: Callable[[Body], str | None] = lambda body: None) -> Started[Body]:
+    """Every generating route's preamble: parse the body, check the model, take the client's request id,
+    translate the body into a `Plan` and start it, reporting errors under the protocol's own names."""
+    state = state_of(request)
+    body = await parse_body(request, body_type)
+    check_model(state, getattr(body, "model", None))
+    request_id = user_request_id(request, body_request_id(body))
+    with renamed_params(param_names(body) if callable(param_names) else param_names):
+        planned = plan(body)
+        with renamed_fields(planned.field_names):
+            streams = await start_requests(request, planned.prompts, planned.config,
+                                           session_ids(request_id, len(planned.prompts)), **planned.options)
+    return Started(body, planned, f"{id_prefix}{request_id or uuid.uuid4().hex}", [s.prepared for s in streams],
+                   [state.metrics.track(s) for s in streams])
+
+
 async def start_requests(request: Request, prompts: Sequence[Inputs], config: GenerationConfig,
                          session_ids: Sequence[str | None], **options: Any) -> list[RequestStream]:
-    """One engine request per prompt, prepared off the event loop (AsyncEngine.generate_async).
+    """One engine request per prompt, prepared off the event loop (AsyncEngine.prepare), then started.
 
     Past --max-queued-requests it is a 503 with Retry-After. If one prompt is rejected, the ones
     already started are dropped; a client that leaves meanwhile cancels them all, and they are counted
@@ -140,49 +189,12 @@ async def _start(engine: AsyncEngine, prompts: Sequence[Inputs], config: Generat
     streams: list[RequestStream] = []
     try:
         for prompt, session_id in zip(prompts, session_ids, strict=True):
-            streams.append(await engine.generate_async(prompt, config, session_id=session_id, **options))
+            streams.append(engine.generate(await engine.prepare(prompt, config, session_id=session_id, **options)))
     except BaseException:
         for stream in streams:
             await stream.aclose()
         raise
     return streams
-
-
-async def merge(iterators: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """Items of several async iterators as they arrive, tagged with the iterator's index.
-
-    Closing the merged iterator (or an error in any source) cancels every source, which closes them.
-    """
-    if len(iterators) == 1:
-        async for item in iterators[0]:
-            yield 0, item
-        return
-    queue: asyncio.Queue[tuple[int, Any, BaseException | None, bool]] = asyncio.Queue()
-
-    async def pump(i: int, source: AsyncIterator[T]) -> None:
-        try:
-            async for item in source:
-                queue.put_nowait((i, item, None, False))
-        except Exception as exc:
-            queue.put_nowait((i, None, exc, True))
-            return
-        queue.put_nowait((i, None, None, True))
-
-    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iterators)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item, error, ended = await queue.get()
-            if error is not None:
-                raise error
-            if ended:
-                remaining -= 1
-                continue
-            yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def collect_all(sources: Sequence[AsyncIterator[Any]]) -> list[Response]:

@@ -35,6 +35,8 @@ HERE = Path(__file__).parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 START_TIMEOUT_S = 120.0  # a real model on a loaded 2-core machine takes up to ~30 s
+# The chat page's browser tests' fixture (importable once the line above has run).
+from chromium_page import browser  # noqa: E402, F401
 
 
 @dataclass(frozen=True)

@@ -151,32 +151,32 @@ def _parses(post: ChatPostprocessor) -> tuple[bool, bool]:
 def test_automatic_choice_and_tools_only_with_tools(host: Any):
     choice = Postprocessors.choose(host, _engine("Qwen3ForCausalLM", QWEN3_SOURCE))
     assert (choice.reasoning, choice.tools) == (Qwen3ReasoningParser, HermesToolCallParser)
-    assert _parses(choice.for_request([1, 2], TOOLS)) == (True, True)
-    assert _parses(choice.for_request([1, 2], None)) == (True, False)
-    assert _parses(choice.for_request([1, 2], [])) == (True, False)
+    assert _parses(choice.for_request("p", TOOLS)) == (True, True)
+    assert _parses(choice.for_request("p", None)) == (True, False)
+    assert _parses(choice.for_request("p", [])) == (True, False)
 
 
 def test_none_turns_parsing_off(host: Any):
     choice = Postprocessors.choose(host, _engine("Qwen3ForCausalLM", QWEN3_SOURCE), "none", "none")
     assert (choice.reasoning, choice.tools) == (None, None)
-    assert _parses(choice.for_request([1], TOOLS)) == (False, False)
+    assert _parses(choice.for_request("p", TOOLS)) == (False, False)
 
 
 def test_named_parsers_and_unknown_names(host: Any):
     engine = _engine("FakeForCausalLM", None)
-    assert Postprocessors.choose(host, engine) == Postprocessors(None, None, engine.tokenizer, engine.detokenize)
+    assert Postprocessors.choose(host, engine) == Postprocessors(None, None, engine.tokenizer)
     named = Postprocessors.choose(host, engine, "deepseek_r1", "hermes")
     assert (named.reasoning, named.tools) == (DeepSeekR1ReasoningParser, HermesToolCallParser)
-    assert _parses(named.for_request([1], TOOLS)) == (True, True)
+    assert _parses(named.for_request("p", TOOLS)) == (True, True)
     with pytest.raises(PluginError, match="--reasoning-parser 'r2'.*deepseek_r1, qwen3"):
         Postprocessors.choose(host, engine, "r2")
 
 
 def test_the_reasoning_parser_sees_the_prompt(host: Any):
     engine = _engine("FakeForCausalLM", None)
-    post = Postprocessors.choose(host, engine, "qwen3").for_request(ByteTokenizer().encode("Q: hi\nA: <think>\n"))
+    post = Postprocessors.choose(host, engine, "qwen3").for_request("Q: hi\nA: <think>\n")
     assert post.final("deliberating</think>It is 4.").reasoning_content == "deliberating"
-    plain = Postprocessors.choose(host, engine, "qwen3").for_request(ByteTokenizer().encode("Q: hi\nA: "))
+    plain = Postprocessors.choose(host, engine, "qwen3").for_request("Q: hi\nA: ")
     assert plain.final("deliberating</think>It is 4.").reasoning_content is None
     asyncio.run(engine.close())
 

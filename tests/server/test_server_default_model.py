@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from chromium_page import open_chat, send, wait_reply_done
 from conftest import RunningServer, ServerSpec, start_server, stop_server
 
 pytestmark = pytest.mark.slow
@@ -95,3 +96,13 @@ def test_content_parts_are_the_joined_text_as_transformers_renders_it(client: op
     card = client.models.list().data[0]
     answer = client.chat.completions.create(model=card.id, messages=parts, max_tokens=8, temperature=0)
     assert answer.usage.prompt_tokens == len(expected) and answer.choices[0].message.content
+
+
+def test_the_chat_page_chats_with_the_default_model(smollm2: RunningServer, browser, tmp_path):
+    """`core serve`, then the page at / in a real browser (chromium_page.py): it talks to the default model."""
+    page = open_chat(browser, smollm2.base_url, {"temperature": "0", "max_tokens": "16"})
+    assert "SmolLM2-135M-Instruct" in page.locator("#model").input_value()
+    send(page, QUESTION[0]["content"])
+    assert "Paris" in wait_reply_done(page).locator(".content").inner_text()
+    page.screenshot(path=str(tmp_path / "default-model.png"))
+    assert not page.errors

@@ -107,9 +107,10 @@ async def test_tokenize_and_count_tokens_load_images_off_the_event_loop(slow_ima
 
     from core.chat_template import ChatTemplate
     from core.engine import AsyncEngine
-    from core.multimodal import MediaPolicy, MultiModalInputs, PlaceholderRange, VisionProcessor
+    from core.media import MediaPolicy
     from core.server.app import build_app
     from core.testing.fake import FakeBackend
+    from core.vision import MultiModalInputs, PlaceholderRange, VisionProcessor
 
     class Processor(VisionProcessor):
         def preprocess(self, prompt, images):

@@ -9,26 +9,60 @@ wakeup).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from core.backend import Backend, BackendOutput, BackendStats, EndResult, GenerateRequest, ModelInfo
+from core.channel import LoopChannel
 from core.config import EngineConfig
 from core.errors import EngineSleepingError, InvalidRequestError
 from core.openmp import release_openmp_pool
 from core_pytorch_backend.cuda_graphs import make_decode_graphs
 from core_pytorch_backend.engine_loop import EngineLoop
 from core_pytorch_backend.kernels import select_ops
-from core_pytorch_backend.layers.attention import bind_kv_caches
 from core_pytorch_backend.loader import LoadedModel, default_model_path, load_checkpoint
 from core_pytorch_backend.model_runner import ModelRunner, kv_cache_blocks
-from core_pytorch_backend.request_state import END_OF_STREAM, RequestState, sampling_params
+from core_pytorch_backend.request_state import RequestState
+from core_pytorch_backend.sampling_batch import SamplingParams
 
 log = logging.getLogger(__name__)
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True)
+class PytorchOptions:
+    """The backend options this backend understands (`EngineConfig.backend_options`).
+
+    :param kv_cache_memory_fraction: the share of free GPU memory the KV cache takes when
+        `EngineConfig.kv_cache_memory_gib` is not given.
+    :param enforce_eager: never capture CUDA graphs (``--enforce-eager``).
+    """
+
+    kv_cache_memory_fraction: float = 0.85
+    enforce_eager: bool = False
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any]) -> PytorchOptions:
+        """Validated options; an unknown name or a bad value is an InvalidRequestError naming it."""
+        known = {f.name for f in fields(cls)}
+        for name in options:
+            if name not in known:
+                raise InvalidRequestError(f"backend option {name!r} is not one of the pytorch backend's: "
+                                          f"{', '.join(sorted(known))}", param=f"backend_options.{name}")
+        chosen = cls(**options)
+        fraction = chosen.kv_cache_memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction <= 1.0:
+            raise InvalidRequestError(f"kv_cache_memory_fraction must be in (0.0, 1.0], got {fraction!r}",
+                                      param="backend_options.kv_cache_memory_fraction")
+        if not isinstance(chosen.enforce_eager, bool):
+            raise InvalidRequestError(f"enforce_eager must be true or false, got {chosen.enforce_eager!r}",
+                                      param="backend_options.enforce_eager")
+        return chosen
 
 
 def architectures_for(backend_name: str) -> dict[str, Any]:
@@ -49,9 +83,11 @@ class PytorchBackend(Backend):
 
     name = "pytorch"
     supports_prompt_logprobs = True  # such requests skip reading the prefix cache (prompt_logprobs.py)
+    supports_structured_output = True  # the sampler masks each constrained row (sampling.apply_constraints)
 
     def __init__(self, config: EngineConfig, *, architectures: dict[str, Any] | None = None) -> None:
         self.config = config
+        self.options = PytorchOptions.from_mapping(config.backend_options)
         self.device = resolve_device(config.device)
         self.source = str(config.model) if config.model else str(default_model_path())
         self._architectures = architectures if architectures is not None else architectures_for(self.name)
@@ -61,20 +97,19 @@ class PytorchBackend(Backend):
         self.dtype = loaded.dtype
         kv_dtype = loaded.kv_cache_dtype or loaded.dtype
         num_blocks = kv_cache_blocks(loaded.model, config.block_size, kv_dtype, self.device,
-                                     config.kv_cache_memory_gib, config.kv_cache_memory_fraction)
+                                     config.kv_cache_memory_gib, self.options.kv_cache_memory_fraction)
         max_len = self._max_model_len(loaded, num_blocks)
         self.model_info = self._model_info(loaded, max_len)
-        runner = ModelRunner(loaded.model, block_size=config.block_size, num_blocks=num_blocks,
-                             device=self.device, dtype=loaded.dtype, kv_cache_dtype=kv_dtype)
-        runner.cuda_graphs = make_decode_graphs(  # None on the CPU or with enforce_eager
-            runner.model, device=self.device, enabled=not config.enforce_eager, block_size=config.block_size,
+        graphs = functools.partial(  # None on the CPU or with enforce_eager
+            make_decode_graphs, device=self.device, enabled=not self.options.enforce_eager, block_size=config.block_size,
             max_model_len=max_len, max_num_seqs=config.max_num_seqs)
+        runner = ModelRunner(loaded.model, block_size=config.block_size, num_blocks=num_blocks,
+                             device=self.device, dtype=loaded.dtype, kv_cache_dtype=kv_dtype,
+                             capture_graphs=graphs)
         self.loop = EngineLoop(runner, max_model_len=max_len, max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=max(config.max_num_batched_tokens, 1),
                                enable_prefix_caching=config.enable_prefix_caching,
                                sample_kernel=getattr(self.ops, "sample_tokens", None))
-        self._asleep: set[str] = set()
-        self._weights_dropped = False
         log.info("KV cache: %d blocks of %d tokens (%d tokens) on %s, %s", num_blocks, config.block_size,
                  num_blocks * config.block_size, self.device, str(kv_dtype).replace("torch.", ""))
         release_openmp_pool()  # this thread's idle OpenMP workers would slow the engine thread's (core.openmp)
@@ -120,23 +155,19 @@ class PytorchBackend(Backend):
         return self._generate(request)
 
     async def _generate(self, request: GenerateRequest) -> AsyncIterator[BackendOutput]:
-        if self._asleep:
-            raise EngineSleepingError(self._asleep)  # a request that raced a sleep: a 503, not a 500
-        state = RequestState(request, asyncio.get_running_loop(), asyncio.Queue(), sampling_params(request),
-                             self.model_info.max_model_len)
+        if self.loop.asleep:
+            raise EngineSleepingError(set(self.loop.asleep))  # a request that raced a sleep: a 503, not a 500
+        state = RequestState(request, LoopChannel(asyncio.get_running_loop()),
+                             SamplingParams.from_config(request.config), self.model_info.max_model_len)
         try:
             await asyncio.wrap_future(self.loop.call(lambda: self.loop.add(state)))
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="prompt") from exc
-        finished = False
         try:
-            while (item := await state.queue.get()) is not END_OF_STREAM:
-                if isinstance(item, BaseException):
-                    raise item
+            async for item in state.channel:
                 yield item
-            finished = True
         finally:
-            if not finished:
+            if not state.channel.closed:
                 await asyncio.shield(asyncio.wrap_future(self.loop.call(lambda: self.loop.abort(request.session_id))))
 
     async def abort(self, session_id: str) -> None:
@@ -151,57 +182,24 @@ class PytorchBackend(Backend):
         return await asyncio.wrap_future(self.loop.call(lambda: self.loop.end(session_id)))
 
     async def sleep(self, level: int) -> None:
-        await asyncio.wrap_future(self.loop.call(lambda: self._sleep(level)))
+        await asyncio.wrap_future(self.loop.call(lambda: self.loop.sleep(level)))
 
     async def wakeup(self, tags: Sequence[str]) -> None:
-        await asyncio.wrap_future(self.loop.call(lambda: self._wakeup(tags)))
+        await asyncio.wrap_future(self.loop.call(lambda: self.loop.wakeup(tags, self._reload_model)))
+
+    def _reload_model(self) -> torch.nn.Module:
+        """The model with its weights read again (a wakeup after a level-2 sleep, on the loop thread)."""
+        return self._load().model
 
     @property
     def is_sleeping(self) -> bool:
-        return bool(self._asleep)
+        return bool(self.loop.asleep)
 
     def stats(self) -> BackendStats:
         return self.loop.stats(self.is_sleeping)
 
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.loop.stop)
-
-    # -- sleep (run on the loop thread) ----------------------------------------------------------------
-
-    def _sleep(self, level: int) -> None:
-        """Each part is marked asleep as soon as it is released, so `is_sleeping` is the real state
-        even if a later part fails."""
-        self.loop.abort_all()
-        runner = self.loop.runner
-        if runner.has_kv_cache:
-            runner.free_kv_cache()
-            self.loop.block_manager.reset()
-        self._asleep.add("kv_cache")
-        if "weights" in self._asleep:
-            return
-        if level == 2:
-            runner.model.to("meta")  # weights dropped; re-read from the checkpoint on wakeup
-        elif self.device.type != "cpu":
-            runner.model.to("cpu")  # level 1: weights kept in host memory
-        self._weights_dropped = level == 2
-        self._asleep.add("weights")
-
-    def _wakeup(self, tags: Sequence[str]) -> None:
-        runner = self.loop.runner
-        was_asleep = bool(self._asleep)
-        if "weights" in tags and "weights" in self._asleep:
-            if self._weights_dropped:
-                runner.model = self._load().model
-                if runner.kv_caches is not None:
-                    bind_kv_caches(runner.model, runner.kv_caches)
-            else:
-                runner.model.to(self.device)
-            self._asleep.discard("weights")
-        if "kv_cache" in tags and "kv_cache" in self._asleep:
-            runner.allocate_kv_cache()
-            self._asleep.discard("kv_cache")
-        if was_asleep and not self._asleep and runner.cuda_graphs is not None:
-            runner.cuda_graphs.try_capture(runner.model)  # the new cache (and weights) need new graphs
 
 
 def _display_name(source: str) -> str:

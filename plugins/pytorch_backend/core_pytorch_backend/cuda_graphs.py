@@ -9,7 +9,7 @@ next captured size: padding rows write nowhere (slot -1) and attend to one harml
 M-RoPE positions run eagerly.
 
 Only an op set that never syncs with the host in a decode step (``ops.graph_safe``: the Triton set) can
-be captured; with any other set, on the CPU, or with ``EngineConfig.enforce_eager`` (``--enforce-eager``)
+be captured; with any other set, on the CPU, or with the backend option ``enforce_eager`` (``--enforce-eager``)
 :func:`make_decode_graphs` returns None and nothing here runs.
 """
 
@@ -19,15 +19,13 @@ import bisect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from core_pytorch_backend.attention_metadata import AttentionMetadata
 from core_pytorch_backend.layers.attention import attention_layers
-
-if TYPE_CHECKING:
-    from core_pytorch_backend.model_runner import StepInputs
+from core_pytorch_backend.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)

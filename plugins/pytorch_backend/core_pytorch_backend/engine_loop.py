@@ -2,7 +2,8 @@
 
 All scheduler and model state is touched by this thread only; the asyncio side submits commands
 (add, abort, end, sleep, wakeup) through a queue and awaits their results, so the server's event loop
-never blocks on a forward pass. Commands run between steps.
+never blocks on a forward pass. Commands run between steps. `sleep` and `wakeup` are the loop's own: it
+aborts what is in flight and forgets the cached blocks, and hands the memory to its runner.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -19,11 +20,12 @@ import torch
 from core.backend import BackendStats, EndResult, FinishReason, TokenLogprob
 from core.errors import BackendError
 from core.scheduling import BlockManager, ScheduledSequence, Scheduler, SchedulerOutput, Sequence
-from core_pytorch_backend.model_runner import ModelRunner, PromptRows
+from core_pytorch_backend.model_runner import ModelRunner
 from core_pytorch_backend.multimodal_inputs import SequenceImages, cache_keys
 from core_pytorch_backend.prompt_logprobs import score_tokens
-from core_pytorch_backend.request_state import END_OF_STREAM, RequestState
+from core_pytorch_backend.request_state import RequestState
 from core_pytorch_backend.sampling import SampleKernel, SamplingBatch, SamplingRow, sample
+from core_pytorch_backend.step_inputs import PromptRows
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_SECONDS = 0.5
@@ -69,6 +71,11 @@ class EngineLoop:
             self.call(self._shutdown).result(timeout=60)
             self._thread.join(timeout=60)
 
+    @property
+    def asleep(self) -> frozenset[str]:
+        """The parts sleep released and wakeup has not restored yet ("kv_cache", "weights")."""
+        return frozenset(self.runner.asleep)
+
     def stats(self, is_sleeping: bool) -> BackendStats:
         if not self._stopping and not self._thread.is_alive():  # the server's /health answers 503
             raise BackendError("the engine loop thread has died; see the log")
@@ -94,7 +101,7 @@ class EngineLoop:
         error = BackendError("the engine loop thread has died; see the log")
         for state in list(self.requests.values()):
             state.send(error)
-            state.send(END_OF_STREAM)
+            state.end_stream()
 
     def _serve(self) -> None:
         while not self._stopping:
@@ -176,6 +183,16 @@ class EngineLoop:
     def abort_all(self) -> None:
         for state in list(self.requests.values()):
             self._finish_request(state, FinishReason.ABORT)
+
+    def sleep(self, level: int) -> None:
+        """Abort everything in flight, forget the cached blocks, and let the runner free its memory."""
+        self.abort_all()
+        self.block_manager.reset()  # nothing holds a block now; the cache they index is about to go
+        self.runner.sleep(level)
+
+    def wakeup(self, tags: Iterable[str], load_model: Callable[[], torch.nn.Module]) -> None:
+        """Restore the parts named by `tags` (dropped weights from `load_model()`)."""
+        self.runner.wakeup(tags, load_model)
 
     # -- one step -------------------------------------------------------------------------------------
 
@@ -281,7 +298,8 @@ class EngineLoop:
             groups.append(list(range(len(rows), len(rows) + len(choices))))
             for choice in choices:
                 rows.append(SamplingRow(state.params, seq.prompt_token_ids, seq.output_token_ids,
-                                        state.generator(choice, self.runner.device), state.banned(seq)))
+                                        state.generator(choice, self.runner.device), state.banned(seq),
+                                        state.matcher(choice)))
         return rows, groups
 
     def _emit(self, sampling: list[Sequence], groups: list[list[int]], result: Any) -> None:
@@ -306,7 +324,8 @@ class EngineLoop:
 
     def _deliver(self, state: RequestState, choice: int, token: int, logprobs: Any) -> None:
         seq = state.sequences[choice]
-        finish = state.finish_reason(seq, token)
+        constrained = state.constrain(choice, token)  # a token the constraint refused ends it: "length"
+        finish = constrained if constrained is FinishReason.LENGTH else state.finish_reason(seq, token) or constrained
         state.send(state.output(choice, token, finish, logprobs))
         if finish is not None:
             self._close_sequence(seq, finish, notify=False)
@@ -341,7 +360,7 @@ class EngineLoop:
                 self._by_seq.pop(seq.seq_id, None)
                 if self.scheduler.get(seq.seq_id) is not None:
                     self.scheduler.abort(seq.seq_id)
-            state.send(END_OF_STREAM)
+            state.end_stream()
 
     def _fail_all(self, exc: Exception) -> None:
         for state in list(self.requests.values()):

@@ -2,14 +2,15 @@
 
 It knows nothing about requests or sampling: the engine loop hands it the scheduler's output and gets
 back float32 logits for the sequences that sample this step, and the hidden states of the prompt
-positions whose next token some request scores (prompt logprobs).
+positions whose next token some request scores (prompt logprobs). It also owns what sleep releases:
+`sleep(level)` frees the KV cache (and the CUDA graphs that baked it in) and moves or drops the weights,
+`wakeup(tags)` restores them.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence, Set
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence, Set
 
 import torch
 
@@ -19,56 +20,16 @@ from core_pytorch_backend.cuda_graphs import DecodeGraphs
 from core_pytorch_backend.layers.attention import (
     allocate_kv_caches,
     attention_layers,
+    bind_kv_caches,
     kv_cache_shape,
     unbind_kv_caches,
 )
 from core_pytorch_backend.multimodal_inputs import with_images
+from core_pytorch_backend.step_inputs import PromptRows, StepInputs, StepLogits, prompt_rows_of
 
 log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 ZERO_BLOCKS_AT_LEAST = 64  # the CPU cache is zeroed this many blocks (or more) at a time
-
-
-@dataclass(frozen=True)
-class PromptRows:
-    """Rows of a step's hidden states that score prompt tokens: row ``first_row + j`` holds position
-    ``first_position + j`` of `seq_id`, whose logits give the logprob of prompt token
-    ``first_position + j + 1``."""
-
-    seq_id: str
-    first_row: int
-    first_position: int
-    count: int
-
-
-def prompt_rows_of(chunk: ScheduledSequence, first_row: int) -> PromptRows | None:
-    """The rows of `chunk` (starting at `first_row` of the step) that score a next prompt token."""
-    end = min(chunk.start + chunk.num_new_tokens, chunk.seq.num_prompt_tokens - 1)
-    if end <= chunk.start:
-        return None
-    return PromptRows(chunk.seq.seq_id, first_row, chunk.start, end - chunk.start)
-
-
-@dataclass(frozen=True)
-class StepLogits:
-    """What a forward pass returns: logits [len(sampling), V] and the hidden states of `prompt_rows`."""
-
-    sample: torch.Tensor
-    prompt_hidden: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """The flat batch of one forward pass."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    sample_indices: torch.Tensor  # rows of the hidden states whose logits are needed
-    sampling: list[ScheduledSequence]  # in the order of sample_indices
-    # (rows, values): image embeddings replacing token embeddings (see multimodal_inputs)
-    embed_overrides: tuple[torch.Tensor, torch.Tensor] | None = None
-    prompt_rows: tuple[PromptRows, ...] = ()  # in row order
 
 
 def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -96,11 +57,16 @@ def kv_cache_blocks(model: torch.nn.Module, block_size: int, dtype: torch.dtype,
 
 
 class ModelRunner:
-    """Runs one model over paged KV caches of `num_blocks` blocks of `block_size` tokens."""
+    """Runs one model over paged KV caches of `num_blocks` blocks of `block_size` tokens.
+
+    :param kv_cache_dtype: the KV cache's dtype (None: ``dtype``, the model's).
+    :param capture_graphs: builds the CUDA graphs of decode steps for the model (its KV cache bound), or
+        None where they do not apply (cuda_graphs.make_decode_graphs); None: always eager.
+    """
 
     def __init__(self, model: torch.nn.Module, *, block_size: int, num_blocks: int, device: torch.device,
-                 dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None) -> None:
-        """``kv_cache_dtype``: the KV cache's dtype (None: ``dtype``, the model's)."""
+                 dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None,
+                 capture_graphs: Callable[[torch.nn.Module], DecodeGraphs | None] | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -108,9 +74,11 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype or dtype
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.cuda_graphs: DecodeGraphs | None = None  # set by the backend on CUDA (cuda_graphs.py)
         self.zeroed_blocks = 0  # blocks [0, zeroed_blocks) of the cache are zeroed (see _zero_blocks_up_to)
+        self.asleep: set[str] = set()  # the parts sleep released: "kv_cache", "weights"
+        self._weights_dropped = False  # level 2: the weights must be loaded again on wakeup
         self.allocate_kv_cache()
+        self.cuda_graphs: DecodeGraphs | None = capture_graphs(model) if capture_graphs is not None else None
 
     @property
     def has_kv_cache(self) -> bool:
@@ -151,6 +119,41 @@ class ModelRunner:
         if self.cuda_graphs is not None:
             self.cuda_graphs.release()  # the graphs baked in the freed cache
         _empty_device_cache(self.device)
+
+    def sleep(self, level: int) -> None:
+        """Release the KV cache; then, level 1, move the weights to host memory (they stay on the CPU),
+        level 2, drop them. Each part is marked asleep as soon as it is released, so `asleep` is the real
+        state even if a later part fails."""
+        if self.has_kv_cache:
+            self.free_kv_cache()
+        self.asleep.add("kv_cache")
+        if "weights" in self.asleep:
+            return
+        if level == 2:
+            self.model.to("meta")  # weights dropped; loaded again on wakeup
+        elif self.device.type != "cpu":
+            self.model.to("cpu")
+        self._weights_dropped = level == 2
+        self.asleep.add("weights")
+
+    def wakeup(self, tags: Iterable[str], load_model: Callable[[], torch.nn.Module]) -> None:
+        """Restore the parts named by `tags`; dropped weights come from `load_model()`. Once every part is
+        awake, the CUDA graphs are captured again (they baked in the old cache and weights)."""
+        tags = set(tags)
+        was_asleep = bool(self.asleep)
+        if "weights" in tags and "weights" in self.asleep:
+            if self._weights_dropped:
+                self.model = load_model()
+                if self.kv_caches is not None:
+                    bind_kv_caches(self.model, self.kv_caches)
+            else:
+                self.model.to(self.device)
+            self.asleep.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in self.asleep:
+            self.allocate_kv_cache()
+            self.asleep.discard("kv_cache")
+        if was_asleep and not self.asleep and self.cuda_graphs is not None:
+            self.cuda_graphs.try_capture(self.model)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks (src -> dst) in every layer: the partial last block of a forked sequence."""

@@ -17,14 +17,12 @@ import bisect
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from core.scheduling import ScheduledSequence
-
-if TYPE_CHECKING:
-    from core_pytorch_backend.model_runner import StepInputs
+from core_pytorch_backend.step_inputs import StepInputs
 
 Span = tuple[int, int]
 

@@ -1,4 +1,5 @@
-"""Hook implementations of the pytorch backend: the backend itself and its built-in architectures.
+"""Hook implementations of the pytorch backend: the backend, its built-in architectures and the default
+structured-output engine (xgrammar).
 
 Everything is registered lazily ("module:attr" strings), so `core plugins` never imports torch.
 """
@@ -15,9 +16,15 @@ PRIORITY = 10
 
 @hookimpl
 def core_register_backends(register):
-    register(BACKEND_NAME, "core_pytorch_backend.backend:PytorchBackend", priority=PRIORITY,
+    register(BACKEND_NAME, "core_pytorch_backend.backend_choice:make_backend", priority=PRIORITY,
              description="paged KV cache, continuous batching, prefix caching; Triton kernels on CUDA, "
                          "plain torch on the CPU")
+
+
+@hookimpl
+def core_register_structured_output_engines(register):
+    register("xgrammar", "core_pytorch_backend.xgrammar_engine:make_engine", priority=PRIORITY,
+             description="xgrammar: JSON schema, regex, choice and EBNF grammars as token masks")
 
 
 @hookimpl

@@ -1,33 +1,21 @@
 """Per-request state of the engine loop: its sequences (one per choice), sampling and stop rules.
 
-Lives on the loop thread; outputs reach the request's asyncio loop through call_soon_threadsafe.
+Lives on the loop thread; outputs reach the request's asyncio loop through its channel (core.channel).
 """
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from core.backend import BackendOutput, FinishReason, GenerateRequest, TokenLogprob
+from core.channel import LoopChannel
 from core.scheduling import Sequence
+from core.structured_output import ConstraintMatcher
 from core_pytorch_backend.prompt_logprobs import PromptScores
-from core_pytorch_backend.sampling import SamplingParams, TokenLogprobs, make_generator
-
-END_OF_STREAM = object()
-
-
-def sampling_params(request: GenerateRequest) -> SamplingParams:
-    """The sampler's view of a request's resolved GenerationConfig."""
-    cfg = request.config
-    return SamplingParams(
-        temperature=cfg.temperature or 0.0, top_k=cfg.top_k or 0, top_p=cfg.top_p or 1.0, min_p=cfg.min_p or 0.0,
-        repetition_penalty=cfg.repetition_penalty or 1.0, presence_penalty=cfg.presence_penalty,
-        frequency_penalty=cfg.frequency_penalty, seed=cfg.seed,
-        logprobs=cfg.top_logprobs if cfg.logprobs else None, logit_bias=dict(cfg.logit_bias) or None,
-    )
+from core_pytorch_backend.sampling_batch import SamplingParams, make_generator
 
 
 @dataclass
@@ -35,8 +23,7 @@ class RequestState:
     """One request on the loop thread. `sequences[i]` is choice i (created by forking choice 0)."""
 
     request: GenerateRequest
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    channel: LoopChannel  # to the request's event loop: outputs, an exception, then the end
     params: SamplingParams
     max_model_len: int
     sequences: dict[int, Sequence] = field(default_factory=dict)
@@ -44,6 +31,7 @@ class RequestState:
     open_choices: set[int] = field(default_factory=set)
     forked: bool = False
     prompt_scores: PromptScores | None = None  # while prompt logprobs are asked for and not yet sent
+    matchers: dict[int, ConstraintMatcher] = field(default_factory=dict)  # structured output, per choice
 
     def __post_init__(self) -> None:
         k = self.request.config.prompt_logprobs
@@ -66,6 +54,27 @@ class RequestState:
             self.generators[index] = make_generator(seed + index, device) if seed is not None and sampled else None
         return self.generators[index]
 
+    def matcher(self, index: int) -> ConstraintMatcher | None:
+        """Choice i's own matcher of the request's constraint (None: unconstrained), created once. It
+        follows the choice's sampled tokens only, so preemption (the KV recomputed) leaves it as it is."""
+        constraint = self.request.constraint
+        if constraint is None:
+            return None
+        if index not in self.matchers:
+            self.matchers[index] = constraint.matcher(self.request.stop_token_ids)
+        return self.matchers[index]
+
+    def constrain(self, index: int, token: int) -> FinishReason | None:
+        """Advance choice i's matcher past `token`: STOP once the constraint is complete, LENGTH when the
+        token was not allowed (only when the constraint can no longer be met, e.g. its stop token is
+        banned before min_new_tokens)."""
+        matcher = self.matcher(index)
+        if matcher is None:
+            return None
+        if not matcher.accept_token(token):
+            return FinishReason.LENGTH
+        return FinishReason.STOP if matcher.is_terminated() else None
+
     def banned(self, seq: Sequence) -> tuple[int, ...]:
         """Stop tokens are not allowed before min_new_tokens."""
         if seq.num_output_tokens < self.request.config.min_new_tokens:
@@ -79,14 +88,13 @@ class RequestState:
             return FinishReason.LENGTH
         return None
 
-    def output(self, index: int, token: int, finish: FinishReason | None, logprobs: TokenLogprobs | None) -> BackendOutput:
+    def output(self, index: int, token: int, finish: FinishReason | None, logprobs: TokenLogprob | None) -> BackendOutput:
         seq = self.sequences[index]
-        converted = None
-        if logprobs is not None:
-            converted = [TokenLogprob(logprobs.token_id, logprobs.logprob, tuple(logprobs.top))]
-        return BackendOutput([token], index=index, finish_reason=finish, logprobs=converted,
+        return BackendOutput([token], index=index, finish_reason=finish,
+                             logprobs=[logprobs] if logprobs is not None else None,
                              num_cached_tokens=seq.num_cached_tokens,
-                             stop_token_id=token if finish is FinishReason.STOP else None,
+                             stop_token_id=token if finish is FinishReason.STOP and token in self.request.stop_token_ids
+                             else None,
                              prompt_logprobs=self._take_prompt_logprobs())
 
     def _take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
@@ -99,11 +107,12 @@ class RequestState:
         return scores.entries
 
     def send(self, item: Any) -> None:
-        """Hand an output (or an exception, or END_OF_STREAM) to the request's event loop."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
-            pass
+        """Hand an output (or an exception) to the request's event loop."""
+        self.channel.send(item)
+
+    def end_stream(self) -> None:
+        """No more outputs: the request's stream ends."""
+        self.channel.close()
 
     def close_choice(self, index: int, reason: FinishReason) -> None:
         self.send(BackendOutput([], index=index, finish_reason=reason))

@@ -224,3 +224,15 @@ class TestPytorchBackendContract(BackendContractTests):
         backend = make_backend(tiny_checkpoint_factory("llama"))
         yield backend
         await backend.close()
+
+
+def test_backend_options_are_validated():
+    from core.errors import InvalidRequestError
+    from core_pytorch_backend.backend import PytorchOptions
+
+    assert PytorchOptions.from_mapping({}) == PytorchOptions()
+    assert PytorchOptions.from_mapping({"enforce_eager": True}).enforce_eager
+    with pytest.raises(InvalidRequestError, match="kv_cache_memory_fraction"):
+        PytorchOptions.from_mapping({"kv_cache_memory_fraction": 1.5})
+    with pytest.raises(InvalidRequestError, match="'eager'"):
+        PytorchOptions.from_mapping({"eager": True})

@@ -342,7 +342,7 @@ def test_logprobs_zero_returns_only_the_sampled_token():
     logits = _logits(2)
     out = sample(logits, _batch(_row(SamplingParams(temperature=0.0, logprobs=0)), _row(GREEDY)))
     entry = out.logprobs[0]
-    assert entry is not None and entry.top == [] and out.logprobs[1] is None
+    assert entry is not None and entry.top == () and out.logprobs[1] is None
     assert math.isclose(entry.logprob, torch.log_softmax(logits[0], -1).max().item(), abs_tol=1e-5)
 
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from core.errors import PluginError
-from core.parsers import parser_entry
 from core.plugins import PluginHost
+from core.resolve import parser_entry
 
 # (architecture, template name in the conftest's TEMPLATES) -> (reasoning parser, tool-call parser)
 CASES = {

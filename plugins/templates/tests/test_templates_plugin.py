@@ -8,10 +8,11 @@ import pytest
 
 from core import hookimpl
 from core.backend import ModelInfo
-from core.chat_template import ChatTemplate, resolve_chat_template
+from core.chat_template import ChatTemplate
 from core.errors import PluginError
 from core.parsers import ReasoningParser, ToolCallParser
 from core.plugins import PluginHost
+from core.resolve import resolve_chat_template
 from core_templates.jinja_template import JinjaChatTemplate
 from core_templates.plugin import BUILTIN_TEMPLATES, REASONING_PARSERS, TOOL_CALL_PARSERS
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from core.parsers import ParseContext, ToolCallParser, collect_tool_calls
+from core.parsers import ParseContext, ToolCallParser
+from core.testing.parsers import collect_tool_calls
 from core_templates.parsers.hermes import HermesToolCallParser
 from core_templates.parsers.llama3_json import Llama3JsonToolCallParser
 from core_templates.parsers.mistral import MistralToolCallParser

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from core.errors import InvalidRequestError
-from core.multimodal import Message, MultiModalInputs, PlaceholderRange, VisionProcessor, image_hash
+from core.vision import Message, MultiModalInputs, PlaceholderRange, VisionProcessor, image_hash
 
 # Processor outputs that describe the text, not the images.
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask"})

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from core.multimodal import Message
+from core.vision import Message
 from core_vl_models.base import HFVisionProcessor
 
 

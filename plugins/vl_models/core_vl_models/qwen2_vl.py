@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from core.multimodal import MultiModalInputs
+from core.vision import MultiModalInputs
 from core_vl_models.base import HFVisionProcessor
 
 

@@ -13,12 +13,12 @@ from PIL import Image
 pytest.importorskip("core_pytorch_backend")
 pytest.importorskip("core_templates")
 
-from core.chat_template import resolve_chat_template  # noqa: E402
 from core.config import EngineConfig, GenerationConfig  # noqa: E402
 from core.engine import AsyncEngine  # noqa: E402
 from core.errors import InvalidRequestError  # noqa: E402
 from core.pipeline import Pipeline  # noqa: E402
 from core.plugins import load_plugins  # noqa: E402
+from core.resolve import resolve_chat_template  # noqa: E402
 from core_pytorch_backend.backend import PytorchBackend  # noqa: E402
 from core_pytorch_backend.models import BUILTIN_ARCHITECTURES  # noqa: E402
 from core_vl_models.base import without_video  # noqa: E402

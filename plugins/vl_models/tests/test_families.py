@@ -9,8 +9,9 @@ import pytest
 import torch
 import transformers
 
-from core.multimodal import MultiModalInputs, merge_image_embeddings
 from core.plugins import load_plugins
+from core.testing.vision import merge_image_embeddings
+from core.vision import MultiModalInputs
 from core_vl_models.base import without_video
 from core_vl_models.plugin import VISION_PROCESSORS
 

@@ -11,8 +11,10 @@ import transformers
 
 from core import hookimpl
 from core.errors import UnsupportedError
-from core.multimodal import MultiModalInputs, VisionProcessor, get_vision_processor
 from core.plugins import load_plugins
+from core.resolve import get_vision_processor
+from core.testing.vision import decode_position
+from core.vision import MultiModalInputs, VisionProcessor
 from core_vl_models.plugin import VISION_PROCESSORS
 
 
@@ -78,7 +80,7 @@ def test_mrope_positions_match_get_rope_index(checkpoint_dir, images, architectu
         ids, ours.tensors["mm_token_type_ids"], image_grid_thw=ours.tensors["image_grid_thw"])
     assert torch.equal(ours.mrope_positions, positions[:, 0])
     assert ours.mrope_position_delta == int(delta)
-    assert ours.decode_position(len(ours.prompt_token_ids)) == len(ours.prompt_token_ids) + int(delta)
+    assert decode_position(ours, len(ours.prompt_token_ids)) == len(ours.prompt_token_ids) + int(delta)
 
 
 def test_placeholder_and_image_count_mismatch_is_a_request_error(checkpoint_dir, images):

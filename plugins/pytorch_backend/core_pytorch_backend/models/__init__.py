@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
+from core.registry import import_target
 
 _VL = "core_pytorch_backend.models.vision_language"
 BUILTIN_ARCHITECTURES: dict[str, str] = {
@@ -11,6 +11,8 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "core_pytorch_backend.models.qwen3:Qwen3ForCausalLM",
     "MistralForCausalLM": "core_pytorch_backend.models.mistral:MistralForCausalLM",
     "Gemma3ForCausalLM": "core_pytorch_backend.models.gemma3:Gemma3ForCausalLM",
+    # Encoders: served on the pooling path (embeddings and scores), never generating.
+    "BertModel": "core_pytorch_backend.models.bert:BertModel",
     # Vision-language checkpoints: their language model; the vision tower runs in core_vl_models.
     "Qwen2VLForConditionalGeneration": f"{_VL}:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": f"{_VL}:Qwen2VLForConditionalGeneration",
@@ -25,12 +27,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
 
 def resolve_class(target: str | type) -> type:
     """A model class, given the class itself or a ``"module:Class"`` string."""
-    if isinstance(target, type):
-        return target
-    module_name, _, class_name = target.partition(":")
-    if not class_name:
-        raise ValueError(f"expected 'module:Class', got {target!r}")
-    return getattr(importlib.import_module(module_name), class_name)
+    return target if isinstance(target, type) else import_target(target)
 
 
 __all__ = ["BUILTIN_ARCHITECTURES", "resolve_class"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from core.parsers import Tool
+from core.parsers import Tool, ToolCallFormat
 from core_templates.parsers.common import arguments_json
 from core_templates.parsers.tagged import Call, TaggedToolCallParser
 
@@ -20,6 +20,7 @@ class HermesToolCallParser(TaggedToolCallParser):
 
     start_tag = "<tool_call>"
     end_tag = "</tool_call>"
+    call_format = ToolCallFormat("<tool_call>\n", "\n</tool_call>")
 
     def parse_block(self, body: str, tools: Sequence[Tool] | None) -> list[Call] | None:
         try:

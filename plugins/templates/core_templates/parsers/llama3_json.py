@@ -12,7 +12,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from core.parsers import Tool
+from core.parsers import Tool, ToolCallFormat
 from core_templates.parsers.hermes import json_call
 from core_templates.parsers.tagged import Call, TaggedToolCallParser
 
@@ -21,6 +21,7 @@ class Llama3JsonToolCallParser(TaggedToolCallParser):
     """Llama 3 JSON calls (``"parameters"`` or ``"arguments"``), after ``<|python_tag|>`` or alone."""
 
     start_tag = "<|python_tag|>"
+    call_format = ToolCallFormat(arguments_key="parameters")
     end_tag = ""
 
     def __init__(self, tokenizer: Any = None) -> None:

@@ -12,7 +12,7 @@ import secrets
 import string
 from collections.abc import Sequence
 
-from core.parsers import Tool
+from core.parsers import Tool, ToolCallFormat
 from core_templates.parsers.hermes import json_call
 from core_templates.parsers.tagged import Call, TaggedToolCallParser
 
@@ -24,6 +24,7 @@ class MistralToolCallParser(TaggedToolCallParser):
 
     start_tag = "[TOOL_CALLS]"
     end_tag = ""
+    call_format = ToolCallFormat("[TOOL_CALLS][", "]")
 
     def parse_block(self, body: str, tools: Sequence[Tool] | None) -> list[Call] | None:
         try:

@@ -1,6 +1,4 @@
-"""Images in requests: safe media intake, and the VisionProcessor contract that plugins implement.
-
-A request's images travel in three steps:
+"""Images in requests: where they may come from, and how they are found, fetched and decoded.
 
 1. `extract_images(messages)` finds OpenAI ``image_url`` parts and Anthropic ``image`` blocks, replaces
    each with the ``{"type": "image"}`` part that Hugging Face chat templates expect, and returns the
@@ -8,174 +6,33 @@ A request's images travel in three steps:
 2. `load_images(sources, policy)` fetches and decodes them under a `MediaPolicy` (safe by default: no
    remote domains, no local files, bounded bytes, pixels, count and fetch time). Every violation is an
    `InvalidRequestError` naming the field, never a server error.
-3. The `VisionProcessor` registered for the model's architecture (hook
-   ``core_register_vision_processors``) turns the prompt and images into `MultiModalInputs` (expanded
-   token ids, placeholder ranges, content hashes) and, on the backend's request, into per-image
-   embeddings. A processor never knows which backend runs it.
 
-torch and PIL are imported lazily, inside the functions that need them.
+What a model does with the decoded images is the vision processor's business (core.vision). PIL is
+imported lazily, inside the functions that decode.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import io
 import os
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from core.errors import InvalidRequestError, UnsupportedError
+from core.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    import torch
     from PIL.Image import Image
-
-    from core.plugins import PluginHost
 
 Message = Mapping[str, Any]
 DOMAINS_FLAG = "--allowed-media-domains"
 LOCAL_PATH_FLAG = "--allowed-local-media-path"
-
-
-# ---------------------------------------------------------------------------------------------------
-# What a vision processor produces
-# ---------------------------------------------------------------------------------------------------
-
-
-class PlaceholderRange(NamedTuple):
-    """Where one image sits in the prompt: positions ``start .. start + length - 1``.
-
-    The range spans the image's expanded placeholder; the embedding rows go to the positions inside it
-    that hold the image token (all of them except in families such as Idefics3, whose tiles are
-    separated by row/column marker tokens).
-    """
-
-    start: int
-    length: int
-
-
-@dataclass
-class MultiModalInputs:
-    """A prompt with its images, ready for a backend.
-
-    :param prompt_token_ids: token ids with image placeholders expanded as the model's own processor
-        expands them.
-    :param image_token_id: the placeholder token that embedding rows replace.
-    :param placeholder_ranges: one range per image, in prompt order.
-    :param image_hashes: per-image sha256 of pixel bytes, size and mode: backends fold them into
-        prefix-cache keys, so the same image hits the cache and a different one does not.
-    :param tensors: the processor's tensors (pixel_values, image_grid_thw, ...) that `encode` consumes.
-    :param mrope_positions: Qwen2-VL style 3D positions, shape (3, len(prompt_token_ids)), or None.
-    :param mrope_position_delta: for decode, position = seq_len + delta on all three axes.
-    :param bidirectional_image_attention: image tokens of one image attend to each other (Gemma 3).
-    :param image_embeds: one ``[num_placeholder_tokens, hidden]`` tensor per image, from
-        `VisionProcessor.encode`; the engine fills it (once per request) before the backend sees it.
-    """
-
-    prompt_token_ids: list[int]
-    image_token_id: int
-    placeholder_ranges: list[PlaceholderRange] = field(default_factory=list)
-    image_hashes: list[str] = field(default_factory=list)
-    tensors: dict[str, Any] = field(default_factory=dict)
-    mrope_positions: Any | None = None
-    mrope_position_delta: int | None = None
-    bidirectional_image_attention: bool = False
-    image_embeds: list[Any] | None = None
-
-    def embedding_positions(self, image: int) -> list[int]:
-        """Prompt positions that receive image `image`'s embedding rows, in row order."""
-        start, length = self.placeholder_ranges[image]
-        ids = self.prompt_token_ids
-        return [p for p in range(start, start + length) if ids[p] == self.image_token_id]
-
-    def decode_position(self, position: int) -> int:
-        """The rotary position of the token at sequence index `position` (>= prompt length)."""
-        return position + (self.mrope_position_delta or 0)
-
-
-class VisionProcessor(ABC):
-    """Turns prompts with images into `MultiModalInputs` and images into embeddings.
-
-    Registered per architecture through ``core_register_vision_processors``; constructed with the
-    checkpoint folder. Implementations must be backend-agnostic: `encode` returns plain tensors.
-    """
-
-    #: Whether the language model needs `MultiModalInputs.mrope_positions` (Qwen2-VL family).
-    uses_mrope: bool = False
-    #: Whether image tokens attend to each other bidirectionally (Gemma 3).
-    bidirectional_image_attention: bool = False
-
-    @abstractmethod
-    def preprocess(self, prompt: str | Sequence[Message], images: Sequence[Image]) -> MultiModalInputs:
-        """Expand placeholders and prepare pixel tensors.
-
-        :param prompt: prompt text already holding the model's image placeholders, or chat messages
-            whose image parts are ``{"type": "image"}`` (as `extract_images` leaves them), rendered
-            with the model's own chat template.
-        :param images: decoded images, in prompt order.
-        """
-
-    @abstractmethod
-    def encode(self, inputs: MultiModalInputs) -> list[torch.Tensor]:
-        """Run the vision encoder and projector: one ``[num_placeholder_tokens, hidden]`` tensor per
-        image, ready to replace the image-token embeddings at `inputs.embedding_positions(i)`."""
-
-
-def merge_image_embeddings(
-    inputs_embeds: torch.Tensor, inputs: MultiModalInputs, image_embeds: Sequence[torch.Tensor]
-) -> torch.Tensor:
-    """Scatter per-image embeddings into a prompt's ``[seq_len, hidden]`` token embeddings (a copy)."""
-    import torch
-
-    merged = inputs_embeds.clone()
-    for i, embeds in enumerate(image_embeds):
-        positions = torch.tensor(inputs.embedding_positions(i), device=merged.device)
-        if len(positions) != embeds.shape[0]:
-            raise ValueError(f"image {i} has {embeds.shape[0]} embedding rows for {len(positions)} placeholders")
-        merged[positions] = embeds.to(merged.dtype)
-    return merged
-
-
-def get_vision_processor(plugins: PluginHost, architecture: str, model_path: str) -> VisionProcessor:
-    """The vision processor a plugin registered for `architecture`, built for `model_path`."""
-    entry = plugins.vision_processors.find(architecture)
-    if entry is None:
-        known = ", ".join(plugins.vision_processors.names()) or "none (install core-vl-models)"
-        raise UnsupportedError(f"no vision processor for architecture {architecture!r}; known: {known}")
-    return entry.load()(model_path)
-
-
-def find_vision_processor(plugins: PluginHost, architecture: str, model_path: str | None) -> VisionProcessor | None:
-    """The vision processor for a served checkpoint, or None for a text-only model (no processor
-    registered for its architecture, or no checkpoint folder to build one from)."""
-    if model_path is None or plugins.vision_processors.find(architecture) is None:
-        return None
-    if not os.path.isdir(model_path):
-        return None  # a GGUF file: no processor configuration to read
-    return get_vision_processor(plugins, architecture, model_path)
-
-
-def image_prompt_messages(text: str, images: Any) -> list[dict[str, Any]]:
-    """One user message with `images` (one image or a list: PIL images, URLs, paths) then `text`:
-    what a ``(prompt, image)`` pair means to the Pipeline."""
-    pictures = list(images) if isinstance(images, (list, tuple)) else [images]
-    if not pictures:
-        raise InvalidRequestError("a (prompt, images) pair needs at least one image", param="images")
-    parts: list[dict[str, Any]] = [{"type": "image", "image": p} for p in pictures]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Media intake
-# ---------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -440,14 +297,11 @@ def decode_image(data: bytes, policy: MediaPolicy, where: str = "image") -> Imag
     return image
 
 
-def image_hash(image: Image) -> str:
-    """sha256 of an image's pixel bytes, size and mode: equal images hash equal, whatever the file."""
-    digest = hashlib.sha256(f"{image.mode}:{image.size[0]}x{image.size[1]}:".encode())
-    digest.update(image.tobytes())
-    return digest.hexdigest()
-
-
-def prepare_chat(processor: VisionProcessor, messages: Sequence[Message], policy: MediaPolicy) -> MultiModalInputs:
-    """Chat messages with image parts -> MultiModalInputs: extract, load under `policy`, preprocess."""
-    rendered, sources = extract_images(messages)
-    return processor.preprocess(rendered, load_images(sources, policy))
+def image_prompt_messages(text: str, images: Any) -> list[dict[str, Any]]:
+    """One user message with `images` (one image or a list: PIL images, URLs, paths) then `text`:
+    what a ``(prompt, image)`` pair means to the Pipeline."""
+    pictures = list(images) if isinstance(images, (list, tuple)) else [images]
+    if not pictures:
+        raise InvalidRequestError("a (prompt, images) pair needs at least one image", param="images")
+    parts: list[dict[str, Any]] = [{"type": "image", "image": p} for p in pictures]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]

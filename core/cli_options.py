@@ -1,0 +1,84 @@
+"""Command-line options shared by every command that builds an engine (`core serve`, `chat`, `generate`,
+`bench offline`), and the EngineConfig they describe. Light: importing it loads neither torch nor the
+server.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from core.config import QUANTIZATIONS
+from core.content_format import CONTENT_FORMATS
+
+if TYPE_CHECKING:
+    from core.config import EngineConfig
+
+ENGINE_FLAGS = ("backend", "dtype", "quantization", "device", "max_model_len", "block_size", "kv_cache_memory_gib",
+                "max_num_seqs", "max_num_batched_tokens", "chat_template", "served_model_name",
+                "allow_special_tokens_in_content", "chat_template_content_format", "structured_output_engine")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by every command that builds an engine."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--backend", help="backend name (see `core plugins`); default: best available")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
+                   help="auto: a GGUF file's quantized weights stay packed (CPU); none: dequantize them; "
+                        "int8 / int4: quantize a float checkpoint at load (CPU)")
+    g.add_argument("--device", help="cpu, cuda or cuda:N (default: the backend's choice)")
+    g.add_argument("--max-model-len", type=int, help="context window (default: the model's)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--kv-cache-memory", dest="kv_cache_memory_gib", type=float, metavar="GIB",
+                   help="KV-cache budget in GiB (default: a fraction of free GPU memory, or 1 GiB on CPU)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="never capture CUDA graphs (the backend option enforce_eager)")
+    g.add_argument("--chat-template", help="a registered template name or a Jinja file")
+    g.add_argument("--chat-template-content-format", choices=list(CONTENT_FORMATS),
+                   help="how message content reaches the template: string (text parts joined with a newline), "
+                        "openai (a list of parts, as sent) or auto (detected from the template; the default)")
+    g.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the model names clients use: the first is reported in responses, all are accepted")
+    g.add_argument("--structured-output-engine", metavar="NAME",
+                   help="the grammar engine of structured output (see `core plugins`); default: xgrammar")
+    g.add_argument("--allow-special-tokens-in-content", action="store_true", default=None,
+                   help="let control strings in message text (<|im_end|>, ...) become control tokens; by "
+                        "default they stay text, so a client cannot forge turns")
+
+
+def add_media_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where request images may come from (vision-language models), and their limits."""
+    from core.media import DOMAINS_FLAG, LOCAL_PATH_FLAG, MediaPolicy
+
+    g = parser.add_argument_group("images (vision-language models)")
+    g.add_argument(DOMAINS_FLAG, dest="allowed_media_domains", nargs="+", metavar="DOMAIN", default=[],
+                   help="domains (and their subdomains) that http(s) image URLs may name; default: none")
+    g.add_argument(LOCAL_PATH_FLAG, dest="allowed_local_media_path", metavar="DIR",
+                   help="allow local image files (paths, file:// URLs) under DIR; default: none")
+    g.add_argument("--max-images-per-request", type=int, default=MediaPolicy.max_images_per_request)
+    g.add_argument("--max-image-bytes", type=int, default=MediaPolicy.max_image_bytes,
+                   help="largest encoded image, in bytes")
+    g.add_argument("--max-image-pixels", type=int, default=MediaPolicy.max_image_pixels,
+                   help="largest decoded image, width x height")
+    g.add_argument("--media-fetch-timeout", dest="fetch_timeout_s", type=float,
+                   default=MediaPolicy.fetch_timeout_s, metavar="SECONDS", help="time limit of one image fetch")
+
+
+MEDIA_FLAGS = ("allowed_media_domains", "allowed_local_media_path", "max_images_per_request", "max_image_bytes",
+               "max_image_pixels", "fetch_timeout_s")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the parsed engine (and, where present, media) options describe."""
+    from core.config import EngineConfig
+    from core.media import MediaPolicy
+
+    options = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name, None) is not None}
+    media = MediaPolicy(**{name: getattr(args, name) for name in MEDIA_FLAGS if hasattr(args, name)})
+    backend_options = {"enforce_eager": True} if args.enforce_eager else {}
+    return EngineConfig(model=getattr(args, "model", None), enable_prefix_caching=not args.no_prefix_caching,
+                        backend_options=backend_options, media=media, **options)

@@ -1,0 +1,95 @@
+"""The pooling contract: how a backend turns a prompt's hidden states into one embedding vector.
+
+A backend declares per model whether and how it pools (`Backend.pooling`): mean over the prompt's tokens,
+its first token (BERT's [CLS]) or its last token (decoder embedding models such as Qwen3-Embedding), with
+or without L2 normalisation, and whether the vector may be truncated to fewer `dimensions` (Matryoshka
+models). `Backend.embed` returns the pooled vectors; truncation is the core's (`truncate`). The
+sentence-transformers files a checkpoint ships (`modules.json`, `1_Pooling/config.json`) say how it was
+trained to pool (`sentence_transformers_pooling`). Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from core.errors import InvalidRequestError
+
+PoolingMethod = Literal["mean", "cls", "last"]
+_ST_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    """How one model pools.
+
+    :param method: "mean" (over the prompt's tokens), "cls" (the first token) or "last" (the last token).
+    :param normalize: L2-normalise each vector.
+    :param truncatable: the model was trained so that a vector's first d dimensions are an embedding too
+        (Matryoshka), so a request's `dimensions` may cut it.
+    """
+
+    method: PoolingMethod = "last"
+    normalize: bool = True
+    truncatable: bool = False
+
+
+@dataclass(frozen=True)
+class Embedding:
+    """One pooled vector and the number of prompt tokens it came from."""
+
+    vector: Sequence[float]
+    prompt_tokens: int
+
+
+def sentence_transformers_pooling(folder: str | Path) -> PoolingConfig | None:
+    """The pooling a sentence-transformers checkpoint declares (its Pooling module, and a Normalize module
+    after it), or None when the folder has no modules.json."""
+    folder = Path(folder)
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return None
+    modules = json.loads(modules_file.read_text())
+    kinds = {m.get("type", "").rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
+    method: PoolingMethod = "mean"
+    if "Pooling" in kinds:
+        pooling = json.loads((folder / kinds["Pooling"] / "config.json").read_text())
+        method = next((mode for key, mode in _ST_MODES.items() if pooling.get(key)), "mean")  # type: ignore[assignment]
+    matryoshka = (folder / "config_sentence_transformers.json")
+    truncatable = matryoshka.is_file() and "matryoshka" in matryoshka.read_text().lower()
+    return PoolingConfig(method=method, normalize="Normalize" in kinds, truncatable=truncatable)
+
+
+def sentence_transformers_max_length(folder: str | Path) -> int | None:
+    """The input limit a sentence-transformers checkpoint declares (`max_seq_length`), or None."""
+    path = Path(folder) / "sentence_bert_config.json"
+    return json.loads(path.read_text()).get("max_seq_length") if path.is_file() else None
+
+
+def truncate(vector: Sequence[float], dimensions: int | None, config: PoolingConfig) -> list[float]:
+    """The vector cut to its first `dimensions` (normalised again when the model normalises); a cut the
+    model does not support, or one past its size, is a 400 naming `dimensions`."""
+    if dimensions is None or dimensions == len(vector):
+        return list(vector)
+    if not config.truncatable:
+        raise InvalidRequestError(f"this model's embeddings have {len(vector)} dimensions and cannot be truncated "
+                                  "(it is not a Matryoshka model)", param="dimensions")
+    if not 1 <= dimensions <= len(vector):
+        raise InvalidRequestError(f"dimensions must be between 1 and {len(vector)}, got {dimensions}",
+                                  param="dimensions")
+    cut = list(vector[:dimensions])
+    if not config.normalize:
+        return cut
+    norm = math.sqrt(sum(x * x for x in cut)) or 1.0
+    return [x / norm for x in cut]
+
+
+def cosine(a: Sequence[float], b: Sequence[float]) -> float:
+    """Cosine similarity of two vectors (0 when either is zero)."""
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    norms = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return dot / norms if norms else 0.0

@@ -1,0 +1,62 @@
+"""The pooling routes: POST /v1/embeddings, /v1/score and /v1/rerank, over `AsyncEngine.embed`."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from core.pooling import Embedding, cosine, truncate
+from core.server import embeddings_protocol as ep
+from core.server.serving import check_model, parse_body, state_of, until_disconnected
+
+router = APIRouter()
+
+
+async def _embed(request: Request, inputs: Sequence[str | list[int]]) -> list[Embedding]:
+    return await until_disconnected(request, state_of(request).engine.embed(inputs))
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request) -> dict[str, Any]:
+    """One embedding per input, as floats or base64; `dimensions` cuts a Matryoshka model's vectors."""
+    state = state_of(request)
+    req = await parse_body(request, ep.EmbeddingRequest)
+    check_model(state, req.model)
+    results = await _embed(request, ep.embedding_inputs(req.input))
+    pooling = state.engine.backend.pooling
+    assert pooling is not None  # engine.embed refused otherwise
+    vectors = [ep.encode_vector(truncate(r.vector, req.dimensions, pooling), req.encoding_format) for r in results]
+    return ep.embedding_response(f"embd-{uuid.uuid4().hex}", state.model_name, vectors,
+                                 sum(r.prompt_tokens for r in results))
+
+
+@router.post("/v1/score")
+async def score(request: Request) -> dict[str, Any]:
+    """The similarity of text_1 to each text_2 (or of each pair)."""
+    state = state_of(request)
+    req = await parse_body(request, ep.ScoreRequest)
+    check_model(state, req.model)
+    pairs = ep.score_pairs(req.text_1, req.text_2)
+    first = [req.text_1] if isinstance(req.text_1, str) else req.text_1
+    second = [req.text_2] if isinstance(req.text_2, str) else req.text_2
+    results = await _embed(request, [*first, *second])
+    a, b = results[: len(first)], results[len(first):]
+    scores = [cosine(a[i].vector, b[j].vector) for i, j in pairs]
+    return ep.score_response(f"score-{uuid.uuid4().hex}", int(time.time()), state.model_name, scores,
+                             sum(r.prompt_tokens for r in results))
+
+
+@router.post("/v1/rerank")
+async def rerank(request: Request) -> dict[str, Any]:
+    """The documents ordered by their similarity to the query (the best top_n)."""
+    state = state_of(request)
+    req = await parse_body(request, ep.RerankRequest)
+    check_model(state, req.model)
+    [query, *documents] = await _embed(request, [req.query, *req.documents])
+    scores = [cosine(query.vector, d.vector) for d in documents]
+    return ep.rerank_response(f"rerank-{uuid.uuid4().hex}", state.model_name, req.documents, scores, req.top_n,
+                              query.prompt_tokens + sum(d.prompt_tokens for d in documents))

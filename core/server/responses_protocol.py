@@ -1,0 +1,272 @@
+"""OpenAI Responses API: the request body, its translation into a chat request, and the output objects.
+
+A Responses request is run as the chat request it translates to (`to_chat_request`): `input` items become
+chat messages (`instructions` a system message first), function tools and `tool_choice` the chat path's,
+`text.format` its `response_format`, `reasoning.effort` the templates' `enable_thinking` switch. The
+server keeps no state, so `previous_response_id`, `conversation`, item references, `store: true` and
+`background` are refused with a 400 that says so. Nothing here touches the network or the engine.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from core.errors import InvalidRequestError, UnsupportedError
+from core.parsers import ToolCall
+from core.server.openai_protocol import ChatCompletionRequest
+from core.server.postprocess import ChatMessageParts
+
+STATELESS = "this server keeps no state between requests: send the whole conversation in `input`"
+# Engine and chat field names -> the Responses request's own, for error messages.
+PARAM_NAMES = {"max_new_tokens": "max_output_tokens", "response_format": "text.format",
+               "structured_output": "text.format"}
+_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+_TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+
+
+class ResponsesRequest(BaseModel):
+    """POST /v1/responses (unknown fields are accepted and ignored)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    stream: bool = False
+    store: bool | None = None
+    background: bool | None = None
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+
+
+def check_stateless(req: ResponsesRequest) -> None:
+    """Refuse what needs server-side state (a stored response, a conversation, a background run)."""
+    if req.previous_response_id is not None:
+        raise InvalidRequestError(f"previous_response_id is not supported: {STATELESS}", param="previous_response_id")
+    if req.conversation is not None:
+        raise InvalidRequestError(f"conversation is not supported: {STATELESS}", param="conversation")
+    if req.store:
+        raise InvalidRequestError(f"store must be false: {STATELESS}", param="store")
+    if req.background:
+        raise UnsupportedError("background responses are not supported", param="background")
+
+
+def to_chat_request(req: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, str]]:
+    """The chat request that runs `req`, and the client's name of each translated message (for errors)."""
+    check_stateless(req)
+    messages, names = input_messages(req.input)
+    if req.instructions:
+        messages.insert(0, {"role": "system", "content": req.instructions})
+        names = {f"messages[{int(k[9:-1]) + 1}]": v for k, v in names.items()}
+    chat = ChatCompletionRequest(
+        messages=messages, stream=req.stream, max_completion_tokens=req.max_output_tokens,
+        temperature=req.temperature, top_p=req.top_p, tools=chat_tools(req.tools),
+        tool_choice=_chat_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
+        response_format=_response_format(req.text), chat_template_kwargs=_template_kwargs(req.reasoning))
+    return chat, names
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Chat messages of `input`: messages (any role; developer reads as system), function calls (on the
+    assistant turn before them), function call outputs (role "tool"), reasoning (reasoning_content)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}], {"messages[0]": "input"}
+    if not items:
+        raise InvalidRequestError("input must not be empty", param="input")
+    messages: list[dict[str, Any]] = []
+    names: dict[str, str] = {}
+    for i, item in enumerate(items):
+        _add_item(messages, item, f"input[{i}]")
+        names.setdefault(f"messages[{len(messages) - 1}]", f"input[{i}]")
+    return messages, names
+
+
+def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], param: str) -> None:
+    kind = item.get("type", "message" if "role" in item else None)
+    if kind in ("function_call", "function_call_output") and not isinstance(item.get("call_id"), str):
+        raise InvalidRequestError(f"{param}.call_id must be a string", param=f"{param}.call_id")
+    if kind == "message":
+        message = _message(item, param)
+        if message["role"] == "assistant" and messages and _only_reasoning(messages[-1]):
+            messages[-1]["content"] = message["content"]  # the text after a reasoning item: the same turn
+        else:
+            messages.append(message)
+    elif kind == "function_call":
+        call = {"id": item["call_id"], "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+        _open_assistant(messages).setdefault("tool_calls", []).append(call)
+    elif kind == "function_call_output":
+        messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                         "content": _text(item.get("output", ""), f"{param}.output")})
+    elif kind == "reasoning":
+        parts = item.get("content") or item.get("summary") or []
+        messages.append({"role": "assistant", "content": None, "reasoning_content": _text(parts, param)})
+    elif kind == "item_reference":
+        raise InvalidRequestError(f"{param}: item references are not supported: {STATELESS}", param=param)
+    else:
+        raise UnsupportedError(f"{param}: input items of type {kind!r} are not supported", param=f"{param}.type")
+
+
+def _only_reasoning(message: dict[str, Any]) -> bool:
+    return message["role"] == "assistant" and message["content"] is None and "tool_calls" not in message
+
+
+def _open_assistant(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The assistant turn a function call belongs to: the last message when it is one, else a new one."""
+    if not messages or messages[-1]["role"] != "assistant":
+        messages.append({"role": "assistant", "content": None})
+    return messages[-1]
+
+
+def _message(item: dict[str, Any], param: str) -> dict[str, Any]:
+    role = _ROLES.get(item["role"]) if isinstance(item.get("role"), str) else None
+    if role is None:
+        raise InvalidRequestError(f"{param}.role must be one of {sorted(_ROLES)}, got {item.get('role')!r}",
+                                  param=f"{param}.role")
+    content = item.get("content", "")
+    if role != "user" or isinstance(content, str):
+        return {"role": role, "content": _text(content, f"{param}.content")}
+    return {"role": role, "content": [_user_part(part, f"{param}.content[{j}]") for j, part in enumerate(content)]}
+
+
+def _user_part(part: Any, param: str) -> dict[str, Any]:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in _TEXT_PARTS:
+        return {"type": "text", "text": part.get("text", "")}
+    if kind == "input_image" and isinstance(part.get("image_url"), str):
+        return {"type": "image_url", "image_url": {"url": part["image_url"]}}
+    if kind == "input_image":
+        raise UnsupportedError(f"{param}: images are read from image_url only (no file_id)", param=param)
+    raise UnsupportedError(f"{param}: content parts of type {kind!r} are not supported", param=param)
+
+
+def _text(content: Any, param: str) -> str:
+    """A string, or the text of text parts (the roles whose templates take text only)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError(f"{param} must be a string or a list of content parts", param=param)
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+            raise UnsupportedError(f"{param}[{j}]: only text parts are supported here", param=f"{param}[{j}]")
+    return "".join(part.get("text", "") for part in content)
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses' flat function tools as chat function tools; other tool types are a 400."""
+    if not tools:
+        return None
+    chat = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise UnsupportedError(f"tools[{i}]: only function tools are supported, got {tool.get('type')!r}",
+                                   param=f"tools[{i}].type")
+        chat.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
+                                                      if tool.get(k) is not None}})
+    return chat
+
+
+def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`text.format` as chat's `response_format` (json_schema's fields move under `json_schema`)."""
+    fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise InvalidRequestError("text.format must be an object", param="text.format")
+    if not fmt or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    return dict(fmt)
+
+
+def _template_kwargs(reasoning: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`reasoning.effort` "none" turns a reasoning template's thinking off; any other effort turns it on."""
+    effort = (reasoning or {}).get("effort")
+    return None if effort is None else {"enable_thinking": effort != "none"}
+
+
+# -- output ----------------------------------------------------------------------------------------
+
+
+def item_id(prefix: str) -> str:
+    """A fresh output item id (msg_..., fc_..., rs_...)."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def message_item(item: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """An assistant message item holding one output_text part."""
+    content = [output_text_part(text)] if status == "completed" else []
+    return {"id": item, "type": "message", "status": status, "role": "assistant", "content": content}
+
+
+def output_text_part(text: str = "") -> dict[str, Any]:
+    """An output_text content part."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def reasoning_item(item: str, text: str | None = None) -> dict[str, Any]:
+    """A reasoning item: its text as one reasoning_text part (none while it streams)."""
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"id": item, "type": "reasoning", "summary": [], "content": content}
+
+
+def function_call_item(item: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    """A function_call item (call_id is what the client's function_call_output answers)."""
+    return {"id": item, "type": "function_call", "status": status, "call_id": call_id, "name": name,
+            "arguments": arguments}
+
+
+def output_items(parts: ChatMessageParts) -> list[dict[str, Any]]:
+    """The output of a whole response: reasoning, the message, then each function call."""
+    items = [reasoning_item(item_id("rs"), parts.reasoning_content)] if parts.reasoning_content else []
+    if parts.content or not parts.tool_calls:
+        items.append(message_item(item_id("msg"), parts.content or ""))
+    items += [_call_item(call) for call in parts.tool_calls]
+    return items
+
+
+def _call_item(call: ToolCall) -> dict[str, Any]:
+    return function_call_item(item_id("fc"), call.id, call.name, call.arguments)
+
+
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """The Responses usage object (reasoning tokens are not counted apart)."""
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": input_tokens + output_tokens}
+
+
+def status_of(finish_reason: str | None) -> str:
+    """A response that hit its token limit is incomplete; otherwise it completed."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def response_object(response_id: str, created: int, model: str, req: ResponsesRequest, *, status: str,
+                    output: list[dict[str, Any]], usage_: dict[str, Any] | None) -> dict[str, Any]:
+    """A `response` object; the request's settings are echoed back as OpenAI does."""
+    return {"id": response_id, "object": "response", "created_at": created, "status": status, "model": model,
+            "output": output, "usage": usage_, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "temperature": req.temperature, "top_p": req.top_p, "tools": req.tools or [],
+            "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "text": req.text or {"format": {"type": "text"}}, "reasoning": req.reasoning, "store": False,
+            "background": False, "previous_response_id": None, "metadata": req.metadata or {},
+            "truncation": "disabled", "user": req.user}

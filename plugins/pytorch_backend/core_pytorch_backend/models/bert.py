@@ -1,0 +1,138 @@
+"""BERT-family encoders (BertModel: all-MiniLM, BGE, E5 ...): bidirectional attention, no KV cache.
+
+The model only encodes: `forward(input_ids, attention_mask)` returns the last layer's hidden states of a
+padded batch, every token attending to every non-padding token. Module names mirror transformers' own, so
+a checkpoint's tensors load by name (a ``bert.`` prefix, the pooler and the MLM head are dropped). It runs
+on the pooling path (core_pytorch_backend.pooling_runner), never through the generation scheduler.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SKIPPED_PREFIXES = ("pooler.", "cls.")  # the NSP pooler and the MLM head: sentence embeddings use neither
+SKIPPED_SUFFIXES = ("position_ids",)  # a buffer some checkpoints save
+ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class _Embeddings(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        types = torch.zeros_like(input_ids)  # one segment: embeddings never pair two texts in one input
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings(types)
+        return self.LayerNorm(x)
+
+
+class _SelfAttention(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.heads = config.num_attention_heads
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        batch, length, hidden = x.shape
+        q, k, v = (p(x).view(batch, length, self.heads, -1).transpose(1, 2) for p in (self.query, self.key, self.value))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1 / math.sqrt(hidden // self.heads))
+        return out.transpose(1, 2).reshape(batch, length, hidden)
+
+
+class _Output(nn.Module):
+    """dense -> residual add -> LayerNorm (the attention's and the feed-forward's output)."""
+
+    def __init__(self, inputs: int, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.dense = nn.Linear(inputs, hidden)
+        self.LayerNorm = nn.LayerNorm(hidden, eps=eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class _Attention(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.self = _SelfAttention(config)
+        self.output = _Output(config.hidden_size, config.hidden_size, config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.output(self.self(x, mask), x)
+
+
+class _Intermediate(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class _Layer(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.attention = _Attention(config)
+        self.intermediate = _Intermediate(config)
+        self.output = _Output(config.intermediate_size, config.hidden_size, config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.attention(x, mask)
+        return self.output(self.intermediate(x), x)
+
+
+class _Encoder(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(_Layer(config) for _ in range(config.num_hidden_layers))
+
+
+class BertModel(nn.Module):
+    """The BERT encoder: embeddings, then bidirectional transformer layers (post-LayerNorm)."""
+
+    is_encoder = True  # no KV cache, no generation: the backend serves it on the pooling path
+
+    def __init__(self, config: Any, ops: Any = None) -> None:
+        super().__init__()
+        if getattr(config, "position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"position_embedding_type {config.position_embedding_type!r} is not supported")
+        self.config = config
+        self.embeddings = _Embeddings(config)
+        self.encoder = _Encoder(config)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Hidden states [batch, length, hidden] of a right-padded batch (`attention_mask` 1 on real tokens)."""
+        x = self.embeddings(input_ids)
+        mask = attention_mask[:, None, None, :].bool()  # every query sees every real key, none of the padding
+        for layer in self.encoder.layer:
+            x = layer(x, mask)
+        return x
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load transformers-named tensors; raises on unknown names and on parameters left unloaded."""
+        params = dict(self.named_parameters())
+        pending = set(params)
+        for name, tensor in weights:
+            name = name.removeprefix("bert.")
+            if name.startswith(SKIPPED_PREFIXES) or name.endswith(SKIPPED_SUFFIXES):
+                continue
+            if name not in params:
+                raise ValueError(f"unexpected tensor {name!r} in a BertModel checkpoint")
+            params[name].data.copy_(tensor)
+            pending.discard(name)
+        if pending:
+            raise ValueError(f"the checkpoint lacks {len(pending)} tensors, e.g. {sorted(pending)[:3]}")

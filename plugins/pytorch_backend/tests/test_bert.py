@@ -1,0 +1,68 @@
+"""The BERT encoder against transformers' BertModel on a tiny random checkpoint: hidden states of a padded
+batch, each pooling method, and the backend factory's choice of the encoder backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.config import EngineConfig
+from core.pooling import PoolingConfig
+from core_pytorch_backend.backend_choice import make_backend
+from core_pytorch_backend.encoder_backend import PytorchEncoderBackend
+from core_pytorch_backend.loader import load_checkpoint
+from core_pytorch_backend.pooling_runner import PoolingRunner
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-bert")
+    transformers.BertModel(config).eval().save_pretrained(path)
+    return path
+
+
+PROMPTS = [[2, 5, 7, 9, 3], [2, 11, 3], [2, 4, 4, 4, 4, 4, 4, 3]]
+
+
+def _reference(path: Path) -> list[torch.Tensor]:
+    model = transformers.BertModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([p])).last_hidden_state[0] for p in PROMPTS]
+
+
+def test_hidden_states_match_transformers_in_a_padded_batch(tiny_bert: Path):
+    model = load_checkpoint(tiny_bert, dtype="float32").model
+    ids = torch.zeros(len(PROMPTS), 8, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(PROMPTS):
+        ids[i, :len(p)], mask[i, :len(p)] = torch.tensor(p), 1
+    with torch.no_grad():
+        hidden = model(ids, mask)
+    for i, expected in enumerate(_reference(tiny_bert)):
+        torch.testing.assert_close(hidden[i, :len(PROMPTS[i])], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["mean", "cls", "last"])
+def test_each_pooling_method(tiny_bert: Path, method: str):
+    model = load_checkpoint(tiny_bert, dtype="float32").model
+    runner = PoolingRunner(model, PoolingConfig(method, normalize=True), torch.device("cpu"), max_batch_tokens=10)
+    vectors = runner.run(PROMPTS)  # 10 tokens a batch: several batches
+    for vector, hidden in zip(vectors, _reference(tiny_bert), strict=True):
+        pooled = {"mean": hidden.mean(0), "cls": hidden[0], "last": hidden[-1]}[method]
+        torch.testing.assert_close(torch.tensor(vector), torch.nn.functional.normalize(pooled, dim=0), atol=1e-5,
+                                   rtol=1e-5)
+    runner.close()
+
+
+def test_the_factory_serves_an_encoder_on_the_pooling_path(tiny_bert: Path):
+    backend = make_backend(EngineConfig(model=str(tiny_bert)))
+    assert isinstance(backend, PytorchEncoderBackend) and not backend.supports_generation
+    assert backend.pooling == PoolingConfig("mean", normalize=True)  # no sentence-transformers files
+    assert backend.model_info.max_model_len == 64

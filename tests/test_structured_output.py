@@ -1,0 +1,117 @@
+"""Structured output without a model: the spec, the request fields, forced tool calls, the compile cache,
+the engine hook and its resolver, and the 400 of an engine that cannot constrain."""
+
+from __future__ import annotations
+
+import pytest
+
+from core import GenerationConfig, hookimpl
+from core.errors import InvalidRequestError, PluginError, UnsupportedError
+from core.parsers import ToolCallFormat
+from core.plugins import load_plugins
+from core.resolve import structured_output_engine
+from core.server import structured_fields as sf
+from core.structured_output import Constraint, ConstraintCompiler, ConstraintError, StructuredOutput, StructuredOutputEngine
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+         {"type": "function", "function": {"name": "g"}}]
+
+
+def test_a_spec_sets_exactly_one_constraint_and_equal_specs_share_a_key():
+    with pytest.raises(InvalidRequestError):
+        StructuredOutput()
+    with pytest.raises(InvalidRequestError) as info:
+        StructuredOutput(regex="a", choice=["b"], param="structured_outputs")
+    assert info.value.param == "structured_outputs"
+    with pytest.raises(InvalidRequestError):
+        StructuredOutput(choice=[])
+    assert StructuredOutput(json='{"b": 1, "a": 2}').key == StructuredOutput(json={"a": 2, "b": 1}).key
+    assert StructuredOutput(choice=["x"]).kind == "choice"
+    assert GenerationConfig(structured_output=StructuredOutput(regex="a")).structured_output.regex == "a"
+    with pytest.raises(InvalidRequestError):
+        GenerationConfig(structured_output={"regex": "a"})
+
+
+def test_openai_and_vllm_fields():
+    assert sf.response_format_constraint({"type": "text"}) is None
+    assert sf.response_format_constraint({"type": "json_object"}).json_object
+    spec = sf.response_format_constraint({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string"}}})
+    assert spec.json == {"type": "string"} and spec.param == "response_format.json_schema.schema"
+    assert sf.vllm_constraint({"guided_choice": ["a", "b"]}).choice == ("a", "b")
+    assert sf.vllm_constraint({"structured_outputs": {"regex": "a+"}}).param == "structured_outputs.regex"
+    with pytest.raises(UnsupportedError):
+        sf.vllm_constraint({"structured_outputs": {"structural_tag": "x"}})
+    with pytest.raises(InvalidRequestError) as info:
+        sf.one_constraint(StructuredOutput(regex="a", param="response_format"),
+                          StructuredOutput(regex="b", param="guided_regex"))
+    assert info.value.param == "guided_regex"
+
+
+def test_forced_tool_calls_use_the_parsers_format():
+    hermes = ToolCallFormat("<tool_call>\n", "\n</tool_call>")
+    spec = sf.tool_call_constraint(TOOLS, "g", hermes)
+    assert spec.prefix == "<tool_call>\n" and spec.suffix == "\n</tool_call>"
+    assert spec.json["properties"]["name"] == {"const": "g"}
+    assert len(sf.tool_call_constraint(TOOLS, None, ToolCallFormat(arguments_key="parameters")).json["anyOf"]) == 2
+    with pytest.raises(InvalidRequestError):
+        sf.tool_call_constraint(TOOLS, "nope", hermes)
+    with pytest.raises(InvalidRequestError):
+        sf.tool_call_constraint(None, None, hermes)
+    with pytest.raises(UnsupportedError):
+        sf.tool_call_constraint(TOOLS, None, None)
+
+
+class NoMatcher(Constraint):
+    def matcher(self, stop_token_ids):
+        raise NotImplementedError
+
+
+class CountingEngine(StructuredOutputEngine):
+    def __init__(self, tokenizer, vocab_size):
+        self.compiled = []
+
+    def compile(self, spec):
+        if spec.regex == "(":
+            raise ConstraintError("the parenthesis is not closed")
+        self.compiled.append(spec.key)
+        return NoMatcher()
+
+
+def test_each_distinct_spec_compiles_once_and_errors_name_the_field():
+    engines = []
+    compiler = ConstraintCompiler("counting", lambda t, v: engines.append(CountingEngine(t, v)) or engines[-1], None, 8)
+    first = compiler.compile(StructuredOutput(regex="a"))
+    assert compiler.compile(StructuredOutput(regex="a")) is first
+    compiler.compile(StructuredOutput(regex="b"))
+    assert len(engines) == 1 and len(engines[0].compiled) == 2
+    with pytest.raises(InvalidRequestError) as info:
+        compiler.compile(StructuredOutput(regex="(", param="guided_regex"))
+    assert info.value.param == "guided_regex" and "parenthesis" in str(info.value)
+
+
+def test_hook_core_register_structured_output_engines():
+    class Low:
+        @hookimpl
+        def core_register_structured_output_engines(self, register):
+            register("low", CountingEngine, priority=1)
+
+    class High:
+        @hookimpl
+        def core_register_structured_output_engines(self, register):
+            register("high", "tests.test_structured_output:CountingEngine", priority=5, description="x")
+
+    host = load_plugins(allow="", use_environment=False)
+    assert structured_output_engine(host, None) is None
+    host.register(Low())
+    host.register(High())
+    assert structured_output_engine(host, None).name == "high"
+    assert structured_output_engine(host, "low").load() is CountingEngine
+    with pytest.raises(PluginError, match="low, high|high, low"):
+        structured_output_engine(host, "nope")
+
+
+async def test_a_backend_that_cannot_constrain_answers_400(engine):
+    config = GenerationConfig(max_new_tokens=2, structured_output=StructuredOutput(regex="a"))
+    with pytest.raises(UnsupportedError) as info:
+        await engine.prepare("hi", config)
+    assert info.value.param == "structured_output"
