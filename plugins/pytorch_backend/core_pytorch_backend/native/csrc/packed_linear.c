@@ -63,10 +63,12 @@ const char *core_packed_variant(void) {
 }
 
 /* Activations quantized: q1 and q2 [M][Kp] int8 (the two steps), d [M][G] (the combined code's scale,
- * max|x| / 127^2) and sum [M][G] (the group's float sum). */
+ * max|x| / 127^2), sum [M][G] (the group's float sum) and csum [M][G] (the codes' own combined sum,
+ * 127 sum(q1) + sum(q2): what the AVX2 loop's centred 8-bit codes leave out). */
 typedef struct {
     int8_t *q1, *q2;
     float *d, *sum;
+    int32_t *csum;
     int64_t kp, groups;
 } acts_t;
 
@@ -85,7 +87,8 @@ static inline float load_x(const void *x, int dtype, int64_t index) {
 }
 
 /* one group's codes, scale and sum from its 32 floats (plain C: the reference, and a partial last group) */
-static void quantize_group_generic(const float *buf, int8_t *q1, int8_t *q2, float *d_out, float *sum_out) {
+static void quantize_group_generic(const float *buf, int8_t *q1, int8_t *q2, float *d_out, float *sum_out,
+                                   int32_t *csum_out) {
     float amax = 0.f;
     for (int j = 0; j < GROUP; ++j) {
         float v = fabsf(buf[j]);
@@ -93,6 +96,7 @@ static void quantize_group_generic(const float *buf, int8_t *q1, int8_t *q2, flo
     }
     const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
     float total = 0.f;
+    int32_t codes = 0;
     for (int j = 0; j < GROUP; ++j) {
         int v = (int)lrintf(buf[j] * inv);
         v = v > 127 ? 127 : (v < -127 ? -127 : v);
@@ -101,9 +105,11 @@ static void quantize_group_generic(const float *buf, int8_t *q1, int8_t *q2, flo
         q1[j] = (int8_t)v;
         q2[j] = (int8_t)rest;
         total += buf[j];
+        codes += 127 * v + rest;
     }
     *d_out = d / 127.f;
     *sum_out = total;
+    *csum_out = codes;
 }
 
 #if defined(__AVX2__)
@@ -135,8 +141,14 @@ static inline void store_codes(int8_t *out, const __m256i v[4]) {
 
 /* The same as quantize_group_generic (the same rounding of the same products: codes equal), 8 lanes at
  * a time; only the group's sum is added up in another order. */
+static inline int32_t hsum8_epi32(__m256i v) {
+    __m128i m = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(m, _mm_shuffle_epi32(m, 0xb1)));
+}
+
 static void quantize_group_simd(const void *x, int dtype, int64_t index, int8_t *q1, int8_t *q2, float *d_out,
-                                float *sum_out) {
+                                float *sum_out, int32_t *csum_out) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
     __m256 v[4], amax = _mm256_setzero_ps();
@@ -156,6 +168,10 @@ static void quantize_group_simd(const void *x, int dtype, int64_t index, int8_t 
     }
     store_codes(q1, c1);
     store_codes(q2, c2);
+    const __m256i k = _mm256_set1_epi32(127);
+    __m256i codes = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) codes = _mm256_add_epi32(codes, _mm256_add_epi32(_mm256_mullo_epi32(c1[i], k), c2[i]));
+    *csum_out = hsum8_epi32(codes);
     *d_out = d / 127.f;
     *sum_out = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
 }
@@ -165,10 +181,12 @@ static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, acts_
     float buf[GROUP];
     int8_t *q1 = a->q1 + row * a->kp, *q2 = a->q2 + row * a->kp;
     float *d = a->d + row * a->groups, *sum = a->sum + row * a->groups;
+    int32_t *csum = a->csum + row * a->groups;
     for (int64_t g = 0; g < a->groups; ++g) {
 #if defined(__AVX2__)
         if (!reference && (g + 1) * GROUP <= k) {
-            quantize_group_simd(x, dtype, row * k + g * GROUP, q1 + g * GROUP, q2 + g * GROUP, d + g, sum + g);
+            quantize_group_simd(x, dtype, row * k + g * GROUP, q1 + g * GROUP, q2 + g * GROUP, d + g, sum + g,
+                                csum + g);
             continue;
         }
 #endif
@@ -176,7 +194,7 @@ static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, acts_
             int64_t col = g * GROUP + j;
             buf[j] = col < k ? load_x(x, dtype, row * k + col) : 0.f;
         }
-        quantize_group_generic(buf, q1 + g * GROUP, q2 + g * GROUP, d + g, sum + g);
+        quantize_group_generic(buf, q1 + g * GROUP, q2 + g * GROUP, d + g, sum + g, csum + g);
     }
 }
 
@@ -187,7 +205,8 @@ static int quantize_acts(const void *x, int dtype, int64_t m, int64_t k, int64_t
     a->q2 = malloc((size_t)(m * kp));
     a->d = malloc((size_t)(m * a->groups) * sizeof(float));
     a->sum = malloc((size_t)(m * a->groups) * sizeof(float));
-    if (!a->q1 || !a->q2 || !a->d || !a->sum) return ERR_MEMORY;
+    a->csum = malloc((size_t)(m * a->groups) * sizeof(int32_t));
+    if (!a->q1 || !a->q2 || !a->d || !a->sum || !a->csum) return ERR_MEMORY;
 #pragma omp parallel for schedule(static) if (m * k > 65536)
     for (int64_t row = 0; row < m; ++row) quantize_row(x, dtype, row, k, a, reference);
     return OK;
@@ -198,6 +217,7 @@ static void free_acts(acts_t *a) {
     free(a->q2);
     free(a->d);
     free(a->sum);
+    free(a->csum);
 }
 
 /* the activation codes at input `at` of row `row`, 4 bytes as one int32 (read in place, so that the
@@ -298,14 +318,21 @@ static inline __m256 fold_group(__m256 acc, __m256i hi, __m256i lo, __m256 s, __
     return _mm256_fmadd_ps(o, _mm256_set1_ps(sum), acc);
 }
 
-/* Half h (rows 8h..8h+7) of a block. 4-bit codes fit vpmaddubsw's int16 pairs (15 * 127 * 2); 8-bit
- * codes are split into their two nibbles (q = 16 high + low), each dot taken as for 4 bits. */
 /* 8 scales (or offsets) from element `index` */
 static inline __m256 load8_scales(const void *p, int dtype, int64_t index) {
     if (dtype == DT_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + index)));
     return _mm256_loadu_ps((const float *)p + index);
 }
 
+/* 8 rows' dots of 4 inputs with centred 8-bit codes c = q - 128 (s8): |c| (u8, <= 128) times x with c's
+ * sign, so that vpmaddubsw's int16 pairs cannot saturate (128 * 127 * 2 < 32768) */
+static inline __m256i centred_dot4(__m256i magnitude, __m256i centred, int32_t x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(_mm256_set1_epi32(x), centred)),
+                             _mm256_set1_epi16(1));
+}
+
+/* Half h (rows 8h..8h+7) of a block. 4-bit codes fit vpmaddubsw's int16 pairs (15 * 127 * 2) as they
+ * are; 8-bit codes are centred (q - 128) and the activation codes' sum times 128 added back. */
 static inline __attribute__((always_inline)) void half_dots(const uint8_t *block, int bits, scales_t w, int64_t base,
                                                              const acts_t *a, int64_t m0, int tile, int h,
                                                              float out[][BLOCK]) {
@@ -327,14 +354,16 @@ static inline __attribute__((always_inline)) void half_dots(const uint8_t *block
                 }
             } else {
                 __m256i raw = _mm256_loadu_si256((const __m256i *)(block + (g * 8 + j) * STEP_BYTES + h * 32));
-                __m256i wl = _mm256_and_si256(raw, nibble), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+                __m256i centred = _mm256_xor_si256(raw, _mm256_set1_epi8((char)0x80)), magnitude = _mm256_abs_epi8(centred);
                 for (int i = 0; i < tile; ++i) {
-                    const int32_t x1 = x4(a->q1, kp, m0 + i, at), x2 = x4(a->q2, kp, m0 + i, at);
-                    hi[i] = _mm256_add_epi32(hi[i], _mm256_add_epi32(_mm256_slli_epi32(dot4(wh, x1), 4), dot4(wl, x1)));
-                    lo[i] = _mm256_add_epi32(lo[i], _mm256_add_epi32(_mm256_slli_epi32(dot4(wh, x2), 4), dot4(wl, x2)));
+                    hi[i] = _mm256_add_epi32(hi[i], centred_dot4(magnitude, centred, x4(a->q1, kp, m0 + i, at)));
+                    lo[i] = _mm256_add_epi32(lo[i], centred_dot4(magnitude, centred, x4(a->q2, kp, m0 + i, at)));
                 }
             }
         }
+        if (bits == 8) /* 127 hi + lo gains 128 (127 sum(q1) + sum(q2)) */
+            for (int i = 0; i < tile; ++i)
+                lo[i] = _mm256_add_epi32(lo[i], _mm256_set1_epi32(128 * a->csum[(m0 + i) * groups + g]));
         const int64_t at = base + g * BLOCK + h * 8;
         const __m256 sg = load8_scales(w.s, w.dtype, at), og = load8_scales(w.o, w.dtype, at);
         for (int i = 0; i < tile; ++i)
