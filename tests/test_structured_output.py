@@ -11,7 +11,13 @@ from core.parsers import ToolCallFormat
 from core.plugins import load_plugins
 from core.resolve import structured_output_engine
 from core.server import structured_fields as sf
-from core.structured_output import Constraint, ConstraintCompiler, ConstraintError, StructuredOutput, StructuredOutputEngine
+from core.structured_output import (
+    Constraint,
+    ConstraintCompiler,
+    ConstraintError,
+    StructuredOutput,
+    StructuredOutputEngine,
+)
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
          {"type": "function", "function": {"name": "g"}}]

@@ -3,6 +3,8 @@ logprobs from the model's own distribution, and the xgrammar engine's matcher be
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 
 from core.structured_output import ConstraintMatcher
@@ -49,3 +51,64 @@ def test_a_vocabulary_not_a_multiple_of_32():
     out = sample(logits, SamplingBatch.from_rows([SamplingRow(SamplingParams(temperature=0.0),
                                                               constraint=AllowOnly(49))]))
     assert out.token_ids == [49]
+
+
+class EveryThird(ConstraintMatcher):
+    """Token k of the output must be k modulo 3: a matcher with state, which a rebuilt or replayed matcher
+    would get wrong."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def fill_bitmask(self, bitmask, row):
+        for token in range(self.position % 3, bitmask.shape[1] * 32, 3):
+            bitmask[row, token // 32] |= 1 << (token % 32)
+
+    def accept_token(self, token_id):
+        if token_id % 3 != self.position % 3:
+            return False
+        self.position += 1
+        return True
+
+    def is_terminated(self):
+        return False
+
+
+class EveryThirdEngine:
+    def __init__(self, tokenizer, vocab_size):
+        pass
+
+    def compile(self, spec):
+        from core.structured_output import Constraint
+
+        class Compiled(Constraint):
+            def matcher(self, stop_token_ids):
+                return EveryThird()
+
+        return Compiled()
+
+
+async def test_constrained_requests_survive_preemption_and_fork(tiny_checkpoint_factory):
+    from core.config import EngineConfig, GenerationConfig
+    from core.engine import AsyncEngine
+    from core.response import collect
+    from core.structured_output import ConstraintCompiler, StructuredOutput
+    from core_pytorch_backend.backend import PytorchBackend
+
+    path = str(tiny_checkpoint_factory("qwen2"))
+    # 10 blocks of 16 tokens hold about three of these requests: the others are preempted and recomputed.
+    backend = PytorchBackend(EngineConfig(model=path, dtype="float32", kv_cache_memory_gib=10 * 8192 / 2**30,
+                                          max_model_len=160))
+    engine = AsyncEngine(backend, constraints=ConstraintCompiler("every-third", EveryThirdEngine, None, 0))
+    config = GenerationConfig(temperature=0.0, max_new_tokens=20, ignore_eos=True,
+                              structured_output=StructuredOutput(regex="unused by this engine"))
+    try:
+        prompts = [[(7 * i + j) % 90 + 3 for j in range(10 + 5 * i)] for i in range(10)]
+        results = await asyncio.gather(*(collect(engine.generate(p, config)) for p in prompts))
+        forked = await collect(engine.generate(prompts[0], config.replace(n=3, temperature=1.0, seed=1)))
+        for result in [*results, forked]:
+            for choice in result.choices:
+                assert len(choice.token_ids) == 20
+                assert [t % 3 for t in choice.token_ids] == [k % 3 for k in range(20)], choice.token_ids
+    finally:
+        await engine.close()
