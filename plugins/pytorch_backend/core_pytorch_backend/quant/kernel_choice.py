@@ -105,7 +105,3 @@ def packed_kernel() -> PackedKernel:
              torch.backends.cpu.get_cpu_capability())
     return chosen
 
-
-def fastest_packed_dtype() -> torch.dtype:
-    """The dtype a model with packed weights runs in on this CPU (``packed_kernel().dtype``)."""
-    return packed_kernel().dtype
