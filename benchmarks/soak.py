@@ -43,9 +43,8 @@ from typing import Any
 
 import httpx
 
-from core.server.metrics import parse_metrics
-from core.server.sse import parse_sse
 from core.testing import wire
+from core.testing.parse import parse_metrics, parse_sse
 
 PROMPTS = ["Tell me a story about a robot.", "What is the capital of France?", "List three colours.",
            "Write a haiku about the sea.", "Explain recursion briefly.", "Count from one to ten.",

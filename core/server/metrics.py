@@ -161,13 +161,3 @@ def _sample(name: str, kind: str, help_text: str, value: float) -> list[str]:
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Sample name (with labels) -> value; for tests and quick checks."""
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
-    return samples

@@ -21,18 +21,3 @@ def sse_data(payload: Any) -> str:
 def sse_event(event: str, payload: Any) -> str:
     """One named event (Anthropic streams): `event: NAME` then its data."""
     return f"event: {event}\ndata: {_dumps(payload)}\n\n"
-
-
-def parse_sse(text: str) -> list[tuple[str | None, str]]:
-    """(event name, data) pairs of an SSE body; for tests and clients."""
-    events = []
-    for block in text.split("\n\n"):
-        name, data = None, []
-        for line in block.splitlines():
-            if line.startswith("event:"):
-                name = line[6:].strip()
-            elif line.startswith("data:"):
-                data.append(line[5:].strip())
-        if name is not None or data:
-            events.append((name, "\n".join(data)))
-    return events

@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from core.server.sse import parse_sse
+from core.testing.parse import parse_sse
 
 ANTHROPIC_ROUTES = "/v1/messages"
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 
-from core.server.metrics import parse_metrics
+from core.testing.parse import parse_metrics
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 

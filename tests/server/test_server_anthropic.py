@@ -7,7 +7,7 @@ import json
 import httpx
 from server_helpers import MESSAGES
 
-from core.server.sse import parse_sse
+from core.testing.parse import parse_sse
 
 BODY = {"max_tokens": 8, "temperature": 0.0, "messages": MESSAGES, "system": "Be brief."}
 EVENTS = ["message_start", "content_block_start", "content_block_delta", "content_block_stop", "message_delta",

@@ -15,7 +15,7 @@ from conftest import ServerSpec, run_server
 from server_helpers import assert_openai_error
 from test_server_tools import ENV, QWEN3_AUTO, QWEN25_TEMPLATE, TOOLS, ask
 
-from core.server.sse import parse_sse
+from core.testing.parse import parse_sse
 
 GREEDY = {"temperature": 0.0}
 RESPONSES_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]

@@ -11,7 +11,7 @@ import openai
 import pytest
 from server_helpers import MESSAGES, metrics, wait_counter, wait_idle
 
-from core.server.sse import parse_sse
+from core.testing.parse import parse_sse
 
 
 def test_metrics_counters_move_by_exactly_one_request(http: httpx.Client, client: openai.OpenAI, model: str):

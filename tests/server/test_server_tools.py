@@ -23,7 +23,7 @@ import pytest
 from conftest import HERE, ServerSpec, run_server
 from scripted_backend_plugin import say
 
-from core.server.sse import parse_sse
+from core.testing.parse import parse_sse
 
 pytest.importorskip("core_templates")
 

@@ -15,11 +15,12 @@ from core.server import anthropic_protocol as ap
 from core.server import openai_translate as tr
 from core.server.app import build_app
 from core.server.errors import Protocol, core_error_body, param_of, renamed_params, validation_to_core_error
-from core.server.metrics import Histogram, parse_metrics
+from core.server.metrics import Histogram
 from core.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from core.server.serving import collect_all, merge
-from core.server.sse import DONE, parse_sse, sse_data, sse_event
+from core.server.sse import DONE, sse_data, sse_event
 from core.testing.fake import FakeBackend
+from core.testing.parse import parse_metrics, parse_sse
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
