@@ -445,7 +445,7 @@ def soak(options: SoakOptions) -> SoakReport:
     if status != 0:
         report.failures.append(f"core serve exited with {status} after Ctrl-C")
     if "Traceback" in log:
-        report.failures.append(f"the server logged a traceback:\n{log[log.index('Traceback'):][:3000]}")
+        report.failures.append(f"the server logged a traceback:\n{_traceback_excerpt(log)}")
     return report
 
 
@@ -492,6 +492,16 @@ def parse_args(argv: Sequence[str]) -> SoakOptions:
     args = parser.parse_args(own)
     return SoakOptions(args.model, serve_args, {}, args.rounds, args.requests, args.concurrency,
                        args.abort_fraction, args.max_tokens, args.seed)
+
+
+def _traceback_excerpt(log: str, limit: int = 3000) -> str:
+    """The first traceback in ``log`` and the lines after it, cut in the middle when long: its last frames
+    and the exception line are what a reader needs, and a deep stack would push them out."""
+    text = log[log.index("Traceback"):]
+    lines = text.splitlines()
+    end = next((i for i, line in enumerate(lines) if i and line and not line.startswith((" ", "Traceback"))), None)
+    text = "\n".join(lines[: end + 1 + 10] if end is not None else lines)  # the exception and what followed
+    return text if len(text) <= limit else f"{text[: limit // 3]}\n  ...\n{text[-2 * limit // 3:]}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
