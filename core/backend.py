@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from core.adapters import AdapterInfo, LoraModule
 from core.config import GenerationConfig
 from core.errors import UnsupportedError
 from core.pooling import PoolingConfig
@@ -164,6 +165,22 @@ class Backend(ABC):
     supports_generation: bool = True
     #: How the model pools hidden states into embeddings (core.pooling), or None: it serves none.
     pooling: PoolingConfig | None = None
+    #: Whether the backend runs requests through LoRA adapters (`GenerationConfig.adapter`, core.adapters);
+    #: the engine refuses requests naming one, and loading one, with a 400 otherwise.
+    supports_adapters: bool = False
+
+    def adapters(self) -> Sequence[AdapterInfo]:
+        """The adapters loaded now (none unless `supports_adapters`)."""
+        return ()
+
+    async def load_adapter(self, module: LoraModule) -> AdapterInfo:
+        """Load `module` (its path already checked against the policy); a 400 naming the field for a bad
+        folder, and nothing of it stays loaded. The default refuses."""
+        raise UnsupportedError(f"the {type(self).__name__} backend does not serve LoRA adapters", param="model")
+
+    async def unload_adapter(self, name: str) -> None:
+        """Forget adapter `name`: a 404 if unknown, a 409 (AdapterInUseError) while requests use it."""
+        raise UnsupportedError(f"the {type(self).__name__} backend does not serve LoRA adapters", param="model")
 
     async def embed(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
         """One pooled vector per prompt (token ids, each within the context window), as `pooling` says,

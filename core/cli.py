@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from core import __version__
-from core.cli_options import add_engine_arguments, add_media_arguments, engine_config
+from core.cli_options import add_adapter_arguments, add_engine_arguments, add_media_arguments, engine_config
 from core.errors import CoreError, PluginError
 
 # -- plugins ---------------------------------------------------------------------------------------
@@ -150,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "503 with Retry-After (default: 1024)")
     add_engine_arguments(p)
     add_media_arguments(p)
+    add_adapter_arguments(p)
     p.set_defaults(run=cmd_serve)
 
     for name, help_text, run in (("generate", "generate a reply to one prompt", cmd_generate),

@@ -68,17 +68,36 @@ def add_media_arguments(parser: argparse.ArgumentParser) -> None:
                    default=MediaPolicy.fetch_timeout_s, metavar="SECONDS", help="time limit of one image fetch")
 
 
+def add_adapter_arguments(parser: argparse.ArgumentParser) -> None:
+    """LoRA adapters served beside the base model (core.adapters)."""
+    from core.adapters import AdapterPolicy
+
+    g = parser.add_argument_group("LoRA adapters")
+    g.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=[],
+                   help="PEFT adapter folders to load at start-up; a request's model NAME runs through one")
+    g.add_argument("--max-loras", type=int, default=AdapterPolicy.max_loras,
+                   help="adapters resident at once (others wait on host, least recently used evicted)")
+    g.add_argument("--max-lora-rank", type=int, default=AdapterPolicy.max_lora_rank, help="the largest rank accepted")
+    g.add_argument("--enable-runtime-lora", dest="runtime_loading", action="store_true",
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default)")
+    g.add_argument("--allowed-lora-path", dest="allowed_paths", nargs="+", metavar="DIR", default=[],
+                   help="folders runtime loading may read adapters from; default: none")
+
+
+ADAPTER_FLAGS = ("lora_modules", "max_loras", "max_lora_rank", "runtime_loading", "allowed_paths")
 MEDIA_FLAGS = ("allowed_media_domains", "allowed_local_media_path", "max_images_per_request", "max_image_bytes",
                "max_image_pixels", "fetch_timeout_s")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the parsed engine (and, where present, media) options describe."""
+    from core.adapters import AdapterPolicy
     from core.config import EngineConfig
     from core.media import MediaPolicy
 
     options = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name, None) is not None}
     media = MediaPolicy(**{name: getattr(args, name) for name in MEDIA_FLAGS if hasattr(args, name)})
+    adapters = AdapterPolicy(**{name: getattr(args, name) for name in ADAPTER_FLAGS if hasattr(args, name)})
     backend_options = {"enforce_eager": True} if args.enforce_eager else {}
     return EngineConfig(model=getattr(args, "model", None), enable_prefix_caching=not args.no_prefix_caching,
-                        backend_options=backend_options, media=media, **options)
+                        backend_options=backend_options, media=media, adapters=adapters, **options)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.adapters import AdapterPolicy, check_adapter_name
 from core.content_format import AUTO, check_content_format
 from core.errors import InvalidRequestError
 from core.media import MediaPolicy
@@ -74,6 +75,8 @@ class GenerationConfig:
     likeliest alternatives (the backend must support it; such a request does not read the prefix cache).
     structured_output constrains the output (a JSON schema, regex, choice or grammar; see
     core.structured_output); logprobs still report the model's own distribution, before the constraint.
+    adapter names a loaded LoRA adapter to run the request through (None: the base model; the backend
+    must support adapters, core.adapters).
     """
 
     n: int = 1
@@ -97,6 +100,7 @@ class GenerationConfig:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_output: StructuredOutput | None = None
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         self._normalise_sequences()
@@ -168,6 +172,8 @@ class GenerationConfig:
             raise InvalidRequestError("top_logprobs needs logprobs=True", param="top_logprobs")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise _fail("structured_output", self.structured_output, "a core.StructuredOutput")
+        if self.adapter is not None:
+            check_adapter_name(self.adapter, "adapter")
 
     @property
     def is_greedy(self) -> bool:
@@ -219,6 +225,8 @@ class EngineConfig:
         "auto" (detected from the template), "string" or "openai".
     :param structured_output_engine: a registered structured-output engine; None: the one of highest
         priority (xgrammar, from the pytorch backend plugin).
+    :param adapters: the LoRA adapters served (core.adapters.AdapterPolicy: start-up modules, slots,
+        maximum rank, runtime loading and its allowed paths).
     """
 
     model: str | None = None
@@ -240,6 +248,7 @@ class EngineConfig:
     allow_special_tokens_in_content: bool = False
     chat_template_content_format: str = AUTO
     structured_output_engine: str | None = None
+    adapters: AdapterPolicy = field(default_factory=AdapterPolicy)
 
     def __post_init__(self) -> None:
         self._normalise_names()
@@ -261,6 +270,8 @@ class EngineConfig:
         _check_bool("allow_special_tokens_in_content", self.allow_special_tokens_in_content)
         if not isinstance(self.media, MediaPolicy):
             raise _fail("media", self.media, "a core.media.MediaPolicy")
+        if not isinstance(self.adapters, AdapterPolicy):
+            raise _fail("adapters", self.adapters, "a core.adapters.AdapterPolicy")
 
     def _normalise_names(self) -> None:
         names, aliases = self.served_model_name, self.served_model_aliases

@@ -16,6 +16,7 @@ import logging
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
+from core.adapters import AdapterInfo, AdapterPolicy, LoraModule, check_adapter_name
 from core.backend import (
     WAKE_TAGS,
     Backend,
@@ -33,6 +34,7 @@ from core.errors import (
     EngineSleepingError,
     EngineUnavailableError,
     InvalidRequestError,
+    ModelNotFoundError,
     UnsupportedError,
 )
 from core.media import MediaPolicy
@@ -63,8 +65,10 @@ class AsyncEngine:
                  model_name: str | None = None, vision: VisionProcessor | None = None,
                  media_policy: MediaPolicy | None = None, allow_special_tokens_in_content: bool = False,
                  model_aliases: Sequence[str] = (), chat_template_content_format: str = "auto",
-                 constraints: ConstraintCompiler | str | None = None) -> None:
+                 constraints: ConstraintCompiler | str | None = None,
+                 adapter_policy: AdapterPolicy | None = None) -> None:
         self.backend = backend
+        self.adapter_policy = adapter_policy or AdapterPolicy()
         self.model_name = model_name or backend.model_info.name
         #: Every name clients may use: the reported name first, then the aliases.
         self.model_names = tuple(dict.fromkeys((self.model_name, *model_aliases)))
@@ -97,7 +101,8 @@ class AsyncEngine:
         return cls(backend, chat_template=template, model_name=config.served_model_name, vision=vision,
                    media_policy=config.media, allow_special_tokens_in_content=config.allow_special_tokens_in_content,
                    model_aliases=config.served_model_aliases,
-                   chat_template_content_format=config.chat_template_content_format, constraints=constraints)
+                   chat_template_content_format=config.chat_template_content_format, constraints=constraints,
+                   adapter_policy=config.adapters)
 
     # -- properties ---------------------------------------------------------------------------------
 
@@ -131,6 +136,33 @@ class AsyncEngine:
 
     def stats(self) -> BackendStats:
         return self.backend.stats()
+
+    # -- LoRA adapters (core.adapters) ------------------------------------------------------------------
+
+    def adapter_names(self) -> tuple[str, ...]:
+        """The LoRA adapters a request's model name may choose now."""
+        return tuple(info.name for info in self.backend.adapters())
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        """Load an adapter at run time: the policy must allow it and `path`; a name already served is a 400."""
+        module = LoraModule(check_adapter_name(name), self.adapter_policy.check_runtime_path(path))
+        if name in self.model_names:
+            raise InvalidRequestError(f"{name!r} is the base model's name", param="lora_name")
+        self._check_adapters_supported()
+        return await self.backend.load_adapter(module)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload an adapter at run time (a 409 while requests use it)."""
+        if not self.adapter_policy.runtime_loading:
+            raise InvalidRequestError("runtime LoRA loading is off; start the server with --enable-runtime-lora",
+                                      param="lora_name")
+        self._check_adapters_supported()
+        await self.backend.unload_adapter(name)
+
+    def _check_adapters_supported(self) -> None:
+        if not self.backend.supports_adapters:
+            raise UnsupportedError(f"the {type(self.backend).__name__} backend does not serve LoRA adapters",
+                                   param="model")
 
     # -- generate -----------------------------------------------------------------------------------
 
@@ -220,6 +252,10 @@ class AsyncEngine:
         if not self.backend.supports_generation:
             raise UnsupportedError(f"{self.model_name!r} is an encoder-only (embedding) model: it serves "
                                    "/v1/embeddings, /v1/score and /v1/rerank, not generation", param="model")
+        if config.adapter is not None:
+            self._check_adapters_supported()
+            if config.adapter not in self.adapter_names():
+                raise ModelNotFoundError(f"no LoRA adapter {config.adapter!r} is loaded", param="model")
         if config.prompt_logprobs is not None and not self.backend.supports_prompt_logprobs:
             raise UnsupportedError(f"the {type(self.backend).__name__} backend does not return prompt logprobs",
                                    param="prompt_logprobs")

@@ -84,6 +84,12 @@ class SessionConflictError(CoreError):
     code = ErrorCode.CONFLICT
 
 
+class AdapterInUseError(CoreError):
+    """An adapter cannot be unloaded while requests run through it (retry when they end)."""
+
+    code = ErrorCode.CONFLICT
+
+
 class ModelNotFoundError(CoreError):
     """The request names a model this server does not serve."""
 

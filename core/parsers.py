@@ -130,7 +130,21 @@ class _ResponseParser:
 
 
 class ReasoningParser(_ResponseParser, ABC):
-    """Splits one response into reasoning (e.g. between ``<think>`` tags) and content."""
+    """Splits one response into reasoning (e.g. between ``<think>`` tags) and content.
+
+    ``reasoning_end`` is the text that closes the reasoning section (None: the parser cannot say), so
+    that a structured-output constraint applies only to what follows it (`constraint_waits`).
+    """
+
+    reasoning_end: str | None = None
+
+    def constraint_waits(self) -> bool:
+        """After `start`: whether a constraint on this response waits for `reasoning_end` to be generated.
+        False (the constraint applies from the first token) without a `reasoning_end`, or when the prompt
+        already closed the reasoning section (it ends with `reasoning_end`, e.g. a template that writes an
+        empty ``<think></think>`` when thinking is off)."""
+        end = self.reasoning_end
+        return bool(end) and not self.context.prompt.rstrip().endswith(end)
 
     @abstractmethod
     def split(self, text: str) -> tuple[str | None, str]:

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mappin
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from core.adapters import AdapterPolicy
 from core.channel import ThreadChannel
 from core.config import EngineConfig, GenerationConfig
 from core.engine import AsyncEngine
@@ -21,6 +22,8 @@ from core.media import image_prompt_messages
 from core.request import RequestOutput, reject_removed_keywords
 from core.response import Response
 from core.stream import merge
+
+ADAPTER_OPTIONS = ("lora_modules", "max_loras", "max_lora_rank")  # pipeline() keywords of AdapterPolicy
 
 T = TypeVar("T")
 FAILED_FINISH_REASONS = ("abort", "error")
@@ -294,5 +297,12 @@ def _progress(total: int, show: bool) -> Any:
 
 
 def pipeline(model: str | None = None, *, backend: str | None = None, **engine_options: Any) -> Pipeline:
-    """A Pipeline serving `model` (a HF folder or GGUF file; None = the default model)."""
+    """A Pipeline serving `model` (a HF folder or GGUF file; None = the default model).
+
+    LoRA adapters: ``lora_modules={"name": path}`` (or ``["name=path"]``), ``max_loras``, ``max_lora_rank``
+    (core.adapters.AdapterPolicy); a request picks one with ``adapter="name"``.
+    """
+    policy = {key: engine_options.pop(key) for key in ADAPTER_OPTIONS if key in engine_options}
+    if policy:
+        engine_options["adapters"] = AdapterPolicy(**policy)
     return Pipeline.from_config(EngineConfig(model=model, backend=backend, **engine_options))

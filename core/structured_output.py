@@ -10,7 +10,8 @@ the default) compiles a spec for one tokenizer into a `Constraint`; each choice 
 `ConstraintMatcher` from it, which the backend's sampler asks for the allowed tokens every step (a packed
 bitmask, the layout xgrammar and llguidance share) and tells the token it sampled. `ConstraintCompiler`
 compiles each distinct spec once (an LRU cache on the engine, which is built for the served tokenizer)
-on the calling thread: the preparation thread, never the event loop or the backend's step.
+on the calling thread: the preparation thread, never the event loop or the backend's step. With a
+reasoning model the server wraps it (`Constraint.after`) so that it applies after the reasoning section.
 
 Nothing here imports torch or an engine.
 """
@@ -125,12 +126,34 @@ class ConstraintMatcher(ABC):
 
 
 class Constraint(ABC):
-    """A compiled spec, shared by every request (and choice) that asks for it."""
+    """A compiled spec, shared by every request (and choice) that asks for it.
+
+    ``starts_after`` is the token ids a choice generates, unconstrained, before the constraint applies to
+    it (a reasoning model's end of reasoning, e.g. ``</think>``); () applies it from the first token. A
+    backend creates a choice's matcher on the first sample after its output ends with them.
+    """
+
+    starts_after: tuple[int, ...] = ()
 
     @abstractmethod
     def matcher(self, stop_token_ids: Collection[int]) -> ConstraintMatcher:
         """A fresh matcher; once the constraint is complete it allows only `stop_token_ids` (none: it
         terminates without a stop token)."""
+
+    def after(self, marker: Sequence[int]) -> Constraint:
+        """This constraint, applied only once the output has generated the tokens `marker` (none: itself).
+        The compiled constraint is shared, so this is a new one around it."""
+        return _After(self, tuple(marker)) if marker else self
+
+
+class _After(Constraint):
+    """A constraint that starts after a marker (`Constraint.after`)."""
+
+    def __init__(self, inner: Constraint, marker: tuple[int, ...]) -> None:
+        self.inner, self.starts_after = inner, marker
+
+    def matcher(self, stop_token_ids: Collection[int]) -> ConstraintMatcher:
+        return self.inner.matcher(stop_token_ids)
 
 
 class StructuredOutputEngine(ABC):

@@ -135,6 +135,13 @@ class Scheduler:
         """Queue a new sequence (it joins the batch at the next ``schedule``)."""
         if seq.seq_id in self._seqs:
             raise ValueError(f"sequence {seq.seq_id!r} is already scheduled")
+        self.check(seq)
+        seq.status = SequenceStatus.WAITING
+        self._seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def check(self, seq: Sequence) -> None:
+        """Raise ``ValueError`` if ``add`` would refuse ``seq`` as one that can never run."""
         if self._exceeds_cache(seq):
             bm = self.block_manager
             raise ValueError(
@@ -147,9 +154,6 @@ class Scheduler:
                 f"sequence {seq.seq_id!r}: a span of {longest} tokens that must be computed in one step "
                 f"(e.g. an image) exceeds max_num_batched_tokens={self.max_num_batched_tokens}; raise it"
             )
-        seq.status = SequenceStatus.WAITING
-        self._seqs[seq.seq_id] = seq
-        self.waiting.append(seq)
 
     def abort(self, seq_id: str) -> Sequence | None:
         """Drop a waiting or running sequence at once, freeing its blocks."""
@@ -261,11 +265,13 @@ class Scheduler:
 
     # ---------------------------------------------------------------- update
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> None:
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int | None]) -> None:
         """Record that ``output`` ran: advance each chunk, cache full blocks, append samples.
 
         ``sampled`` maps ``seq_id`` to the token sampled for every chunk with
         ``samples``; sequences finished or aborted since ``schedule`` are skipped.
+        None instead of a token ends a prefill-only sequence (a pooling request)
+        with this chunk: its blocks are cached, then freed (``finish``).
         """
         live = [s for s in output.scheduled if s.seq.status is SequenceStatus.RUNNING]
         missing = [s.seq.seq_id for s in live if s.samples and s.seq.seq_id not in sampled]
@@ -276,5 +282,8 @@ class Scheduler:
             seq = s.seq
             seq.num_computed_tokens = s.start + s.num_new_tokens
             bm.cache_computed_blocks(seq)
-            if s.samples:
-                seq.append_token(sampled[seq.seq_id])
+            token = sampled[seq.seq_id] if s.samples else None
+            if token is not None:
+                seq.append_token(token)
+            elif s.samples:
+                self.finish(seq)

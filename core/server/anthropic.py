@@ -60,7 +60,7 @@ def _messages_plan(req: ap.MessagesRequest, call_format: ToolCallFormat | None) 
     tools, template_kwargs = ap.chat_tools(req), ap.chat_template_kwargs(req)
     config = ap.generation_config(req, ap.forced_tool_call(req, tools, call_format))
     chat, names = ap.translate_messages(req)
-    return Plan([chat], config, {"tools": tools, "chat_template_kwargs": template_kwargs}, names)
+    return Plan([chat], config, {"tools": tools, "chat_template_kwargs": template_kwargs}, names, reasoning=True)
 
 
 async def _message_events(message_id: str, model: str, input_tokens: int, source: AsyncIterator[RequestOutput],

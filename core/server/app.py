@@ -11,7 +11,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core import __version__
 from core.engine import AsyncEngine
-from core.server import admin, anthropic, embeddings, info, openai, responses, webui
+from core.server import adapters, admin, anthropic, embeddings, info, openai, responses, webui
 from core.server.errors import error_body, install_error_handlers, protocol_for_path
 from core.server.limits import ServerLimits
 from core.server.metrics import Metrics
@@ -80,7 +80,7 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None, reasoning_pars
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _on_client_disconnected)
     for router in (openai.router, responses.router, embeddings.router, anthropic.router, admin.router,
-                   info.router):
+                   info.router, adapters.router):
         app.include_router(router)
     if web_ui:
         app.include_router(webui.router)

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 
 from core.pooling import Embedding, cosine, truncate
 from core.server import embeddings_protocol as ep
+from core.server import openai_translate as tr
 from core.server.serving import check_model, parse_body, state_of, until_disconnected
 
 router = APIRouter()
@@ -26,7 +27,7 @@ async def embeddings(request: Request) -> dict[str, Any]:
     state = state_of(request)
     req = await parse_body(request, ep.EmbeddingRequest)
     check_model(state, req.model)
-    results = await _embed(request, ep.embedding_inputs(req.input))
+    results = await _embed(request, tr.completion_prompts(req.input, param="input"))  # a prompt's shapes
     pooling = state.engine.backend.pooling
     assert pooling is not None  # engine.embed refused otherwise
     vectors = [ep.encode_vector(truncate(r.vector, req.dimensions, pooling), req.encoding_format) for r in results]

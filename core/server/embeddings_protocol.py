@@ -44,17 +44,6 @@ class RerankRequest(BaseModel):
     top_n: int | None = None
 
 
-def embedding_inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
-    """The independent inputs of an embedding request: a string or one token list is one input."""
-    if isinstance(value, str):
-        return [value]
-    if not value:
-        raise InvalidRequestError("input must not be empty", param="input")
-    if all(isinstance(v, int) for v in value):
-        return [list(value)]  # type: ignore[arg-type]
-    return list(value)  # type: ignore[arg-type]
-
-
 def encode_vector(vector: Sequence[float], encoding_format: str) -> list[float] | str:
     """A vector as floats, or (base64) its little-endian float32 bytes, as OpenAI encodes it."""
     if encoding_format == "base64":

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from core.adapters import AdapterInfo
 from core.errors import CoreError
 from core.parsers import ToolCallFormat
 from core.request import RequestOutput
@@ -60,7 +61,14 @@ def model_card(state: ServerState, name: str) -> dict[str, Any]:
 async def list_models(request: Request) -> dict[str, Any]:
     """The model this server serves, once under each of its names."""
     state = state_of(request)
-    return {"object": "list", "data": [model_card(state, name) for name in state.model_names]}
+    cards = [model_card(state, name) for name in state.model_names]
+    return {"object": "list", "data": cards + [adapter_card(state, a) for a in state.engine.backend.adapters()]}
+
+
+def adapter_card(state: ServerState, adapter: AdapterInfo) -> dict[str, Any]:
+    """A LoRA adapter's `model` object (vLLM's shape: `root` its folder, `parent` the base model)."""
+    return {"id": adapter.name, "object": "model", "created": STARTED, "owned_by": "core", "root": adapter.path,
+            "parent": state.model_name, "max_model_len": state.engine.model_info.max_model_len}
 
 
 @router.get("/v1/models/{model_id:path}")
@@ -97,7 +105,7 @@ def chat_plan(req: ChatCompletionRequest, call_format: ToolCallFormat | None = N
     tools = tr.check_tool_choice(req)
     config = tr.chat_generation_config(req, tr.forced_tool_call(req, tools, call_format))
     return Plan([req.messages], config, {"tools": tools, "chat_template_kwargs": req.chat_template_kwargs,
-                                         "add_generation_prompt": req.add_generation_prompt})
+                                         "add_generation_prompt": req.add_generation_prompt}, reasoning=True)
 
 
 def chat_response(state: ServerState, response_id: str, result: EngineResponse,

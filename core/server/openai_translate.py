@@ -178,12 +178,14 @@ def forced_tool_call(req: ChatCompletionRequest, tools: list[dict[str, Any]] | N
     return sf.tool_call_constraint(tools, name, call_format)
 
 
-def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
-    """The independent prompts of a completion request: a string or token list is one."""
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]],
+                       param: str = "prompt") -> list[str | list[int]]:
+    """The independent prompts of a completion request (or the inputs of an embedding request, which
+    come in the same shapes; `param` names the field): a string or token list is one."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise InvalidRequestError("prompt must not be empty", param="prompt")
+        raise InvalidRequestError(f"{param} must not be empty", param=param)
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]  # type: ignore[arg-type]
     return list(prompt)  # type: ignore[arg-type]

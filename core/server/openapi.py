@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from core.server import adapters
 from core.server import anthropic_protocol as ap
 from core.server import embeddings_protocol as ep
 from core.server import openai_protocol as op
@@ -32,6 +33,8 @@ REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/tokenize": op.TokenizeRequest,
     "/detokenize": op.DetokenizeRequest,
     "/abort": op.AbortRequest,
+    "/v1/load_lora_adapter": adapters.LoadLoraAdapterRequest,
+    "/v1/unload_lora_adapter": adapters.UnloadLoraAdapterRequest,
 }
 QUERY_PARAMETERS: dict[str, list[dict[str, Any]]] = {
     "/sleep": [{"name": "level", "in": "query", "required": False,

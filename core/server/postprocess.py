@@ -14,6 +14,7 @@ its choice falls back to plain text, so a response never fails because of parsin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -184,6 +185,19 @@ class Postprocessors:
     def tool_call_format(self) -> ToolCallFormat | None:
         """How the tool-call parser reads one call (a forced tool_choice is generated in it), or None."""
         return None if self.tools is None else self.tools(self.tokenizer).call_format
+
+    def gate_constraint(self, prepared: PreparedRequest) -> PreparedRequest:
+        """`prepared` with its constraint applied only after the reasoning section, when the reasoning parser
+        says the response starts with one (`ReasoningParser.constraint_waits`): the constraint starts once
+        the output has generated the parser's `reasoning_end` (as the tokenizer's ids), as vLLM does."""
+        if prepared.constraint is None or self.reasoning is None or self.tokenizer is None:
+            return prepared
+        context = ParseContext(prepared.prompt_text, prepared.tools, dict(prepared.chat_template_kwargs))
+        parser = self.reasoning(self.tokenizer).start(context)
+        if not parser.constraint_waits() or not parser.reasoning_end:
+            return prepared
+        marker = self.tokenizer.encode(parser.reasoning_end, add_special_tokens=False)
+        return dataclasses.replace(prepared, constraint=prepared.constraint.after(marker))
 
     def for_prepared(self, prepared: PreparedRequest) -> ChatPostprocessor:
         """The postprocessor of a prepared request: its prompt as rendered, its tools and template switches."""

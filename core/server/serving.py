@@ -6,6 +6,7 @@ streams, watching for clients that leave, and SSE responses that clean up after 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -34,6 +35,7 @@ T = TypeVar("T")
 Body = TypeVar("Body")
 REQUEST_ID_HEADER = "X-Request-Id"
 PARSE_OFF_LOOP_BYTES = 64 * 1024  # larger bodies are parsed on a thread, so the event loop runs on
+Gate = Callable[[PreparedRequest], PreparedRequest]
 
 
 @dataclass
@@ -97,10 +99,18 @@ def _reject_removed_fields(extra: dict[str, Any]) -> None:
 
 
 def check_model(state: ServerState, name: str | None) -> None:
-    """A request naming another model is a 404 (no name, or any served name, means the served model)."""
-    if name is not None and name not in state.model_names:
+    """A request naming another model is a 404 (no name, or any served name, means the served model; a
+    loaded LoRA adapter's name, that adapter)."""
+    if name is not None and name not in state.model_names and name not in state.engine.adapter_names():
         raise ModelNotFoundError(f"the model {name!r} does not exist; this server serves {state.model_name!r}",
                                  param="model")
+
+
+def with_adapter(state: ServerState, planned: Plan, model: str | None) -> Plan:
+    """`planned` running through the LoRA adapter that `model` names (the base model's names: unchanged)."""
+    if model is None or model in state.model_names:
+        return planned
+    return dataclasses.replace(planned, config=planned.config.replace(adapter=model))
 
 
 def user_request_id(request: Request, body_id: str | None) -> str | None:
@@ -126,12 +136,15 @@ class Plan:
     :param options: render options for `AsyncEngine.prepare` (tools, chat_template_kwargs, ...).
     :param field_names: engine field names -> the client's own, for errors raised while preparing
         (a translated message list: core.server.errors.renamed_fields).
+    :param reasoning: the response is split by the reasoning parser (the chat routes), so a constraint
+        applies after its reasoning section (`Postprocessors.gate_constraint`).
     """
 
     prompts: Sequence[Inputs]
     config: GenerationConfig
     options: Mapping[str, Any] = field(default_factory=dict)
     field_names: Mapping[str, str] = field(default_factory=dict)
+    reasoning: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,17 +169,21 @@ async def start_route(request: Request, body_type: type[Body], plan: Callable[[B
     check_model(state, getattr(body, "model", None))
     request_id = user_request_id(request, body_request_id(body))
     with renamed_params(param_names(body) if callable(param_names) else param_names):
-        planned = plan(body)
+        planned = with_adapter(state, plan(body), getattr(body, "model", None))
         with renamed_fields(planned.field_names):
+            gate = state.postprocessors.gate_constraint if planned.reasoning else None
             streams = await start_requests(request, planned.prompts, planned.config,
-                                           session_ids(request_id, len(planned.prompts)), **planned.options)
+                                           session_ids(request_id, len(planned.prompts)), gate=gate,
+                                           **planned.options)
     return Started(body, planned, f"{id_prefix}{request_id or uuid.uuid4().hex}", [s.prepared for s in streams],
                    [state.metrics.track(s) for s in streams])
 
 
 async def start_requests(request: Request, prompts: Sequence[Inputs], config: GenerationConfig,
-                         session_ids: Sequence[str | None], **options: Any) -> list[RequestStream]:
-    """One engine request per prompt, prepared off the event loop (AsyncEngine.prepare), then started.
+                         session_ids: Sequence[str | None], *, gate: Gate | None = None,
+                         **options: Any) -> list[RequestStream]:
+    """One engine request per prompt, prepared off the event loop (AsyncEngine.prepare), then started
+    (`gate`, when given, first adjusts each prepared request: a reasoning model's constraint).
 
     Past --max-queued-requests it is a 503 with Retry-After. If one prompt is rejected, the ones
     already started are dropped; a client that leaves meanwhile cancels them all, and they are counted
@@ -176,7 +193,7 @@ async def start_requests(request: Request, prompts: Sequence[Inputs], config: Ge
     state.limits.admit(len(state.engine.sessions), len(prompts))
     started = time.perf_counter()
     try:
-        starting = _start(state.engine, prompts, config, session_ids, **options)
+        starting = _start(state.engine, prompts, config, session_ids, gate, **options)
         return await until_disconnected(request, starting)
     except ClientDisconnected:
         for _ in prompts:
@@ -185,11 +202,12 @@ async def start_requests(request: Request, prompts: Sequence[Inputs], config: Ge
 
 
 async def _start(engine: AsyncEngine, prompts: Sequence[Inputs], config: GenerationConfig,
-                 session_ids: Sequence[str | None], **options: Any) -> list[RequestStream]:
+                 session_ids: Sequence[str | None], gate: Gate | None, **options: Any) -> list[RequestStream]:
     streams: list[RequestStream] = []
     try:
         for prompt, session_id in zip(prompts, session_ids, strict=True):
-            streams.append(engine.generate(await engine.prepare(prompt, config, session_id=session_id, **options)))
+            prepared = await engine.prepare(prompt, config, session_id=session_id, **options)
+            streams.append(engine.generate(gate(prepared) if gate is not None else prepared))
     except BaseException:
         for stream in streams:
             await stream.aclose()

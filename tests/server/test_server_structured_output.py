@@ -219,3 +219,54 @@ def test_bad_constraints_are_400s_naming_the_field(smollm2: RunningServer, body,
     response = httpx.post(smollm2.url("/v1/chat/completions"), json=request, timeout=TIMEOUT_S)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text
+
+
+def _cached_tokens(usage) -> int:
+    details = usage.prompt_tokens_details
+    return (details.cached_tokens or 0) if details is not None else 0
+
+
+def test_prefix_cached_constrained_requests_give_identical_valid_output(client):
+    """The second of two identical greedy requests is served from the first's cached prefix blocks."""
+    description, schema = SCHEMAS[1]
+    long_prompt = prompt(description + ". " + "Use short values and no extra keys. " * 8)
+    outs = [client.chat.completions.create(
+        model=MODEL, messages=long_prompt, max_tokens=150, temperature=0.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}) for _ in range(2)]
+    first, second = (o.choices[0] for o in outs)
+    assert _cached_tokens(outs[1].usage) > 0, outs[1].usage
+    assert second.message.content == first.message.content and second.finish_reason == first.finish_reason
+    assert _check(schema, second.message.content, second.finish_reason)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_constrained_request_validates_after_sleep_and_wakeup(client, smollm2: RunningServer, level):
+    description, schema = SCHEMAS[2]
+    before, _ = _schema_request(client, description, schema, temperature=0.0)
+    with httpx.Client(base_url=smollm2.base_url, timeout=TIMEOUT_S) as http:
+        assert http.post("/sleep", params={"level": str(level)}).json()["is_sleeping"] is True
+        assert http.post("/wakeup").json()["is_sleeping"] is False
+    text, finish = _schema_request(client, description, schema, temperature=0.0)
+    assert _check(schema, text, finish) and text == before
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_time"}],
+                         ids=["required", "named"])
+def test_forced_tool_choice_through_the_responses_api(client, tool_choice, stream):
+    """The Responses route plans with the chat route's chat_plan and the hermes call format."""
+    tools = [{"type": "function", **tool["function"]} for tool in (WEATHER, TIME)]
+    args = {"model": MODEL, "input": "What is the weather in Paris?", "tools": tools, "tool_choice": tool_choice,
+            "max_output_tokens": 120, "temperature": 0.0}
+    if stream:
+        events = list(client.responses.create(**args, stream=True))
+        assert events[-1].type == "response.completed", events[-1]
+        response = events[-1].response
+    else:
+        response = client.responses.create(**args)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert len(calls) == 1, response.output
+    if isinstance(tool_choice, dict):
+        assert calls[0].name == "get_time"
+    tool = {"get_weather": WEATHER, "get_time": TIME}[calls[0].name]
+    jsonschema.validate(json.loads(calls[0].arguments), tool["function"]["parameters"])

@@ -3,30 +3,37 @@
 Loading: a Hugging Face folder or a GGUF file (the default model when none is given), the model built
 from the architecture registry (built-ins plus third-party plugins). Sleep level 1 releases the KV cache
 and moves weights to host memory; level 2 releases both (weights are re-read from the checkpoint on
-wakeup).
+wakeup). Embeddings (`embed`) are prefill-only requests through the same engine loop, pooled as the
+checkpoint's sentence-transformers files say, else from the last token, normalised (pooled_prompt.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
+from core.adapters import AdapterInfo, AdapterPolicy, LoraModule
 from core.backend import Backend, BackendOutput, BackendStats, EndResult, GenerateRequest, ModelInfo
 from core.channel import LoopChannel
-from core.config import EngineConfig
-from core.errors import EngineSleepingError, InvalidRequestError
+from core.config import EngineConfig, GenerationConfig
+from core.errors import BackendError, EngineSleepingError, InvalidRequestError, UnsupportedError
 from core.openmp import release_openmp_pool
+from core.pooling import PoolingConfig, sentence_transformers_pooling
 from core_pytorch_backend.cuda_graphs import make_decode_graphs
 from core_pytorch_backend.engine_loop import EngineLoop
 from core_pytorch_backend.kernels import select_ops
 from core_pytorch_backend.loader import LoadedModel, default_model_path, load_checkpoint
+from core_pytorch_backend.lora.manager import AdapterManager
 from core_pytorch_backend.model_runner import ModelRunner, kv_cache_blocks
+from core_pytorch_backend.pooled_prompt import PooledPrompt
 from core_pytorch_backend.request_state import RequestState
 from core_pytorch_backend.sampling_batch import SamplingParams
 
@@ -84,6 +91,7 @@ class PytorchBackend(Backend):
     name = "pytorch"
     supports_prompt_logprobs = True  # such requests skip reading the prefix cache (prompt_logprobs.py)
     supports_structured_output = True  # the sampler masks each constrained row (sampling.apply_constraints)
+    supports_adapters = True  # LoRA adapters per row of a step (lora/)
 
     def __init__(self, config: EngineConfig, *, architectures: dict[str, Any] | None = None) -> None:
         self.config = config
@@ -100,16 +108,22 @@ class PytorchBackend(Backend):
                                      config.kv_cache_memory_gib, self.options.kv_cache_memory_fraction)
         max_len = self._max_model_len(loaded, num_blocks)
         self.model_info = self._model_info(loaded, max_len)
+        declared = sentence_transformers_pooling(self.source)
+        self.pooling = declared or PoolingConfig(method="last", normalize=True)
+        self._pooling_to_log = None if declared else (  # said once, on the first embedding request
+            f"{self.model_info.name} declares no pooling (no sentence-transformers modules.json): "
+            "embeddings use last-token pooling, L2-normalised")
         graphs = functools.partial(  # None on the CPU or with enforce_eager
             make_decode_graphs, device=self.device, enabled=not self.options.enforce_eager, block_size=config.block_size,
             max_model_len=max_len, max_num_seqs=config.max_num_seqs)
+        self.lora = self._start_adapters(loaded.model, config.adapters)
         runner = ModelRunner(loaded.model, block_size=config.block_size, num_blocks=num_blocks,
                              device=self.device, dtype=loaded.dtype, kv_cache_dtype=kv_dtype,
-                             capture_graphs=graphs)
+                             capture_graphs=graphs, lora_step=self.lora.step if self.lora else None)
         self.loop = EngineLoop(runner, max_model_len=max_len, max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=max(config.max_num_batched_tokens, 1),
                                enable_prefix_caching=config.enable_prefix_caching,
-                               sample_kernel=getattr(self.ops, "sample_tokens", None))
+                               sample_kernel=getattr(self.ops, "sample_tokens", None), adapters=self.lora)
         log.info("KV cache: %d blocks of %d tokens (%d tokens) on %s, %s", num_blocks, config.block_size,
                  num_blocks * config.block_size, self.device, str(kv_dtype).replace("torch.", ""))
         release_openmp_pool()  # this thread's idle OpenMP workers would slow the engine thread's (core.openmp)
@@ -155,10 +169,35 @@ class PytorchBackend(Backend):
         return self._generate(request)
 
     async def _generate(self, request: GenerateRequest) -> AsyncIterator[BackendOutput]:
+        async with contextlib.aclosing(self._run(self._state(request))) as items:
+            async for item in items:
+                yield item
+
+    async def embed(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
+        if self._pooling_to_log:
+            log.warning("%s", self._pooling_to_log)
+            self._pooling_to_log = None
+        return list(await asyncio.gather(*(self._embed_one(prompt) for prompt in prompts)))
+
+    async def _embed_one(self, prompt: Sequence[int]) -> list[float]:
+        """One prefill-only request: the engine loop sends its pooled vector, then ends it."""
+        request = GenerateRequest(f"embed-{uuid.uuid4().hex}", list(prompt), GenerationConfig(), max_new_tokens=1)
+        state = self._state(request, PooledPrompt(self.pooling, len(prompt)))
+        async with contextlib.aclosing(self._run(state)) as items:
+            async for item in items:
+                if isinstance(item, list):
+                    return item
+        raise BackendError("the embedding request was aborted before its prompt was computed")
+
+    def _state(self, request: GenerateRequest, pooling: PooledPrompt | None = None) -> RequestState:
         if self.loop.asleep:
             raise EngineSleepingError(set(self.loop.asleep))  # a request that raced a sleep: a 503, not a 500
-        state = RequestState(request, LoopChannel(asyncio.get_running_loop()),
-                             SamplingParams.from_config(request.config), self.model_info.max_model_len)
+        return RequestState(request, LoopChannel(asyncio.get_running_loop()),
+                            SamplingParams.from_config(request.config), self.model_info.max_model_len,
+                            pooling=pooling)
+
+    async def _run(self, state: RequestState) -> AsyncIterator[Any]:
+        """Add `state` to the engine loop and yield what it sends; aborted if left before the end."""
         try:
             await asyncio.wrap_future(self.loop.call(lambda: self.loop.add(state)))
         except ValueError as exc:
@@ -168,7 +207,7 @@ class PytorchBackend(Backend):
                 yield item
         finally:
             if not state.channel.closed:
-                await asyncio.shield(asyncio.wrap_future(self.loop.call(lambda: self.loop.abort(request.session_id))))
+                await asyncio.shield(asyncio.wrap_future(self.loop.call(lambda: self.loop.abort(state.session_id))))
 
     async def abort(self, session_id: str) -> None:
         await asyncio.wrap_future(self.loop.call(lambda: self.loop.abort(session_id)))
@@ -189,7 +228,39 @@ class PytorchBackend(Backend):
 
     def _reload_model(self) -> torch.nn.Module:
         """The model with its weights read again (a wakeup after a level-2 sleep, on the loop thread)."""
-        return self._load().model
+        model = self._load().model
+        if self.lora is not None:
+            self.lora.attach(model)
+        return model
+
+    # -- LoRA adapters (lora/) ------------------------------------------------------------------------
+
+    def _start_adapters(self, model: torch.nn.Module, policy: AdapterPolicy) -> AdapterManager | None:
+        """The adapters' slots on `model` and the start-up adapters loaded (a bad one stops start-up)."""
+        if not policy.enabled:
+            return None
+        manager = AdapterManager(model, policy, self.device, self.dtype)
+        for module in policy.lora_modules:
+            manager.add(module, manager.read(module))
+        return manager
+
+    def adapters(self) -> Sequence[AdapterInfo]:
+        return self.lora.registry.all() if self.lora is not None else ()
+
+    async def load_adapter(self, module: LoraModule) -> AdapterInfo:
+        lora = self._adapters_on()
+        weights = await asyncio.to_thread(lora.read, module)  # reading and checking stay off the loop
+        return await asyncio.wrap_future(self.loop.call(lambda: lora.add(module, weights)))
+
+    async def unload_adapter(self, name: str) -> None:
+        lora = self._adapters_on()
+        await asyncio.wrap_future(self.loop.call(lambda: lora.remove(name)))
+
+    def _adapters_on(self) -> AdapterManager:
+        if self.lora is None:
+            raise UnsupportedError("LoRA adapters are off: start with --lora-modules or --enable-runtime-lora",
+                                   param="lora_name")
+        return self.lora
 
     @property
     def is_sleeping(self) -> bool:

@@ -1,5 +1,8 @@
 """The engine loop: a thread that runs scheduler step -> model runner -> sampler -> outputs.
 
+An embedding request (`RequestState.pooling`) is prefill only: its last prompt chunk hands back the pooled
+hidden states instead of sampling, and its sequence ends there (pooled_prompt.py).
+
 All scheduler and model state is touched by this thread only; the asyncio side submits commands
 (add, abort, end, sleep, wakeup) through a queue and awaits their results, so the server's event loop
 never blocks on a forward pass. Commands run between steps. `sleep` and `wakeup` are the loop's own: it
@@ -18,10 +21,12 @@ from typing import Any
 import torch
 
 from core.backend import BackendStats, EndResult, FinishReason, TokenLogprob
-from core.errors import BackendError
+from core.errors import BackendError, ModelNotFoundError
 from core.scheduling import BlockManager, ScheduledSequence, Scheduler, SchedulerOutput, Sequence
+from core_pytorch_backend.lora.manager import AdapterManager
 from core_pytorch_backend.model_runner import ModelRunner
 from core_pytorch_backend.multimodal_inputs import SequenceImages, cache_keys
+from core_pytorch_backend.pooled_prompt import PooledPrompt
 from core_pytorch_backend.prompt_logprobs import score_tokens
 from core_pytorch_backend.request_state import RequestState
 from core_pytorch_backend.sampling import SampleKernel, SamplingBatch, SamplingRow, sample
@@ -30,6 +35,7 @@ from core_pytorch_backend.step_inputs import PromptRows
 log = logging.getLogger(__name__)
 IDLE_WAIT_SECONDS = 0.5
 Scored = list[tuple[PromptRows, list[TokenLogprob]]]  # a step's prompt rows and their scored entries
+Pooled = list[tuple[PromptRows, torch.Tensor]]  # a step's pooling rows and their hidden states
 
 
 class EngineLoop:
@@ -37,8 +43,12 @@ class EngineLoop:
 
     def __init__(self, runner: ModelRunner, *, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_prefix_caching: bool,
-                 sample_kernel: SampleKernel | None = None) -> None:
+                 sample_kernel: SampleKernel | None = None, adapters: AdapterManager | None = None) -> None:
         self.runner = runner
+        self.adapters = adapters  # LoRA slots (lora/manager.py); None: adapters are off
+        self._adapter_slots: dict[str, tuple[str, int]] = {}  # session id -> (adapter, slot) while in flight
+        # in flight but not scheduled yet: their adapter has no slot (all held); arrival order
+        self._waiting_for_slot: dict[str, RequestState] = {}
         self.sample_kernel = sample_kernel  # the op set's fused sampler, if it has one
         self.max_model_len = max_model_len
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching,
@@ -81,7 +91,8 @@ class EngineLoop:
             raise BackendError("the engine loop thread has died; see the log")
         bm = self.block_manager
         return BackendStats(
-            running=self.scheduler.num_running, waiting=self.scheduler.num_waiting, sessions=len(self.known),
+            running=self.scheduler.num_running, waiting=self.scheduler.num_waiting + len(self._waiting_for_slot),
+            sessions=len(self.known),
             kv_blocks_total=self.runner.num_blocks, kv_blocks_used=bm.num_used_blocks,
             block_size=self.runner.block_size, prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits, is_sleeping=is_sleeping,
@@ -105,6 +116,8 @@ class EngineLoop:
 
     def _serve(self) -> None:
         while not self._stopping:
+            if self._waiting_for_slot:
+                self._admit_waiting_for_slot()
             self._drain_commands(block=not self.scheduler.has_unfinished)
             if self._stopping or not self.scheduler.has_unfinished:
                 continue
@@ -135,32 +148,97 @@ class EngineLoop:
     # -- commands -------------------------------------------------------------------------------------
 
     def add(self, state: RequestState) -> None:
+        """Schedule `state`, or, when its LoRA adapter has no slot (all held by running requests), keep it
+        in flight unscheduled until one frees (`_admit_waiting_for_slot`): it holds no slot nor KV block,
+        and it can be aborted like any request. Requests of the base or of resident adapters pass it."""
         sid = state.session_id
         if sid in self.requests:
             raise BackendError(f"session {sid!r} is already generating")
-        seq = self._new_sequence(state)
-        self.scheduler.add(seq)  # ValueError if it can never fit
-        state.sequences[0] = seq
+        name = state.request.config.adapter
+        if name is not None and not self._adapter_manager(name).has_slot_for(name):
+            self.scheduler.check(self._new_sequence(state, self._adapter_manager(name).key(name)))  # a 400 now
+            self._waiting_for_slot[sid] = state
+            log.debug("request %s waits for a LoRA slot for %r", sid, name)
+        else:
+            self._start(state)
         state.open_choices = set(range(state.n))
         self.requests[sid] = state
-        self.known.add(sid)
+        if state.pooling is None:  # an embedding request has no session to end
+            self.known.add(sid)
+
+    def _start(self, state: RequestState) -> None:
+        """Take the request's adapter slot (if any) and queue choice 0's sequence in the scheduler."""
+        adapter_key = self._take_adapter(state)
+        try:
+            seq = self._new_sequence(state, adapter_key)
+            self.scheduler.add(seq)  # ValueError if it can never fit
+        except BaseException:
+            self._give_back_adapter(state.session_id)
+            raise
+        state.sequences[0] = seq
         self._by_seq[seq.seq_id] = (state, 0)
 
-    def _new_sequence(self, state: RequestState) -> Sequence:
+    def _admit_waiting_for_slot(self) -> None:
+        """Start, in arrival order, the waiting requests whose adapter now finds a slot; the others wait
+        on (a request for another adapter never holds them back, nor they it)."""
+        assert self.adapters is not None
+        for sid, state in list(self._waiting_for_slot.items()):
+            name = state.request.config.adapter
+            assert name is not None
+            try:
+                if not self.adapters.has_slot_for(name):
+                    continue
+                del self._waiting_for_slot[sid]
+                self._start(state)
+            except Exception as exc:  # e.g. the adapter was unloaded while it waited: a 404
+                self._waiting_for_slot.pop(sid, None)
+                state.send(exc)
+                self._finish_request(state, FinishReason.ERROR)
+
+    def _adapter_manager(self, name: str) -> AdapterManager:
+        if self.adapters is None:
+            raise ModelNotFoundError(f"no LoRA adapter {name!r} is loaded", param="model")
+        return self.adapters
+
+    def _take_adapter(self, state: RequestState) -> str | None:
+        """The slot of the request's LoRA adapter, held until the request ends; its prefix-cache key."""
+        name = state.request.config.adapter
+        if name is None:
+            return None
+        slot, key = self._adapter_manager(name).acquire(name)
+        self._adapter_slots[state.session_id] = (name, slot)
+        return key
+
+    def _give_back_adapter(self, session_id: str) -> None:
+        held = self._adapter_slots.pop(session_id, None)
+        if held is not None and self.adapters is not None:
+            self.adapters.release(held[0])
+
+    def _chunk_adapter_slots(self, chunks: list[ScheduledSequence]) -> list[int] | None:
+        if not self._adapter_slots:
+            return None
+        owners = (self._owner(chunk) for chunk in chunks)
+        return [self._adapter_slots.get(o.session_id, ("", -1))[1] if o is not None else -1 for o in owners]
+
+    def _new_sequence(self, state: RequestState, adapter_key: str | None = None) -> Sequence:
         """Choice 0's sequence; a request with images carries them, and their content hashes key the
         prefix cache (same image and prefix: a hit; another image with the same text: a miss). Images
-        whose tokens attend to each other both ways (Gemma 3) are atomic: never split across chunks."""
+        whose tokens attend to each other both ways (Gemma 3) are atomic: never split across chunks.
+        A LoRA adapter's key is folded into every prompt block's hash: two adapters never share KV."""
+        prompt = state.request.prompt_token_ids
+        adapter_keys = [] if adapter_key is None else [(0, len(prompt), adapter_key)]
         inputs = state.request.multimodal
-        skip_cache = state.prompt_scores is not None  # a cached prefix has no logits to score it with
+        # a cached prefix has no logits to score it with, nor hidden states to pool but the last
+        skip_cache = state.prompt_scores is not None or (state.pooling is not None and
+                                                         not state.pooling.reads_prefix_cache)
         if inputs is None:
-            return Sequence(f"{state.session_id}#0", state.request.prompt_token_ids,
-                            skip_reading_prefix_cache=skip_cache)
+            return Sequence(f"{state.session_id}#0", prompt, adapter_keys, skip_reading_prefix_cache=skip_cache)
         if list(inputs.prompt_token_ids) != list(state.request.prompt_token_ids):
             raise ValueError("the multimodal inputs do not belong to this prompt")
         model = self.runner.model
         images = SequenceImages.from_inputs(inputs, model.config.hidden_size, self.runner.device,
                                             self.runner.dtype, getattr(model, "uses_mrope", False))
-        return Sequence(f"{state.session_id}#0", state.request.prompt_token_ids, cache_keys(inputs),
+        return Sequence(f"{state.session_id}#0", prompt, [*cache_keys(inputs), *adapter_keys],
                         multimodal=images, atomic_spans=images.spans if images.bidirectional else (),
                         skip_reading_prefix_cache=skip_cache)
 
@@ -212,33 +290,69 @@ class EngineLoop:
         """Forward and sample `chunks`, then record the results; a failure of the forward or the
         sampler is isolated to the requests that cause it (`_isolate_failure`)."""
         try:
-            sampling, groups, result, scored = self._compute(chunks)
+            sampling, groups, result, scored, pooled = self._compute(chunks)
         except Exception as exc:
             self._isolate_failure(chunks, exc)
             return
-        tokens = {seq.seq_id: result.token_ids[g[0]] for seq, g in zip(sampling, groups, strict=True)}
+        tokens: dict[str, int | None] = {seq.seq_id: result.token_ids[g[0]]
+                                         for seq, g in zip(sampling, groups, strict=True)}
+        pooled_ends = [c.seq for c in chunks if c.samples and self._pooling(c) is not None]
+        tokens.update(dict.fromkeys((seq.seq_id for seq in pooled_ends), None))  # they end, unsampled
         self.scheduler.update(SchedulerOutput(scheduled=chunks), tokens)
         for rows, entries in scored:
             self._record_prompt_scores(rows, entries)
+        for rows, hidden in pooled:
+            self._record_pooled(rows, hidden)
+        for seq in pooled_ends:
+            self._deliver_embedding(seq)
         if sampling:
             self._emit(sampling, groups, result)
 
-    def _compute(self, chunks: list[ScheduledSequence]) -> tuple[list[Sequence], list[list[int]], Any, Scored]:
-        """The forward pass, the prompt scores and the sampler: no scheduler or request state changes,
-        so it can be run again."""
-        inputs = self.runner.prepare(chunks, self._scoring_prompts(chunks))
+    def _compute(self, chunks: list[ScheduledSequence]) -> tuple[list[Sequence], list[list[int]], Any, Scored, Pooled]:
+        """The forward pass, the prompt scores, the hidden states to pool and the sampler: no scheduler
+        or request state changes, so it can be run again."""
+        inputs = self.runner.prepare(chunks, self._scoring_prompts(chunks), self._pooling_positions(chunks),
+                                     self._chunk_adapter_slots(chunks))
         step = self.runner.forward(inputs)
         scored = self._score_prompts(inputs.prompt_rows, step.prompt_hidden)
+        pooled = _split_rows(inputs.pooling_rows, step.pooling_hidden)
         logits = step.sample
         sampling = [s.seq for s in inputs.sampling]
         if not sampling:
-            return [], [], None, scored
+            return [], [], None, scored, pooled
         rows, groups = self._sampling_rows(sampling)
         if len(rows) != len(sampling):  # a first sample of an n > 1 request reads its logits n times
             owners = [i for i, group in enumerate(groups) for _ in group]
             logits = logits.index_select(0, torch.tensor(owners, device=logits.device))
         return sampling, groups, sample(logits, SamplingBatch.from_rows(rows, device=logits.device),
-                                        self.sample_kernel), scored
+                                        self.sample_kernel), scored, pooled
+
+    # -- embeddings (pooled_prompt.py) ----------------------------------------------------------------
+
+    def _pooling(self, chunk: ScheduledSequence) -> PooledPrompt | None:
+        state = self._owner(chunk)
+        return state.pooling if state is not None else None
+
+    def _pooling_positions(self, chunks: list[ScheduledSequence]) -> dict[str, range]:
+        """The positions whose hidden states each pooling sequence of this step keeps."""
+        return {c.seq.seq_id: pooling.positions for c in chunks if (pooling := self._pooling(c)) is not None}
+
+    def _record_pooled(self, rows: PromptRows, hidden: torch.Tensor) -> None:
+        state = self._by_seq.get(rows.seq_id, (None, None))[0]
+        if state is not None and state.pooling is not None:
+            state.pooling.add(rows.first_position, hidden)
+
+    def _deliver_embedding(self, seq: Sequence) -> None:
+        """The prompt is computed (the scheduler has freed its blocks): send the vector, end the request."""
+        state = self._by_seq[seq.seq_id][0]
+        assert state.pooling is not None
+        try:
+            state.send(state.pooling.vector())
+        except Exception as exc:
+            log.error("request %s failed to pool its hidden states: %r", state.session_id, exc)
+            self._fail_request(state, exc)
+            return
+        self._close_sequence(seq, FinishReason.STOP, notify=False)
 
     # -- prompt logprobs (prompt_logprobs.py) ---------------------------------------------------------
 
@@ -356,6 +470,8 @@ class EngineLoop:
     def _drop_request(self, state: RequestState) -> None:
         if self.requests.get(state.session_id) is state:
             del self.requests[state.session_id]
+            self._waiting_for_slot.pop(state.session_id, None)
+            self._give_back_adapter(state.session_id)  # a waiting request may start at the loop's next turn
             for seq in state.sequences.values():
                 self._by_seq.pop(seq.seq_id, None)
                 if self.scheduler.get(seq.seq_id) is not None:
@@ -363,10 +479,22 @@ class EngineLoop:
             state.end_stream()
 
     def _fail_all(self, exc: Exception) -> None:
+        """A step failed outside its isolated part: its requests fail; those waiting for a slot wait on."""
         for state in list(self.requests.values()):
-            self._fail_request(state, exc)
+            if state.session_id not in self._waiting_for_slot:
+                self._fail_request(state, exc)
 
     def _fail_request(self, state: RequestState, exc: Exception) -> None:
         error = exc if isinstance(exc, BackendError) else BackendError(f"engine step failed ({type(exc).__name__})")
         state.send(error)
         self._finish_request(state, FinishReason.ERROR)
+
+
+def _split_rows(rows: tuple[PromptRows, ...], hidden: torch.Tensor | None) -> Pooled:
+    """Each of `rows` with its slice of `hidden` (their rows, concatenated in order)."""
+    pieces, offset = [], 0
+    for r in rows:
+        assert hidden is not None
+        pieces.append((r, hidden[offset : offset + r.count]))
+        offset += r.count
+    return pieces

@@ -10,7 +10,7 @@ positions whose next token some request scores (prompt logprobs). It also owns w
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 
 import torch
 
@@ -24,8 +24,9 @@ from core_pytorch_backend.layers.attention import (
     kv_cache_shape,
     unbind_kv_caches,
 )
+from core_pytorch_backend.lora.layers import LoraStep
 from core_pytorch_backend.multimodal_inputs import with_images
-from core_pytorch_backend.step_inputs import PromptRows, StepInputs, StepLogits, prompt_rows_of
+from core_pytorch_backend.step_inputs import PromptRows, StepInputs, StepLogits, prompt_rows_of, rows_in
 
 log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
@@ -66,8 +67,10 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, *, block_size: int, num_blocks: int, device: torch.device,
                  dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None,
-                 capture_graphs: Callable[[torch.nn.Module], DecodeGraphs | None] | None = None) -> None:
+                 capture_graphs: Callable[[torch.nn.Module], DecodeGraphs | None] | None = None,
+                 lora_step: LoraStep | None = None) -> None:
         self.model = model
+        self.lora_step = lora_step  # the row-to-adapter map of the model's LoRA layers (lora/layers.py)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
@@ -166,19 +169,26 @@ class ModelRunner:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
-    def prepare(self, scheduled: Sequence[ScheduledSequence], scores_prompt: Set[str] = frozenset()) -> StepInputs:
+    def prepare(self, scheduled: Sequence[ScheduledSequence], scores_prompt: Set[str] = frozenset(),
+                pools: Mapping[str, range] | None = None, adapter_slots: Sequence[int] | None = None) -> StepInputs:
         """Flatten the scheduled chunks into one batch of new tokens; the sequences in `scores_prompt`
-        also keep the hidden states of their prompt positions (`PromptRows`)."""
+        also keep the hidden states of their prompt positions (`PromptRows`), and those in `pools`
+        (prefill-only: they never sample) the hidden states of the positions it maps them to;
+        `adapter_slots` gives each chunk's LoRA slot (-1: the base model)."""
         self._zero_blocks_up_to(block for s in scheduled for block in s.seq.block_table)
+        pools = pools or {}
         tokens: list[int] = []
         sample_rows: list[int] = []
         sampling: list[ScheduledSequence] = []
         prompt_rows: list[PromptRows] = []
+        pooling_rows: list[PromptRows] = []
         for s in scheduled:
             if s.seq.seq_id in scores_prompt and (rows := prompt_rows_of(s, len(tokens))) is not None:
                 prompt_rows.append(rows)
+            if s.seq.seq_id in pools and (rows := rows_in(s, len(tokens), pools[s.seq.seq_id])) is not None:
+                pooling_rows.append(rows)
             tokens.extend(s.token_ids)
-            if s.samples:
+            if s.samples and s.seq.seq_id not in pools:
                 sample_rows.append(len(tokens) - 1)
                 sampling.append(s)
         meta = AttentionMetadata.build([s.start for s in scheduled], [s.num_new_tokens for s in scheduled],
@@ -190,6 +200,8 @@ class ModelRunner:
             sample_indices=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
             sampling=sampling,
             prompt_rows=tuple(prompt_rows),
+            pooling_rows=tuple(pooling_rows),
+            lora_rows=_lora_rows(scheduled, adapter_slots),
         )
         has_images = any(s.seq.multimodal is not None for s in scheduled)
         return with_images(inputs, scheduled, self.device) if has_images else inputs
@@ -205,21 +217,40 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> StepLogits:
-        """The step's sampling logits and the hidden states of its prompt rows."""
+        """The step's sampling logits and the hidden states of its prompt and pooling rows."""
         if self.kv_caches is None:
             raise RuntimeError("the KV cache is released (the backend is asleep)")
         extra = {} if inputs.embed_overrides is None else {"embed_overrides": inputs.embed_overrides}
-        # CUDA graphs (cuda_graphs.py): a captured decode step when one fits; None -> run eagerly
-        hidden = self.cuda_graphs.run(self.model, inputs) if self.cuda_graphs is not None else None
-        if hidden is None:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, **extra)
-        prompt = _prompt_hidden(hidden, inputs.prompt_rows)
+        if inputs.lora_rows is not None and self.lora_step is not None:
+            hidden = self._forward_with_adapters(inputs, extra)
+        else:
+            # CUDA graphs (cuda_graphs.py): a captured decode step when one fits; None -> run eagerly
+            hidden = self.cuda_graphs.run(self.model, inputs) if self.cuda_graphs is not None else None
+            if hidden is None:
+                hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, **extra)
+        prompt, pooling = _rows_of(hidden, inputs.prompt_rows), _rows_of(hidden, inputs.pooling_rows)
         if not inputs.sampling:
-            return StepLogits(hidden.new_empty((0, 0), dtype=torch.float32), prompt)
-        return StepLogits(self.model.compute_logits(hidden.index_select(0, inputs.sample_indices)), prompt)
+            return StepLogits(hidden.new_empty((0, 0), dtype=torch.float32), prompt, pooling)
+        return StepLogits(self.model.compute_logits(hidden.index_select(0, inputs.sample_indices)), prompt, pooling)
 
 
-def _prompt_hidden(hidden: torch.Tensor, rows: Sequence[PromptRows]) -> torch.Tensor | None:
+    def _forward_with_adapters(self, inputs: StepInputs, extra: dict) -> torch.Tensor:
+        """An eager forward pass whose LoRA layers read each row's slot (graphs baked in no adapter)."""
+        self.lora_step.set_rows(inputs.lora_rows, self.device)
+        try:
+            return self.model(inputs.input_ids, inputs.positions, inputs.meta, **extra)
+        finally:
+            self.lora_step.clear()
+
+
+def _lora_rows(scheduled: Sequence[ScheduledSequence], slots: Sequence[int] | None) -> tuple[int, ...] | None:
+    """Each row's slot from each chunk's; None when no chunk uses an adapter."""
+    if slots is None or all(slot < 0 for slot in slots):
+        return None
+    return tuple(slot for s, slot in zip(scheduled, slots, strict=True) for _ in range(s.num_new_tokens))
+
+
+def _rows_of(hidden: torch.Tensor, rows: Sequence[PromptRows]) -> torch.Tensor | None:
     """The rows of `rows`, concatenated in order (a copy: a captured graph reuses its output buffer)."""
     if not rows:
         return None

@@ -1,4 +1,5 @@
-"""Per-request state of the engine loop: its sequences (one per choice), sampling and stop rules.
+"""Per-request state of the engine loop: its sequences (one per choice), sampling and stop rules (or,
+for an embedding request, the pooling of its prompt).
 
 Lives on the loop thread; outputs reach the request's asyncio loop through its channel (core.channel).
 """
@@ -14,6 +15,7 @@ from core.backend import BackendOutput, FinishReason, GenerateRequest, TokenLogp
 from core.channel import LoopChannel
 from core.scheduling import Sequence
 from core.structured_output import ConstraintMatcher
+from core_pytorch_backend.pooled_prompt import PooledPrompt
 from core_pytorch_backend.prompt_logprobs import PromptScores
 from core_pytorch_backend.sampling_batch import SamplingParams, make_generator
 
@@ -32,6 +34,7 @@ class RequestState:
     forked: bool = False
     prompt_scores: PromptScores | None = None  # while prompt logprobs are asked for and not yet sent
     matchers: dict[int, ConstraintMatcher] = field(default_factory=dict)  # structured output, per choice
+    pooling: PooledPrompt | None = None  # an embedding request: prefill only, its hidden states pooled
 
     def __post_init__(self) -> None:
         k = self.request.config.prompt_logprobs
@@ -55,20 +58,33 @@ class RequestState:
         return self.generators[index]
 
     def matcher(self, index: int) -> ConstraintMatcher | None:
-        """Choice i's own matcher of the request's constraint (None: unconstrained), created once. It
-        follows the choice's sampled tokens only, so preemption (the KV recomputed) leaves it as it is."""
+        """Choice i's own matcher of the request's constraint (None: unconstrained), created once, on its
+        first sample, or with a reasoning model (`Constraint.starts_after`) on the first sample after its
+        output ends with the end of reasoning. It follows the choice's sampled tokens only, so preemption
+        (the KV recomputed) leaves it as it is."""
         constraint = self.request.constraint
         if constraint is None:
             return None
         if index not in self.matchers:
+            if not self._reasoning_ended(index, constraint.starts_after):
+                return None
             self.matchers[index] = constraint.matcher(self.request.stop_token_ids)
         return self.matchers[index]
+
+    def _reasoning_ended(self, index: int, marker: tuple[int, ...]) -> bool:
+        """Whether choice i's output ends with `marker` (always, for no marker)."""
+        if not marker:
+            return True
+        seq = self.sequences.get(index)
+        if seq is None or seq.num_output_tokens < len(marker):
+            return False
+        return tuple(seq.token_ids[-len(marker):]) == marker
 
     def constrain(self, index: int, token: int) -> FinishReason | None:
         """Advance choice i's matcher past `token`: STOP once the constraint is complete, LENGTH when the
         token was not allowed (only when the constraint can no longer be met, e.g. its stop token is
-        banned before min_new_tokens)."""
-        matcher = self.matcher(index)
+        banned before min_new_tokens). A choice still reasoning has no matcher yet: nothing to advance."""
+        matcher = self.matchers.get(index)
         if matcher is None:
             return None
         if not matcher.accept_token(token):

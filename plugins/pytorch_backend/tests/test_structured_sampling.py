@@ -112,3 +112,40 @@ async def test_constrained_requests_survive_preemption_and_fork(tiny_checkpoint_
                 assert [t % 3 for t in choice.token_ids] == [k % 3 for k in range(20)], choice.token_ids
     finally:
         await engine.close()
+
+
+async def test_a_constraint_after_a_reasoning_marker_starts_once_the_marker_is_generated(tiny_checkpoint_factory):
+    """`Constraint.after(marker)`: each choice is free until its output ends with the marker (one token or
+    several), then constrained from the constraint's start; a request the marker never reaches stays free."""
+    import dataclasses
+
+    from core.config import EngineConfig, GenerationConfig
+    from core.engine import AsyncEngine
+    from core.response import collect
+    from core.structured_output import ConstraintCompiler, StructuredOutput
+    from core_pytorch_backend.backend import PytorchBackend
+
+    path = str(tiny_checkpoint_factory("qwen3"))
+    backend = PytorchBackend(EngineConfig(model=path, dtype="float32", max_model_len=128))
+    engine = AsyncEngine(backend, constraints=ConstraintCompiler("every-third", EveryThirdEngine, None, 0))
+    plain = GenerationConfig(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    constrained = plain.replace(structured_output=StructuredOutput(regex="unused by this engine"))
+    prompt = [5, 17, 33, 60, 71, 12, 9]
+
+    async def run(marker: tuple[int, ...], config: GenerationConfig = constrained) -> list[int]:
+        prepared = await engine.prepare(prompt, config)
+        prepared = dataclasses.replace(prepared, constraint=prepared.constraint.after(marker))
+        return list((await collect(engine.generate(prepared))).choices[0].token_ids)
+
+    try:
+        free = list((await collect(engine.generate(prompt, plain))).choices[0].token_ids)
+        for marker in (free[3:4], free[2:4]):
+            end = next(i for i in range(len(free)) if tuple(free[max(0, i + 1 - len(marker)):i + 1]) == tuple(marker))
+            out = await run(tuple(marker))
+            assert out[:end + 1] == free[:end + 1]  # greedy and unconstrained up to the end of reasoning
+            assert [t % 3 for t in out[end + 1:]] == [k % 3 for k in range(len(out) - end - 1)], (marker, out)
+        never = (backend.model_info.vocab_size - 1,) * 2
+        assert await run(never) == free  # the reasoning never ends: the constraint never applies
+        assert (await engine.prepare(prompt, constrained)).constraint.after(()).starts_after == ()
+    finally:
+        await engine.close()

@@ -63,3 +63,15 @@ def test_content_streams_without_waiting_for_the_end() -> None:
     assert parser.feed("m</think>\n\nHel") == ReasoningDelta(reasoning="m", content="Hel")
     assert parser.feed("lo") == ReasoningDelta(content="lo")
     assert not parser.flush()
+
+
+@pytest.mark.parametrize(("cls", "context", "waits"), [
+    (Qwen3ReasoningParser, ParseContext(QWEN3_PROMPT), True),
+    (Qwen3ReasoningParser, ParseContext(QWEN3_NO_THINK_PROMPT), False),  # the prompt closed the reasoning
+    (Qwen3ReasoningParser, ParseContext(QWEN3_PROMPT, chat_template_kwargs={"enable_thinking": False}), False),
+    (DeepSeekR1ReasoningParser, ParseContext(R1_PROMPT), True),
+    (DeepSeekR1ReasoningParser, ParseContext(), True),
+])
+def test_a_constraint_waits_for_the_end_of_reasoning(cls: Any, context: ParseContext, waits: bool) -> None:
+    parser = cls().start(context)
+    assert parser.reasoning_end == "</think>" and parser.constraint_waits() is waits

@@ -19,9 +19,11 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.matmul = F.linear  # replaced per model by layers.matmul.use_matmul
+        self.lora = None  # a lora.layers.LoraLayer where adapters target this layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.weight, self.bias)
+        y = self.matmul(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class MergedLinear(Linear):

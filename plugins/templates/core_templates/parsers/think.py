@@ -23,6 +23,7 @@ class ThinkReasoningParser(ReasoningParser):
 
     #: Whether a response starts inside reasoning when the prompt is unknown.
     starts_in_reasoning = False
+    reasoning_end = CLOSE
 
     def __init__(self, tokenizer: Any = None) -> None:
         super().__init__(tokenizer)
@@ -38,6 +39,9 @@ class ThinkReasoningParser(ReasoningParser):
 
     def _thinking_disabled(self) -> bool:
         return self.context.chat_template_kwargs.get("enable_thinking", True) is False
+
+    def constraint_waits(self) -> bool:
+        return not self._thinking_disabled() and super().constraint_waits()
 
     def split(self, text: str) -> tuple[str | None, str]:
         if self._thinking_disabled():
