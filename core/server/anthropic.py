@@ -46,13 +46,13 @@ async def messages(request: Request) -> Response:
     req, message_id, [prepared], [source] = started.body, started.response_id, started.prepared, started.sources
     post = state.postprocessors.for_prepared(prepared)
     if req.stream:
-        events = _message_events(message_id, state.model_name, len(prepared.prompt_token_ids), source, post,
+        events = _message_events(message_id, started.model, len(prepared.prompt_token_ids), source, post,
                                  req.stop_sequences)
         return EventStreamResponse(guarded_events(events, anthropic_error_event, None),
                                    headers={"X-Request-Id": message_id}, closing=[source])
     [result] = await until_disconnected(request, collect_all([source]))
     parts = post.final(result.text)
-    return JSONResponse(ap.message_response(message_id, state.model_name, result, req.stop_sequences, parts),
+    return JSONResponse(ap.message_response(message_id, started.model, result, req.stop_sequences, parts),
                         headers={"X-Request-Id": message_id})
 
 

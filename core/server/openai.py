@@ -94,9 +94,11 @@ async def chat_completions(request: Request) -> Response:
     post = state.postprocessors.for_prepared(started.prepared[0])
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(_chat_events(state, response_id, source, post, include_usage), response_id, [source])
+        return _stream(_chat_events(state, response_id, started.model, source, post, include_usage), response_id,
+                       [source])
     [result] = await until_disconnected(request, collect_all([source]))
-    return JSONResponse(chat_response(state, response_id, result, post), headers={"X-Request-Id": response_id})
+    return JSONResponse(chat_response(state, response_id, started.model, result, post),
+                        headers={"X-Request-Id": response_id})
 
 
 def chat_plan(req: ChatCompletionRequest, call_format: ToolCallFormat | None = None) -> Plan:
@@ -108,7 +110,7 @@ def chat_plan(req: ChatCompletionRequest, call_format: ToolCallFormat | None = N
                                          "add_generation_prompt": req.add_generation_prompt}, reasoning=True)
 
 
-def chat_response(state: ServerState, response_id: str, result: EngineResponse,
+def chat_response(state: ServerState, response_id: str, model: str, result: EngineResponse,
                   post: ChatPostprocessor) -> dict[str, Any]:
     """A whole `chat.completion` object."""
     choices = []
@@ -119,16 +121,16 @@ def chat_response(state: ServerState, response_id: str, result: EngineResponse,
                         "finish_reason": tr.finish_reason(c.finish_reason, tool_calls=bool(parts.tool_calls)),
                         "stop_reason": c.stop_reason})
     response = {"id": response_id, "object": "chat.completion", "created": int(time.time()),
-                "model": state.model_name, "choices": choices,
+                "model": model, "choices": choices,
                 "usage": tr.usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens)}
     if result.prompt_logprobs is not None:
         response["prompt_logprobs"] = tr.vllm_prompt_logprobs(result.prompt_logprobs, state.engine.detokenize)
     return response
 
 
-async def _chat_events(state: ServerState, response_id: str, source: AsyncIterator[RequestOutput],
+async def _chat_events(state: ServerState, response_id: str, model: str, source: AsyncIterator[RequestOutput],
                        post: ChatPostprocessor, include_usage: bool) -> AsyncIterator[str]:
-    created, model = int(time.time()), state.model_name
+    created = int(time.time())
     started: set[int] = set()
     totals = _Totals()
     async for out in source:
@@ -182,10 +184,11 @@ async def completions(request: Request) -> Response:
               for p, prepared in zip(prompts, started.prepared, strict=True)]
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = _completion_events(state, response_id, sources, config.n, echoes, include_usage)
+        events = _completion_events(state, response_id, started.model, sources, config.n, echoes, include_usage)
         return _stream(events, response_id, sources)
     results = await until_disconnected(request, collect_all(sources))
-    body = completion_response(state, response_id, results, config.n, echoes, req.prompt_logprobs is not None)
+    body = completion_response(state, response_id, started.model, results, config.n, echoes,
+                               req.prompt_logprobs is not None)
     return JSONResponse(body, headers={"X-Request-Id": response_id})
 
 
@@ -193,7 +196,7 @@ def _completion_plan(req: CompletionRequest) -> Plan:
     return Plan(tr.completion_prompts(req.prompt), tr.completion_generation_config(req))
 
 
-def completion_response(state: ServerState, response_id: str, results: Sequence[EngineResponse], n: int,
+def completion_response(state: ServerState, response_id: str, model: str, results: Sequence[EngineResponse], n: int,
                         echoes: Sequence[tr.Echo], prompt_logprobs: bool = False) -> dict[str, Any]:
     """A whole `text_completion` object; choice index = prompt index * n + choice index. Each choice
     repeats its prompt as `echoes[prompt index]` says, and with `prompt_logprobs` carries vLLM's."""
@@ -209,13 +212,14 @@ def completion_response(state: ServerState, response_id: str, results: Sequence[
             choices.append(choice)
     generated = sum(0 if echoes[r.index].prompt_only else r.completion_tokens for r in results)
     return {"id": response_id, "object": "text_completion", "created": int(time.time()),
-            "model": state.model_name, "choices": choices,
+            "model": model, "choices": choices,
             "usage": tr.usage(sum(r.prompt_tokens for r in results), generated, sum(r.cached_tokens for r in results))}
 
 
-async def _completion_events(state: ServerState, response_id: str, sources: Sequence[AsyncIterator[RequestOutput]],
-                             n: int, echoes: Sequence[tr.Echo], include_usage: bool) -> AsyncIterator[str]:
-    created, model, decode = int(time.time()), state.model_name, state.engine.detokenize
+async def _completion_events(state: ServerState, response_id: str, model: str,
+                             sources: Sequence[AsyncIterator[RequestOutput]], n: int, echoes: Sequence[tr.Echo],
+                             include_usage: bool) -> AsyncIterator[str]:
+    created, decode = int(time.time()), state.engine.detokenize
     offsets: dict[int, int] = {}  # text streamed so far per choice
     prompts: dict[int, Any] = {}  # prompt logprobs per request (its first output carries them)
     totals = _Totals()

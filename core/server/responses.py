@@ -47,7 +47,7 @@ async def create_response(request: Request) -> Response:
     req, response_id, [prepared], [source] = started.body, started.response_id, started.prepared, started.sources
     post, created = state.postprocessors.for_prepared(prepared), int(time.time())
     headers = {"X-Request-Id": response_id}
-    describe = _Describe(response_id, created, state.model_name, req)
+    describe = _Describe(response_id, created, started.model, req)
     if req.stream:
         stream = ResponseEvents()
         events = _events(describe, stream, source, post)

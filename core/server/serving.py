@@ -150,13 +150,15 @@ class Plan:
 @dataclass(frozen=True)
 class Started(Generic[Body]):
     """A route's requests once started: its parsed body and plan, the response id, and per prompt the
-    prepared request and its stream, timed into the metrics (closing a source closes its stream)."""
+    prepared request and its stream, timed into the metrics (closing a source closes its stream).
+    `model` is the name the response reports: the LoRA adapter's when the request named one."""
 
     body: Body
     plan: Plan
     response_id: str
     prepared: list[PreparedRequest]
     sources: list[TrackedStream]
+    model: str
 
 
 async def start_route(request: Request, body_type: type[Body], plan: Callable[[Body], Plan], *,
@@ -176,7 +178,7 @@ async def start_route(request: Request, body_type: type[Body], plan: Callable[[B
                                            session_ids(request_id, len(planned.prompts)), gate=gate,
                                            **planned.options)
     return Started(body, planned, f"{id_prefix}{request_id or uuid.uuid4().hex}", [s.prepared for s in streams],
-                   [state.metrics.track(s) for s in streams])
+                   [state.metrics.track(s) for s in streams], planned.config.adapter or state.model_name)
 
 
 async def start_requests(request: Request, prompts: Sequence[Inputs], config: GenerationConfig,

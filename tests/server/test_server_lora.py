@@ -99,3 +99,21 @@ def test_bad_runtime_loads_are_400s_naming_the_field(lora_server, tmp_path):
     assert_openai_error(post("/v1/load_lora_adapter", {"lora_name": "first", "lora_path": str(root / "first")}),
                         400, "lora_name")  # a duplicate
     assert_openai_error(post("/v1/unload_lora_adapter", {"lora_name": "nope"}), 404)
+
+
+def test_the_response_names_the_adapter_the_request_named(lora_server):
+    server, _ = lora_server
+    http = httpx.Client(base_url=server.base_url, headers=server.headers, timeout=60)
+    with openai.OpenAI(base_url=server.url("/v1"), api_key=KEY, max_retries=0) as client:
+        base_name = client.models.list().data[0].id
+        for model in (base_name, "first"):
+            args = {"model": model, "max_tokens": 4, "temperature": 0}
+            assert client.completions.create(prompt="hi", **args).model == model
+            assert {c.model for c in client.completions.create(prompt="hi", stream=True, **args)} == {model}
+            chat = {"messages": [{"role": "user", "content": "hi"}], **args}
+            assert client.chat.completions.create(**chat).model == model
+            assert {c.model for c in client.chat.completions.create(stream=True, **chat)} == {model}
+            assert client.responses.create(model=model, input="hi", max_output_tokens=4).model == model
+            message = http.post("/v1/messages", json=chat)
+            assert message.status_code == 200 and message.json()["model"] == model
+    wait_idle(http)

@@ -3,7 +3,9 @@ of adapters and the base, the prefix cache kept apart per adapter, slots and bad
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import random
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 from core.config import GenerationConfig
 from core.errors import AdapterInUseError, CoreError, InvalidRequestError
 from core.pipeline import pipeline
+from core.response import collect
 
 peft = pytest.importorskip("peft")
 NEW_TOKENS = 8
@@ -117,6 +120,60 @@ def test_unknown_adapter_is_a_404(pipe):
     assert info.value.code.http_status == 404
 
 
+def test_with_one_slot_requests_wait_for_it_and_match_their_oracle(base, adapters, caplog):
+    """--max-loras 1, two adapters and the base at once: a request for the adapter not resident waits for
+    the slot (no 503) while the base's and the resident adapter's pass it; every output is its oracle's."""
+    batch = prompts(8, seed=7)
+    names = ["a1", "a2", None, "a2", "a1", None, "a2", "a1"]
+    with caplog.at_level(logging.DEBUG, logger="core_pytorch_backend.engine_loop"), \
+            pipeline(str(base), dtype="float32", lora_modules={n: str(adapters[n]) for n in ("a1", "a2")},
+                     max_loras=1, max_lora_rank=8) as p:
+        results = p.infer(batch, [greedy(n) for n in names])
+        for prompt, name, result in zip(batch, names, results, strict=True):
+            assert result.error is None and result.token_ids == peft_greedy(base, adapters.get(name), prompt), name
+        stats = p.engine.stats()
+        assert stats.kv_blocks_used == 0 and stats.running == stats.waiting == 0
+        assert p.engine.backend.lora.slots_in_use() == 0
+    assert "waits for a LoRA slot" in caplog.text  # the slot was contended
+
+
+def test_a_request_waiting_for_a_slot_aborts_and_leaks_nothing(base, adapters):
+    from core.adapters import AdapterPolicy, LoraModule
+    from core.config import EngineConfig
+    from core.engine import AsyncEngine
+    from core_pytorch_backend.backend import PytorchBackend
+
+    policy = AdapterPolicy(lora_modules=tuple(LoraModule(n, str(adapters[n])) for n in ("a1", "a2")),
+                           max_loras=1, max_lora_rank=8)
+    engine = AsyncEngine(PytorchBackend(EngineConfig(model=str(base), dtype="float32", adapters=policy)))
+
+    async def run():
+        holder = engine.generate([1, 2, 3, 4], GenerationConfig(max_new_tokens=240, ignore_eos=True, adapter="a1"))
+        first = await anext(aiter(holder))  # a1 holds the only slot
+        assert first.finish_reason is None
+        waiter = engine.generate([5, 6, 7], greedy("a2"))
+        waiting = asyncio.ensure_future(collect(waiter))
+        while engine.stats().waiting == 0:
+            await asyncio.sleep(0.005)
+        assert engine.stats().running == 1
+        base_only = await collect(engine.generate([5, 6, 7], greedy()))  # the base passes the waiting request
+        assert base_only.finish_reason == "length"
+        await engine.abort(waiter.session_id)
+        aborted = await waiting
+        await engine.abort(holder.session_id)
+        await holder.aclose()
+        return aborted
+
+    try:
+        aborted = asyncio.run(run())
+        assert aborted.finish_reason == "abort" and not aborted.token_ids
+        stats = engine.stats()
+        assert stats.kv_blocks_used == 0 and stats.running == stats.waiting == stats.sessions == 0
+        assert engine.backend.lora.slots_in_use() == 0 and len(engine.sessions) == 0
+    finally:
+        asyncio.run(engine.close())
+
+
 def test_unload_in_use_is_409_and_lru_evicts_idle(base, adapters):
     from core.adapters import AdapterPolicy, LoraModule
     from core_pytorch_backend.loader import load_checkpoint
@@ -128,12 +185,14 @@ def test_unload_in_use_is_409_and_lru_evicts_idle(base, adapters):
         manager.add(LoraModule(name, str(folder)), manager.read(LoraModule(name, str(folder))))
     slot1, key1 = manager.acquire("a1")
     manager.acquire("a2")
-    with pytest.raises(CoreError) as info:  # both slots held by running requests
+    assert not manager.has_slot_for("a3")  # both slots held by running requests: the loop keeps it waiting
+    with pytest.raises(CoreError) as info:
         manager.acquire("a3")
     assert info.value.code.http_status == 503
     with pytest.raises(AdapterInUseError):
         manager.remove("a1")
     manager.release("a1")
+    assert manager.has_slot_for("a3") and manager.has_slot_for("a2")
     assert manager.acquire("a3")[0] == slot1  # a1 idle: evicted (LRU)
     manager.remove("a1")
     assert "a1" not in manager.registry
