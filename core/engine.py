@@ -29,7 +29,6 @@ from core.chat_template import ChatTemplate
 from core.config import EngineConfig, GenerationConfig
 from core.errors import (
     BackendError,
-    ContextTooLongError,
     CoreError,
     EngineSleepingError,
     EngineUnavailableError,
@@ -38,8 +37,7 @@ from core.errors import (
     UnsupportedError,
 )
 from core.media import MediaPolicy
-from core.openmp import release_openmp_pool
-from core.pooling import Embedding
+from core.pooling import Embedding, check_embedding_inputs
 from core.preparation import PreparationStage
 from core.request import (
     Inputs,
@@ -88,21 +86,12 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, plugins: Any = None) -> AsyncEngine:
-        """Build the backend that `config` names (or the best available one) and its chat template."""
-        from core.plugins import get_plugins
-        from core.resolve import find_vision_processor, resolve_chat_template, select_backend
+        """Build the backend that `config` names (or the best available one), its chat template, vision
+        processor and structured-output engine (core.engine_setup), and the engine over them."""
+        from core.engine_setup import engine_parts
 
-        plugins = plugins or get_plugins()
-        backend = select_backend(plugins, config.backend).load()(config)
-        template = resolve_chat_template(plugins, config.chat_template, backend.model_info, backend.tokenizer)
-        vision = find_vision_processor(plugins, backend.model_info.architecture, config.model)
-        constraints = constraint_compiler(plugins, backend, config.structured_output_engine)
-        release_openmp_pool()  # loading is done on this thread; see core.openmp
-        return cls(backend, chat_template=template, model_name=config.served_model_name, vision=vision,
-                   media_policy=config.media, allow_special_tokens_in_content=config.allow_special_tokens_in_content,
-                   model_aliases=config.served_model_aliases,
-                   chat_template_content_format=config.chat_template_content_format, constraints=constraints,
-                   adapter_policy=config.adapters)
+        backend, options = engine_parts(config, plugins)
+        return cls(backend, **options)
 
     # -- properties ---------------------------------------------------------------------------------
 
@@ -269,13 +258,7 @@ class AsyncEngine:
             raise UnsupportedError(f"the model {self.model_name!r} does not compute embeddings", param="model")
         prompts = [list(p) if not isinstance(p, str) else await self.preparation.off_loop(self.tokenizer.encode, p)
                    for p in inputs]
-        limit = self.model_info.max_model_len
-        for i, prompt in enumerate(prompts):
-            if len(prompt) > limit:
-                raise ContextTooLongError(f"input {i} has {len(prompt)} tokens; this model takes at most {limit}",
-                                         param="input")
-            if not prompt:
-                raise InvalidRequestError(f"input {i} is empty", param="input")
+        check_embedding_inputs(prompts, self.model_info.max_model_len)
         vectors = await self.backend.embed(prompts)
         return [Embedding(vector, len(prompt)) for vector, prompt in zip(vectors, prompts, strict=True)]
 
@@ -424,21 +407,3 @@ class AsyncEngine:
             log.exception("aborting the requests in flight failed while closing")
         await self.backend.close()
         self.preparation.close()
-
-
-def constraint_compiler(plugins: Any, backend: Backend, requested: str | None) -> ConstraintCompiler | str:
-    """The structured-output compiler for `backend`'s tokenizer (its engine is loaded on first use, on a
-    preparation thread), or why constrained requests are refused."""
-    from core.resolve import structured_output_engine
-
-    entry = structured_output_engine(plugins, requested)  # an unknown name fails at start-up
-    if not backend.supports_structured_output:
-        return f"the {type(backend).__name__} backend does not apply output constraints"
-    if entry is None:
-        return "no single structured-output engine is installed; name one with --structured-output-engine"
-    log.info("structured output: engine %r from plugin %r", entry.name, entry.plugin)
-
-    def factory(tokenizer: Any, vocab_size: int) -> Any:
-        return entry.load()(tokenizer, vocab_size)
-
-    return ConstraintCompiler(entry.name, factory, backend.tokenizer, backend.model_info.vocab_size)

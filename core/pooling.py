@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from core.errors import InvalidRequestError
+from core.errors import ContextTooLongError, InvalidRequestError
 
 PoolingMethod = Literal["mean", "cls", "last"]
 _ST_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
@@ -93,3 +93,14 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     dot = sum(x * y for x, y in zip(a, b, strict=True))
     norms = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
     return dot / norms if norms else 0.0
+
+
+def check_embedding_inputs(prompts: Sequence[Sequence[int]], max_model_len: int) -> None:
+    """An InvalidRequestError naming `input` for an empty prompt, a ContextTooLongError for one past the
+    context window."""
+    for i, prompt in enumerate(prompts):
+        if len(prompt) > max_model_len:
+            raise ContextTooLongError(f"input {i} has {len(prompt)} tokens; this model takes at most {max_model_len}",
+                                      param="input")
+        if not prompt:
+            raise InvalidRequestError(f"input {i} is empty", param="input")
