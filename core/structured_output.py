@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.errors import InvalidRequestError, UnsupportedError
+from core.json_schema_features import SchemaSupport, unsupported_feature
 
 CACHE_SIZE = 256  # compiled constraints kept per engine
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -157,7 +158,23 @@ class _After(Constraint):
 
 
 class StructuredOutputEngine(ABC):
-    """Compiles specs for one tokenizer. A plugin registers ``factory(tokenizer, vocab_size)`` building it."""
+    """Compiles specs for one tokenizer. A plugin registers ``factory(tokenizer, vocab_size)`` building it.
+
+    ``schema_support`` declares the JSON-schema keywords (and formats) the engine enforces; a schema using
+    another one is a 400 before it compiles (`check_schema`). None checks nothing.
+    """
+
+    schema_support: SchemaSupport | None = None
+
+    def check_schema(self, schema: Any) -> None:
+        """Reject a JSON schema that uses a keyword the engine would not enforce.
+
+        :raises ConstraintError: naming the keyword's JSON path, e.g. ``properties.a.not``.
+        """
+        if self.schema_support is not None:
+            problem = unsupported_feature(schema, self.schema_support)
+            if problem is not None:
+                raise ConstraintError(problem)
 
     @abstractmethod
     def compile(self, spec: StructuredOutput) -> Constraint:
@@ -193,6 +210,8 @@ class ConstraintCompiler:
             if self._engine is None:
                 self._engine = self._factory(self._tokenizer, self._vocab_size)
         try:
+            if spec.kind == "json":
+                self._engine.check_schema(spec.json)
             compiled = self._engine.compile(spec)
         except ConstraintError as exc:
             raise InvalidRequestError(f"{spec.param}: {exc}", param=spec.param) from None

@@ -121,3 +121,88 @@ async def test_a_backend_that_cannot_constrain_answers_400(engine):
     with pytest.raises(UnsupportedError) as info:
         await engine.prepare("hi", config)
     assert info.value.param == "structured_output"
+
+
+# -- the unsupported-keyword pre-check (core.json_schema_features) ---------------------------------------
+
+from core.json_schema_features import ANNOTATIONS, VOCABULARY, SchemaSupport, unsupported_feature  # noqa: E402
+
+STRICT = SchemaSupport(keywords=VOCABULARY - {"not", "patternProperties", "uniqueItems", "if", "then", "else"},
+                       formats=frozenset({"date"}), multiple_all_of=False, ref_siblings=False,
+                       integer_multiple_of_only=True)
+
+
+@pytest.mark.parametrize(("schema", "path"), [
+    ({"not": {"type": "string"}}, "not"),
+    ({"type": "object", "properties": {"a": {"patternProperties": {"^x": {}}}}}, "properties.a.patternProperties"),
+    ({"$ref": "#/$defs/p", "$defs": {"p": {"type": "array", "uniqueItems": True}}}, "$defs.p.uniqueItems"),
+    ({"definitions": {"p": {"if": {"type": "integer"}}}}, "definitions.p.if"),
+    ({"type": "array", "items": {"type": "object", "properties": {"b": {"not": {}}}}}, "items.properties.b.not"),
+    ({"type": "array", "prefixItems": [{"type": "integer"}, {"not": {}}]}, "prefixItems.1.not"),
+    ({"anyOf": [{"type": "null"}, {"oneOf": [{"allOf": [{"not": {}}]}]}]}, "anyOf.1.oneOf.0.allOf.0.not"),
+    ({"additionalProperties": {"uniqueItems": True}}, "additionalProperties.uniqueItems"),
+])
+def test_the_walker_names_the_json_path_of_an_unsupported_keyword(schema, path):
+    assert unsupported_feature(schema, STRICT) == f"{path} is not supported by the structured-output engine"
+
+
+@pytest.mark.parametrize(("schema", "problem"), [
+    ({"type": "string", "format": "iri"}, "format 'iri'"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf with more than one schema"),
+    ({"properties": {"a": {"$ref": "#/$defs/p", "minimum": 3}}}, "properties.a.minimum beside $ref"),
+    ({"$ref": "#P"}, "$ref to '#P' (only local '#/...' references are)"),
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf on a non-integer type"),
+])
+def test_the_walker_rejects_what_the_engine_enforces_only_in_part(schema, problem):
+    assert unsupported_feature(schema, STRICT) == f"{problem} is not supported by the structured-output engine"
+
+
+def test_annotations_extensions_and_supported_keywords_pass():
+    annotated = {key: "x" for key in ANNOTATIONS} | {
+        "type": "object", "discriminator": {"propertyName": "k"}, "x-vendor": {"not": {}},
+        "properties": {"not": {"type": "integer", "multipleOf": 3}, "pattern": {"type": "string", "pattern": "^a$"},
+                       "d": {"type": "string", "format": "date"}, "f": {"type": "string", "format": "made-up"},
+                       "r": {"$ref": "#/$defs/p", "description": "a ref with an annotation"},
+                       "one": {"allOf": [{"$ref": "#/$defs/p"}]}},
+        "required": ["not"], "additionalProperties": False, "$defs": {"p": {"anyOf": [{"type": "null"}, True]}}}
+    assert unsupported_feature(annotated, STRICT) is None
+    assert unsupported_feature(True, STRICT) is None
+    assert unsupported_feature({"not": {}}, SchemaSupport(keywords=VOCABULARY)) is None
+
+
+def test_the_compiler_asks_the_engine_and_a_rejected_schema_is_a_400_naming_the_field():
+    compiled = []
+
+    class Picky(StructuredOutputEngine):
+        schema_support = STRICT
+
+        def compile(self, spec):
+            compiled.append(spec)
+            return FixedConstraint()
+
+    class FixedConstraint(Constraint):
+        def matcher(self, stop_token_ids):
+            raise AssertionError
+
+    compiler = ConstraintCompiler("picky", lambda tokenizer, vocab: Picky(), None, 0)
+    spec = StructuredOutput(json={"properties": {"a": {"not": {}}}}, param="response_format.json_schema.schema")
+    with pytest.raises(InvalidRequestError) as info:
+        compiler.compile(spec)
+    assert info.value.param == "response_format.json_schema.schema"
+    assert str(info.value) == ("response_format.json_schema.schema: properties.a.not is not supported by the "
+                               "structured-output engine")
+    assert compiled == []
+    compiler.compile(StructuredOutput(regex="not"))  # only JSON schemas are checked
+    assert len(compiled) == 1
+
+
+def test_the_xgrammar_engine_declares_what_it_enforces():
+    pytest.importorskip("xgrammar")
+    from core_pytorch_backend.xgrammar_engine import SCHEMA_SUPPORT, XGrammarEngine
+
+    assert XGrammarEngine.schema_support is SCHEMA_SUPPORT
+    for keyword in ("not", "if", "patternProperties", "uniqueItems", "contains", "dependentRequired"):
+        assert unsupported_feature({keyword: {}}, SCHEMA_SUPPORT) is not None, keyword
+    for keyword in ("properties", "required", "additionalProperties", "items", "prefixItems", "anyOf", "oneOf",
+                    "enum", "const", "pattern", "minLength", "maximum", "minItems", "propertyNames", "$defs"):
+        assert unsupported_feature({keyword: {}}, SCHEMA_SUPPORT) is None, keyword

@@ -221,6 +221,23 @@ def test_bad_constraints_are_400s_naming_the_field(smollm2: RunningServer, body,
     assert response.json()["error"]["param"] == param, response.text
 
 
+@pytest.mark.parametrize(("schema", "path"), [
+    ({"type": "object", "properties": {"a": {"type": "object", "patternProperties": {"^x": {"type": "integer"}}}}},
+     "properties.a.patternProperties"),
+    ({"$defs": {"n": {"type": "integer", "not": {"const": 3}}}, "$ref": "#/$defs/n"}, "$defs.n.not"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+])
+def test_an_unsupported_schema_keyword_is_a_400_naming_the_field_and_path(client, schema, path):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=MODEL, messages=prompt("anything"), max_tokens=5,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    error = info.value.body
+    assert info.value.status_code == 400 and error["param"] == "response_format.json_schema.schema", error
+    assert error["message"] == (f"response_format.json_schema.schema: {path} is not supported by the "
+                                "structured-output engine"), error
+
+
 def _cached_tokens(usage) -> int:
     details = usage.prompt_tokens_details
     return (details.cached_tokens or 0) if details is not None else 0

@@ -14,6 +14,7 @@ from typing import Any
 
 import xgrammar as xgr
 
+from core.json_schema_features import FORMATS, VOCABULARY, SchemaSupport
 from core.structured_output import (
     Constraint,
     ConstraintError,
@@ -23,6 +24,19 @@ from core.structured_output import (
 )
 
 COMPILER_THREADS = 2
+
+# What xgrammar 0.2.9 compiles but does not enforce (it generates instances that jsonschema rejects),
+# found by compiling a schema per keyword and matching strings the jsonschema validator rejects
+# Everything else in the vocabulary it enforces or,
+# where it cannot, refuses to compile.
+UNSUPPORTED_KEYWORDS = frozenset({
+    "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies", "patternProperties",
+    "uniqueItems", "contains", "minContains", "maxContains", "additionalItems", "$anchor", "$dynamicRef",
+    "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor",
+})
+UNSUPPORTED_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference", "regex"})
+SCHEMA_SUPPORT = SchemaSupport(keywords=VOCABULARY - UNSUPPORTED_KEYWORDS, formats=FORMATS - UNSUPPORTED_FORMATS,
+                               multiple_all_of=False, ref_siblings=False, integer_multiple_of_only=True)
 
 
 class XGrammarMatcher(ConstraintMatcher):
@@ -55,6 +69,8 @@ class XGrammarConstraint(Constraint):
 
 class XGrammarEngine(StructuredOutputEngine):
     """Compiles specs for one Hugging Face tokenizer; xgrammar caches what it compiled as well."""
+
+    schema_support = SCHEMA_SUPPORT
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size or None)
