@@ -307,11 +307,6 @@ static inline __attribute__((always_inline)) void block_dots_simd(const uint8_t 
     for (int i = 0; i < tile; ++i) _mm512_storeu_ps(out[i], acc[i]);
 }
 #elif defined(__AVX2__)
-/* 8 rows' dots of 4 inputs: codes (u8, < 16) times activation codes (s8), as int32 */
-static inline __m256i dot4(__m256i w, int32_t x) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x)), _mm256_set1_epi16(1));
-}
-
 static inline __m256 fold_group(__m256 acc, __m256i hi, __m256i lo, __m256 s, __m256 o, float d, float sum) {
     __m256i dot = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(hi, 7), hi), lo);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, _mm256_set1_ps(d)), acc);
@@ -332,7 +327,8 @@ static inline __m256i centred_dot4(__m256i magnitude, __m256i centred, int32_t x
 }
 
 /* Half h (rows 8h..8h+7) of a block. 4-bit codes fit vpmaddubsw's int16 pairs (15 * 127 * 2) as they
- * are; 8-bit codes are centred (q - 128) and the activation codes' sum times 128 added back. */
+ * are (and 8 steps of them in int16, widened once a group); 8-bit codes are centred (q - 128) and the
+ * activation codes' sum times 128 added back. */
 static inline __attribute__((always_inline)) void half_dots(const uint8_t *block, int bits, scales_t w, int64_t base,
                                                              const acts_t *a, int64_t m0, int tile, int h,
                                                              float out[][BLOCK]) {
@@ -348,9 +344,9 @@ static inline __attribute__((always_inline)) void half_dots(const uint8_t *block
             if (bits == 4) {
                 __m256i raw = _mm256_loadu_si256((const __m256i *)(block + ((g / 2) * 8 + j) * STEP_BYTES + h * 32));
                 __m256i w = _mm256_and_si256(g % 2 ? _mm256_srli_epi16(raw, 4) : raw, nibble);
-                for (int i = 0; i < tile; ++i) {
-                    hi[i] = _mm256_add_epi32(hi[i], dot4(w, x4(a->q1, kp, m0 + i, at)));
-                    lo[i] = _mm256_add_epi32(lo[i], dot4(w, x4(a->q2, kp, m0 + i, at)));
+                for (int i = 0; i < tile; ++i) { /* int16 pair sums: 8 steps of 2 * 15 * 127 fit */
+                    hi[i] = _mm256_add_epi16(hi[i], _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4(a->q1, kp, m0 + i, at))));
+                    lo[i] = _mm256_add_epi16(lo[i], _mm256_maddubs_epi16(w, _mm256_set1_epi32(x4(a->q2, kp, m0 + i, at))));
                 }
             } else {
                 __m256i raw = _mm256_loadu_si256((const __m256i *)(block + (g * 8 + j) * STEP_BYTES + h * 32));
@@ -361,7 +357,12 @@ static inline __attribute__((always_inline)) void half_dots(const uint8_t *block
                 }
             }
         }
-        if (bits == 8) /* 127 hi + lo gains 128 (127 sum(q1) + sum(q2)) */
+        if (bits == 4) /* the group's int16 pair sums to int32 per row, once */
+            for (int i = 0; i < tile; ++i) {
+                hi[i] = _mm256_madd_epi16(hi[i], _mm256_set1_epi16(1));
+                lo[i] = _mm256_madd_epi16(lo[i], _mm256_set1_epi16(1));
+            }
+        else /* 127 hi + lo gains 128 (127 sum(q1) + sum(q2)) */
             for (int i = 0; i < tile; ++i)
                 lo[i] = _mm256_add_epi32(lo[i], _mm256_set1_epi32(128 * a->csum[(m0 + i) * groups + g]));
         const int64_t at = base + g * BLOCK + h * 8;
