@@ -29,7 +29,7 @@ def build(dtype: str, max_seqs: int):
     ops = select_ops("cpu")
     loaded = load_checkpoint(default_model_path(), dtype=dtype, ops=ops)
     block_size = 16
-    kv_dtype = loaded.kv_cache_dtype or loaded.dtype
+    kv_dtype = loaded.kv_cache_dtype
     blocks = kv_cache_blocks(loaded.model, block_size, kv_dtype, torch.device("cpu"), 1.0, 0.9)
     runner = ModelRunner(loaded.model, block_size=block_size, num_blocks=blocks, device=torch.device("cpu"),
                          dtype=loaded.dtype, kv_cache_dtype=kv_dtype)

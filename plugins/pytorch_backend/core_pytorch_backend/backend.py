@@ -103,7 +103,7 @@ class PytorchBackend(Backend):
         loaded = self._load()
         self.tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
-        kv_dtype = loaded.kv_cache_dtype or loaded.dtype
+        kv_dtype = loaded.kv_cache_dtype
         num_blocks = kv_cache_blocks(loaded.model, config.block_size, kv_dtype, self.device,
                                      config.kv_cache_memory_gib, self.options.kv_cache_memory_fraction)
         max_len = self._max_model_len(loaded, num_blocks)

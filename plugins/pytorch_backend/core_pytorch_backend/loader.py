@@ -46,11 +46,15 @@ class LoadedModel:
     hf_config: Any
     generation_config: dict = field(default_factory=dict)
     dtype: torch.dtype = torch.float32
-    kv_cache_dtype: torch.dtype | None = None  # None: ``dtype``
+    kv_cache_dtype: torch.dtype | None = None  # None: ``dtype`` (filled in)
     chat_template: str | None = None
     max_model_len: int = 2048
     source: str = ""
     quantization: str = "none"  # what the packed layers hold (for the start-up log)
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype is None:
+            self.kv_cache_dtype = self.dtype
 
 
 def load_checkpoint(

@@ -90,7 +90,7 @@ def teacher_forced(loaded: Any, tokens: Sequence[int], chunk: int = CHUNK,
         raise ValueError(f"{len(tokens)} tokens exceed the model's context of {loaded.max_model_len}")
     num_blocks = -(-len(tokens) // block_size)
     free_blocks = list(range(num_blocks))[::-1]
-    allocate_kv_caches(model, num_blocks, block_size, loaded.kv_cache_dtype or loaded.dtype, device)  # as served
+    allocate_kv_caches(model, num_blocks, block_size, loaded.kv_cache_dtype, device)  # as served
     table: list[int] = []
     logprobs, argmax, margin = [], [], []
     start = time.perf_counter()

@@ -49,6 +49,10 @@ class PackedKernel:
         return f"native {self.native.variant}" if self.native is not None else "torch int4"
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def _trial_us(linear, x: torch.Tensor) -> float:
     start = time.perf_counter()
     for _ in range(CALLS):
@@ -65,8 +69,8 @@ def _timings(native: CpuKernels | None) -> dict[str, float]:
     """
     dense = np.random.default_rng(0).standard_normal(PROBE_SHAPE).astype(np.float32)
     codes = quantize_int4(dense)
-    probes = {str(d).replace("torch.", ""): (Int4Weight.from_affine(codes, d).linear,
-                                              torch.randn(1, PROBE_SHAPE[1]).to(d)) for d in CANDIDATES}
+    probes = {_name(d): (Int4Weight.from_affine(codes, d).linear, torch.randn(1, PROBE_SHAPE[1]).to(d))
+              for d in CANDIDATES}
     if native is not None:
         probes["native"] = (NativeWeight.from_affine(codes, native).linear, torch.randn(1, PROBE_SHAPE[1]))
     for linear, x in probes.values():
@@ -81,8 +85,8 @@ def _timings(native: CpuKernels | None) -> dict[str, float]:
 
 def choose(timings: dict[str, float], native: CpuKernels | None) -> PackedKernel:
     """The choice the timings make (see the module docstring)."""
-    torch_best = min(CANDIDATES, key=lambda d: timings[str(d).replace("torch.", "")])
-    torch_us = timings[str(torch_best).replace("torch.", "")]
+    torch_best = min(CANDIDATES, key=lambda d: timings[_name(d)])
+    torch_us = timings[_name(torch_best)]
     if native is not None and timings["native"] <= NATIVE_MARGIN * torch_us:
         return PackedKernel(native, torch.float32)
     return PackedKernel(None, torch_best)
@@ -100,7 +104,7 @@ def packed_kernel() -> PackedKernel:
         torch.set_num_threads(threads)
     chosen = choose(timings, native)
     log.info("packed weights: the %s kernel, the model in %s (one row, one thread, %s: %s; CPU capability %s)",
-             chosen.name, str(chosen.dtype).replace("torch.", ""), "x".join(map(str, PROBE_SHAPE)),
+             chosen.name, _name(chosen.dtype), "x".join(map(str, PROBE_SHAPE)),
              ", ".join(f"{name} {us:.0f} us" for name, us in timings.items()),
              torch.backends.cpu.get_cpu_capability())
     return chosen

@@ -168,10 +168,14 @@ static void quantize_group_simd(const void *x, int dtype, int64_t index, int8_t 
     }
     store_codes(q1, c1);
     store_codes(q2, c2);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    *csum_out = 0; /* only the AVX2 loop's centred 8-bit codes read it */
+#else
     const __m256i k = _mm256_set1_epi32(127);
     __m256i codes = _mm256_setzero_si256();
     for (int i = 0; i < 4; ++i) codes = _mm256_add_epi32(codes, _mm256_add_epi32(_mm256_mullo_epi32(c1[i], k), c2[i]));
     *csum_out = hsum8_epi32(codes);
+#endif
     *d_out = d / 127.f;
     *sum_out = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
 }
