@@ -116,7 +116,7 @@ class PytorchBackend(Backend):
         graphs = functools.partial(  # None on the CPU or with enforce_eager
             make_decode_graphs, device=self.device, enabled=not self.options.enforce_eager, block_size=config.block_size,
             max_model_len=max_len, max_num_seqs=config.max_num_seqs)
-        self.lora = self._start_adapters(loaded.model, config.adapters)
+        self.lora = self._start_adapters(loaded, config.adapters)
         runner = ModelRunner(loaded.model, block_size=config.block_size, num_blocks=num_blocks,
                              device=self.device, dtype=loaded.dtype, kv_cache_dtype=kv_dtype,
                              capture_graphs=graphs, lora_step=self.lora.step if self.lora else None)
@@ -235,11 +235,16 @@ class PytorchBackend(Backend):
 
     # -- LoRA adapters (lora/) ------------------------------------------------------------------------
 
-    def _start_adapters(self, model: torch.nn.Module, policy: AdapterPolicy) -> AdapterManager | None:
-        """The adapters' slots on `model` and the start-up adapters loaded (a bad one stops start-up)."""
+    def _start_adapters(self, loaded: LoadedModel, policy: AdapterPolicy) -> AdapterManager | None:
+        """The adapters' slots on the model and the start-up adapters loaded (a bad one stops start-up).
+
+        Over quantized base weights the slots hold bfloat16: a decode step's adapter term is bound by
+        reading them (benchmarks/lora_throughput.py), and their rounding is far below the base's own
+        (benchmarks/lora_accuracy.py); over float weights they keep the model's dtype."""
         if not policy.enabled:
             return None
-        manager = AdapterManager(model, policy, self.device, self.dtype)
+        weights_dtype = torch.bfloat16 if loaded.quantization != "none" else self.dtype
+        manager = AdapterManager(loaded.model, policy, self.device, self.dtype, weights_dtype)
         for module in policy.lora_modules:
             manager.add(module, manager.read(module))
         return manager

@@ -150,12 +150,14 @@ class EngineLoop:
     def add(self, state: RequestState) -> None:
         """Schedule `state`, or, when its LoRA adapter has no slot (all held by running requests), keep it
         in flight unscheduled until one frees (`_admit_waiting_for_slot`): it holds no slot nor KV block,
-        and it can be aborted like any request. Requests of the base or of resident adapters pass it."""
+        and it can be aborted like any request. Requests of the base pass it; a later request for any
+        adapter queues behind it, so that a busy resident adapter cannot keep the slot forever (the wait
+        is bounded by the requests running when it arrived)."""
         sid = state.session_id
         if sid in self.requests:
             raise BackendError(f"session {sid!r} is already generating")
         name = state.request.config.adapter
-        if name is not None and not self._adapter_manager(name).has_slot_for(name):
+        if name is not None and (self._waiting_for_slot or not self._adapter_manager(name).has_slot_for(name)):
             self.scheduler.check(self._new_sequence(state, self._adapter_manager(name).key(name)))  # a 400 now
             self._waiting_for_slot[sid] = state
             log.debug("request %s waits for a LoRA slot for %r", sid, name)
@@ -179,15 +181,15 @@ class EngineLoop:
         self._by_seq[seq.seq_id] = (state, 0)
 
     def _admit_waiting_for_slot(self) -> None:
-        """Start, in arrival order, the waiting requests whose adapter now finds a slot; the others wait
-        on (a request for another adapter never holds them back, nor they it)."""
+        """Start the waiting requests in arrival order, up to the first whose adapter still finds no slot
+        (first come, first served: see `add`)."""
         assert self.adapters is not None
         for sid, state in list(self._waiting_for_slot.items()):
             name = state.request.config.adapter
             assert name is not None
             try:
                 if not self.adapters.has_slot_for(name):
-                    continue
+                    break
                 del self._waiting_for_slot[sid]
                 self._start(state)
             except Exception as exc:  # e.g. the adapter was unloaded while it waited: a 404

@@ -174,6 +174,46 @@ def test_a_request_waiting_for_a_slot_aborts_and_leaks_nothing(base, adapters):
         asyncio.run(engine.close())
 
 
+def test_a_later_request_for_the_resident_adapter_queues_behind_a_waiting_one(base, adapters):
+    """First come, first served for slots: while a2 waits for a1's only slot, a new a1 request does not pass
+    it (it would keep the slot held for ever under steady a1 traffic); the base still passes."""
+    from core.adapters import AdapterPolicy, LoraModule
+    from core.config import EngineConfig
+    from core.engine import AsyncEngine
+    from core_pytorch_backend.backend import PytorchBackend
+
+    policy = AdapterPolicy(lora_modules=tuple(LoraModule(n, str(adapters[n])) for n in ("a1", "a2")),
+                           max_loras=1, max_lora_rank=8)
+    engine = AsyncEngine(PytorchBackend(EngineConfig(model=str(base), dtype="float32", adapters=policy)))
+
+    async def run():
+        holder = engine.generate([1, 2, 3, 4], GenerationConfig(max_new_tokens=200, ignore_eos=True, adapter="a1"))
+        assert (await anext(aiter(holder))).finish_reason is None  # a1 holds the only slot
+        waiter = asyncio.ensure_future(collect(engine.generate([5, 6, 7], greedy("a2"))))
+        while engine.stats().waiting == 0:
+            await asyncio.sleep(0.005)
+        later = asyncio.ensure_future(collect(engine.generate([8, 9], greedy("a1"))))
+        for _ in range(400):  # up to 2 s for the engine loop to take it in
+            if engine.stats().waiting == 2 or later.done():
+                break
+            await asyncio.sleep(0.005)
+        assert engine.stats().waiting == 2 and engine.stats().running == 1  # the later a1 request did not start ahead of a2
+        assert (await collect(engine.generate([5, 6, 7], greedy()))).finish_reason == "length"
+        await holder.aclose()  # a1's slot frees: a2 runs, then the later a1
+        return await waiter, await later
+
+    try:
+        waited, later = asyncio.run(run())
+        assert waited.finish_reason == later.finish_reason == "length"
+        assert waited.token_ids == peft_greedy(base, adapters["a2"], [5, 6, 7])
+        assert later.token_ids == peft_greedy(base, adapters["a1"], [8, 9])
+        stats = engine.stats()
+        assert stats.kv_blocks_used == 0 and stats.running == stats.waiting == stats.sessions == 0
+        assert engine.backend.lora.slots_in_use() == 0
+    finally:
+        asyncio.run(engine.close())
+
+
 def test_unload_in_use_is_409_and_lru_evicts_idle(base, adapters):
     from core.adapters import AdapterPolicy, LoraModule
     from core_pytorch_backend.loader import load_checkpoint

@@ -21,6 +21,7 @@ from core.errors import AdapterInUseError, OverloadedError
 from core_pytorch_backend.layers.linear import Linear, MergedLinear
 from core_pytorch_backend.lora.layers import LoraLayer, LoraStep
 from core_pytorch_backend.lora.peft_folder import AdapterWeights, read_adapter
+from core_pytorch_backend.native.library import available as native_kernels
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +29,14 @@ log = logging.getLogger(__name__)
 class AdapterManager:
     """See the module docstring. `step` is the row-to-slot map the model's LoRA layers read."""
 
-    def __init__(self, model: nn.Module, policy: AdapterPolicy, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, policy: AdapterPolicy, device: torch.device, dtype: torch.dtype,
+                 weights_dtype: torch.dtype | None = None) -> None:
         self.policy = policy
         self.registry = AdapterRegistry()
-        self.step = LoraStep()
-        self.device, self.dtype = device, dtype
+        self.device = device
+        self.dtype = weights_dtype or dtype  # what the slots hold; the model's activations are in `dtype`
+        self.kernels = native_kernels() if device.type == "cpu" and dtype == torch.float32 else None
+        self.step = LoraStep(self.dtype, native=self.kernels is not None)
         self.slots: list[str | None] = [None] * policy.max_loras
         self.in_use: dict[str, int] = {}
         self._host: dict[str, AdapterWeights] = {}
@@ -50,7 +54,7 @@ class AdapterManager:
             if isinstance(module, Linear):
                 sizes = module.output_sizes if isinstance(module, MergedLinear) else [module.output_size]
                 module.lora = self.layers[name] = LoraLayer(self.step, len(self.slots), self.policy.max_lora_rank,
-                                                            module.input_size, sizes, self.device, self.dtype)
+                                                            module.input_size, sizes, self.device, self.dtype, self.kernels)
         for slot, name in enumerate(self.slots):
             if name is not None:
                 self._fill(slot, self._host[name])

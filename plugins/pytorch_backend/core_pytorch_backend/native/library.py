@@ -15,7 +15,7 @@ from pathlib import Path
 from .build import CpuBuildError, best_variant, build_library
 
 log = logging.getLogger(__name__)
-ABI_VERSION = 5  # csrc/packed_linear.c CORE_PACKED_ABI
+ABI_VERSION = 6  # csrc/packed_linear.c CORE_PACKED_ABI
 STATUS = {1: "bad arguments", 2: "out of memory"}
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -35,6 +35,10 @@ SIGNATURES: dict[str, list] = {
     "core_rotary": [_P, _P, _I, _L, _L, _L, _L, _L, _L, _P, _P, _P, _I, _L, _P, _P],
     # k, v, dtype, T, Hkv, D, k row stride, v row stride, slots, k cache, v cache, cache dtype, slots in cache
     "core_store_kv": [_P, _P, _I, _L, _L, _L, _L, _L, _P, _P, _P, _I, _L],
+    # x, rows, in, y, out, row slots, slots, slot ranks, max rank, shards, shard starts, shard sizes, a, bt,
+    # their dtype (csrc/lora.c)
+    "core_lora_apply": [_P, _L, _L, _P, _L, _P, _L, _P, _L, _L, _P, _P, _P, _P, _I],
+    "core_lora_max_rank": [],
 }
 
 
