@@ -168,13 +168,15 @@ ATTENTION_CASES = {
     "decode rows mixed with a chunk": ([5, 30, 60], [1, 7, 1]),
     "prefill only": ([0], [20]),
     "contexts of several partitions": ([300, 129, 700], [1, 1, 1]),  # csrc PARTITION = 128 positions
+    "chunks over cached prefixes": ([100, 0, 33, 7], [40, 70, 2, 1]),  # csrc/chunk_attention.c: key tiles
+    "a long chunk": ([0], [150]),  # of 16, query tiles of 64 / G rows
 }
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [None, 10])
 @pytest.mark.parametrize("case", ATTENTION_CASES)
-@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32)])  # (Hq, Hkv, D): grouped and plain
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])  # (Hq, Hkv, D): grouped and plain
 def test_paged_attention_matches_the_reference(ops, dtype, window, case, heads):
     hq, hkv, d = heads
     block_size, num_blocks = 16, 128

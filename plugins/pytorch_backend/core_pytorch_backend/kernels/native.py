@@ -4,8 +4,9 @@ A decode step of a small model is mostly dispatch: the reference's decode attent
 every context block, a mask and SDPA (about 40 us a layer for one sequence on a 2-core EPYC), its
 RMSNorm five ops, its rotary embedding seven. ``core_decode_attention``, ``core_rms_norm``,
 ``core_silu_and_mul``, ``core_rotary`` and ``core_store_kv`` (``native/csrc/cpu_ops.c``) do each in one
-call over float32 or bfloat16 tensors. What they do not take (prefill chunks, other dtypes, M-RoPE
-positions, bidirectional spans) goes to the reference ops, which stay the oracle: the tests compare the
+call over float32 or bfloat16 tensors, and ``core_chunk_attention`` (``native/csrc/chunk_attention.c``)
+a step's prefill chunks. What they do not take (other dtypes, M-RoPE positions, bidirectional spans,
+heads over 256 wide in a chunk) goes to the reference ops, which stay the oracle: the tests compare the
 two.
 """
 
@@ -22,6 +23,7 @@ from . import reference
 
 NAME = "native"
 MAX_HEAD_DIM, MAX_GROUP = 512, 64  # csrc/cpu_ops.c
+MAX_CHUNK_HEAD_DIM = 256  # csrc/chunk_attention.c
 gelu_tanh_and_mul = reference.gelu_tanh_and_mul
 
 
@@ -77,17 +79,62 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return out
 
 
+class _ChunkRows(NamedTuple):
+    """A step's prefill chunks (sequences with more than one new token), shared by every layer."""
+
+    count: int  # sequences
+    query_start: torch.Tensor  # [S] int32: each chunk's first row in the flat batch
+    query_len: torch.Tensor  # [S] int32
+    seq_len: torch.Tensor  # [S] int32: cached tokens, the chunk's included
+    tables: torch.Tensor  # [S, width] int32
+
+
+def _chunk_rows(meta: AttentionMetadata) -> _ChunkRows | None:
+    if "native_chunks" in meta.op_cache:
+        return meta.op_cache["native_chunks"]
+    starts, chunks = 0, []
+    for b, q_len in enumerate(meta.query_lens_list):
+        if q_len > 1:
+            chunks.append((b, starts))
+        starts += q_len
+    plan = None
+    if chunks:
+        index = torch.tensor([b for b, _ in chunks])
+        lens = torch.tensor([meta.query_lens_list[b] for b, _ in chunks], dtype=torch.int32)
+        plan = _ChunkRows(len(chunks), torch.tensor([s for _, s in chunks], dtype=torch.int32), lens,
+                          meta.seq_lens[index].to(torch.int32).contiguous(),
+                          meta.block_tables[index].to(torch.int32).contiguous())
+    meta.op_cache["native_chunks"] = plan
+    return plan
+
+
+def chunk_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _ChunkRows,
+                    scale: float, sliding_window: int | None, out: torch.Tensor) -> None:
+    """Fill the chunk rows of ``out`` [T, Hq, D] with their causal attention (``core_chunk_attention``)."""
+    _, hq, d = query.shape
+    kernels().call("core_chunk_attention", query.data_ptr(), _code(query), hq, d, k_cache.data_ptr(),
+                   v_cache.data_ptr(), _code(k_cache), k_cache.shape[1], k_cache.shape[2], plan.count,
+                   plan.query_start.data_ptr(), plan.query_len.data_ptr(), plan.seq_len.data_ptr(),
+                   plan.tables.data_ptr(), plan.tables.shape[1], sliding_window or 0, scale, out.data_ptr())
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """As ``reference.paged_attention``; decode rows through the native kernel."""
-    plan = _decode_rows(meta) if _decode_fits(query, k_cache, v_cache) else None
-    if plan is None:
+    """As ``reference.paged_attention``: decode rows and prefill chunks through the native kernels
+    (bidirectional spans, other dtypes and larger heads through the reference)."""
+    if not _decode_fits(query, k_cache, v_cache) or getattr(meta, "bidirectional_spans", None) \
+            or query.shape[2] > MAX_CHUNK_HEAD_DIM:
         return reference.paged_attention(query, k_cache, v_cache, meta, scale, sliding_window)
-    if plan.rows is None:
-        return decode_attention(query, k_cache, v_cache, plan.tables, plan.lengths, scale, sliding_window)
-    out = reference.paged_chunks(query, k_cache, v_cache, meta, scale, sliding_window)
-    out[plan.rows] = decode_attention(query[plan.rows], k_cache, v_cache, plan.tables, plan.lengths, scale,
-                                      sliding_window)
+    decode, chunks = _decode_rows(meta), _chunk_rows(meta)
+    if decode is not None and decode.rows is None:
+        return decode_attention(query, k_cache, v_cache, decode.tables, decode.lengths, scale, sliding_window)
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    if chunks is not None:
+        chunk_attention(query, k_cache, v_cache, chunks, scale, sliding_window, out)
+    if decode is not None:
+        out[decode.rows] = decode_attention(query[decode.rows], k_cache, v_cache, decode.tables, decode.lengths,
+                                            scale, sliding_window)
     return out
 
 

@@ -39,6 +39,10 @@ SIGNATURES: dict[str, list] = {
     # their dtype (csrc/lora.c)
     "core_lora_apply": [_P, _L, _L, _P, _L, _P, _L, _P, _L, _L, _P, _P, _P, _P, _I],
     "core_lora_max_rank": [],
+    # q, q dtype, Hq, D, k cache, v cache, cache dtype, block size, Hkv, sequences, query starts, query
+    # lengths, sequence lengths, tables, table width, window, scale, out (csrc/chunk_attention.c)
+    "core_chunk_attention": [_P, _I, _L, _L, _P, _P, _I, _L, _L, _L, _P, _P, _P, _P, _L, _L, _F, _P],
+    "core_chunk_attention_max_head_dim": [],
 }
 
 

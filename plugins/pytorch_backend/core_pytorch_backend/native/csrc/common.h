@@ -1,4 +1,5 @@
-/* What every kernel file shares: dtype and status codes, and bfloat16 conversions. */
+/* What every kernel file shares: dtype and status codes, bfloat16 and half conversions, rows loaded
+ * and stored as float32, a vectorizable e^x, and the paged KV cache's slots. */
 #ifndef CORE_CPU_COMMON_H
 #define CORE_CPU_COMMON_H
 
@@ -41,6 +42,60 @@ static inline float f16_to_f32(uint16_t h) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
+}
+
+/* n values of a float32 or bfloat16 row from element `offset` on, as float32 */
+static inline void load_row(const void *src, int dtype, int64_t offset, int64_t n, float *dst) {
+    if (dtype == DT_BF16) {
+        const uint16_t *s = (const uint16_t *)src + offset;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) {
+            uint32_t bits = (uint32_t)s[i] << 16;
+            float f;
+            memcpy(&f, &bits, 4);
+            dst[i] = f;
+        }
+    } else {
+        memcpy(dst, (const float *)src + offset, (size_t)n * sizeof(float));
+    }
+}
+
+/* n float32 values stored as the dtype's from element `offset` on */
+static inline void store_row(void *dst, int dtype, int64_t offset, int64_t n, const float *src) {
+    if (dtype == DT_BF16) {
+        uint16_t *d = (uint16_t *)dst + offset;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy((float *)dst + offset, src, (size_t)n * sizeof(float));
+    }
+}
+
+/* e^x as 2^n * p(f), n = round(x log2 e), p a degree-6 polynomial of f = (x log2 e - n) ln 2 in
+ * [-0.35, 0.35]: relative error ~2e-7 over [-87, 88] (0 below, as expf rounds to), and written so that
+ * a loop of it vectorizes (no calls, no branches) on every variant. */
+static inline float fast_exp(float x) {
+    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+    const float t = x * 1.44269504089f, n = __builtin_rintf(t), f = (t - n) * 0.69314718056f;
+    float p = 1.f / 720;
+    p = p * f + 1.f / 120;
+    p = p * f + 1.f / 24;
+    p = p * f + 1.f / 6;
+    p = p * f + 0.5f;
+    p = p * f + 1.f;
+    p = p * f + 1.f;
+    int32_t bits;
+    memcpy(&bits, &p, 4);
+    bits += (int32_t)n << 23; /* times 2^n: n in [-126, 127] and p in [0.7, 1.5] keep it a normal float */
+    memcpy(&p, &bits, 4);
+    return p;
+}
+
+/* The cache slot of context position pos (32-bit division: positions and blocks fit, and 64-bit
+ * division costs tens of cycles) */
+static inline int64_t slot_of(const int32_t *table, int64_t pos, int64_t block_size) {
+    const uint32_t p = (uint32_t)pos, b = (uint32_t)block_size;
+    return (int64_t)table[p / b] * block_size + p % b;
 }
 
 #endif
