@@ -17,7 +17,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-
 from lora_throughput import make_adapters
 from quant_accuracy import load_quality
 

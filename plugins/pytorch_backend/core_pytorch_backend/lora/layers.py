@@ -89,7 +89,7 @@ class LoraLayer:
         self.a = torch.zeros(num_slots, len(self.output_sizes), max_rank, input_size, device=device, dtype=dtype)
         self.bt_flat = torch.zeros(num_slots * max_rank * sum(self.output_sizes), device=device, dtype=dtype)
         self.bt = [self.bt_flat[num_slots * max_rank * start : num_slots * max_rank * (start + size)]
-                   .view(num_slots, max_rank, size) for start, size in zip(self.starts, self.output_sizes)]
+                   .view(num_slots, max_rank, size) for start, size in zip(self.starts, self.output_sizes, strict=True)]
         self.rank = torch.zeros(num_slots, dtype=torch.int32)
         self._shard_start = torch.tensor(self.starts, dtype=torch.int64)
         self._shard_size = torch.tensor(self.output_sizes, dtype=torch.int64)
