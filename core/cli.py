@@ -14,7 +14,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from core import __version__
-from core.cli_options import add_adapter_arguments, add_engine_arguments, add_media_arguments, engine_config
+from core.cli_options import (
+    add_adapter_arguments,
+    add_engine_arguments,
+    add_media_arguments,
+    add_replica_arguments,
+    check_replica_arguments,
+    engine_config,
+)
 from core.errors import CoreError, PluginError
 
 # -- plugins ---------------------------------------------------------------------------------------
@@ -41,7 +48,8 @@ def plugins_report() -> dict[str, Any]:
     for key, registry in (("model_architectures", host.model_architectures), ("chat_templates", host.chat_templates),
                           ("reasoning_parsers", host.reasoning_parsers), ("tool_call_parsers", host.tool_call_parsers),
                           ("vision_processors", host.vision_processors),
-                          ("structured_output_engines", host.structured_output_engines), ("commands", host.commands)):
+                          ("structured_output_engines", host.structured_output_engines),
+                          ("speculative_proposers", host.speculative_proposers), ("commands", host.commands)):
         report[key] = [{"name": e.name, "plugin": e.plugin, **({"backend": e.scope} if e.scope else {})}
                        for e in registry]
     return report
@@ -62,7 +70,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         state = "available" if b["available"] else f"unavailable: {b['reason']}"
         print(f"  {b['name']} (priority {b['priority']}, from {b['plugin']}): {state}")
     for key in ("model_architectures", "chat_templates", "reasoning_parsers", "tool_call_parsers",
-                "vision_processors", "structured_output_engines", "commands"):
+                "vision_processors", "structured_output_engines", "speculative_proposers", "commands"):
         if report[key]:
             print(f"{key.replace('_', ' ')}: {', '.join(sorted({e['name'] for e in report[key]}))}")
     return 0
@@ -111,11 +119,25 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    check_replica_arguments(args)
+    if args.replicas is not None:
+        return _serve_replicas(args)
     try:
         from core.server.run import serve
     except ImportError as exc:
         raise PluginError(f"the HTTP server needs its dependencies: pip install 'core-serve[serve]' ({exc})") from exc
     return serve(args, engine_config(args))
+
+
+def _serve_replicas(args: argparse.Namespace) -> int:
+    try:
+        from core.ray.run import serve_replicas
+    except ImportError as exc:
+        if exc.name != "ray":
+            raise
+        cause = exc.__cause__ or exc  # core.ray's own ImportError wraps ray's
+        raise PluginError(f"--replicas needs Ray Serve: pip install 'core-serve[ray]' ({cause})") from exc
+    return serve_replicas(args, engine_config(args))
 
 
 # -- parser ----------------------------------------------------------------------------------------
@@ -151,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(p)
     add_media_arguments(p)
     add_adapter_arguments(p)
+    add_replica_arguments(p)
     p.set_defaults(run=cmd_serve)
 
     for name, help_text, run in (("generate", "generate a reply to one prompt", cmd_generate),

@@ -13,10 +13,12 @@ from core.content_format import CONTENT_FORMATS
 
 if TYPE_CHECKING:
     from core.config import EngineConfig
+    from core.speculative import SpeculativeConfig
 
 ENGINE_FLAGS = ("backend", "dtype", "quantization", "device", "max_model_len", "block_size", "kv_cache_memory_gib",
                 "max_num_seqs", "max_num_batched_tokens", "chat_template", "served_model_name",
-                "allow_special_tokens_in_content", "chat_template_content_format", "structured_output_engine")
+                "allow_special_tokens_in_content", "chat_template_content_format", "structured_output_engine",
+                "tensor_parallel_size")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +37,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N",
+                   help="shard the model over N ranks (processes; gloo on the CPU, NCCL on GPUs), each holding "
+                        "1/N of every layer and its own KV-cache shard; default: 1")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs (the backend option enforce_eager)")
     g.add_argument("--chat-template", help="a registered template name or a Jinja file")
@@ -48,6 +53,27 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-special-tokens-in-content", action="store_true", default=None,
                    help="let control strings in message text (<|im_end|>, ...) become control tokens; by "
                         "default they stay text, so a client cannot forge turns")
+    add_speculative_arguments(parser)
+
+
+def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    """Speculative decoding (core.speculative): off unless --speculative names a proposer."""
+    from core.speculative import SpeculativeConfig
+
+    g = parser.add_argument_group("speculative decoding")
+    g.add_argument("--speculative", metavar="METHOD",
+                   help="propose tokens and verify them in one forward pass: ngram (prompt lookup), draft "
+                        "(a draft model), or a plugin's proposer; default: off")
+    g.add_argument("--num-speculative-tokens", type=int, default=SpeculativeConfig.num_speculative_tokens,
+                   metavar="K", help="most tokens proposed per sequence and step")
+    g.add_argument("--ngram-min", type=int, default=SpeculativeConfig.ngram_min, metavar="N",
+                   help="shortest suffix prompt lookup matches")
+    g.add_argument("--ngram-max", type=int, default=SpeculativeConfig.ngram_max, metavar="M",
+                   help="longest suffix prompt lookup tries first")
+    g.add_argument("--draft-model", metavar="PATH", help="the draft model of --speculative draft")
+    g.add_argument("--no-speculative-backoff", dest="speculative_backoff", action="store_false",
+                   help="always propose K tokens, even for sequences whose proposals are rarely accepted "
+                        "(default: each sequence's draft length follows its measured acceptance)")
 
 
 def add_media_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +110,40 @@ def add_adapter_arguments(parser: argparse.ArgumentParser) -> None:
                    help="folders runtime loading may read adapters from; default: none")
 
 
+def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
+    """Replicas of the engine on Ray Serve (core.ray; needs `pip install 'core-serve[ray]'`)."""
+    g = parser.add_argument_group("replicas through Ray (pip install 'core-serve[ray]')")
+    g.add_argument("--replicas", type=_positive_int, metavar="R",
+                   help="serve R engine replicas behind one endpoint with Ray Serve (routing, health checks "
+                        "and restarts are Ray's); default: one engine in this process, no Ray")
+    g.add_argument("--ray-address", metavar="auto|ADDRESS",
+                   help="the Ray cluster of --replicas: auto (the running one), host:port, or local (a new "
+                        "instance); default: $RAY_ADDRESS, else a Ray instance started for this command")
+    g.add_argument("--replica-cpus", type=float, default=1.0, metavar="N",
+                   help="CPUs Ray reserves for each replica (default: 1)")
+    g.add_argument("--replica-gpus", type=float, metavar="N",
+                   help="GPUs Ray reserves for each replica (default: 1 with --device cuda, else 0)")
+
+
+def check_replica_arguments(args: argparse.Namespace) -> None:
+    """The Ray flags other than --replicas make sense only with it."""
+    if args.replicas is None:
+        given = [flag for flag, value in (("--ray-address", args.ray_address), ("--replica-gpus", args.replica_gpus))
+                 if value is not None]
+        if given or args.replica_cpus != 1.0:
+            raise SystemExit(f"core serve: {', '.join(given) or '--replica-cpus'} needs --replicas")
+
+
+def _positive_int(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {raw!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 ADAPTER_FLAGS = ("lora_modules", "max_loras", "max_lora_rank", "runtime_loading", "allowed_paths")
 MEDIA_FLAGS = ("allowed_media_domains", "allowed_local_media_path", "max_images_per_request", "max_image_bytes",
                "max_image_pixels", "fetch_timeout_s")
@@ -100,4 +160,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     adapters = AdapterPolicy(**{name: getattr(args, name) for name in ADAPTER_FLAGS if hasattr(args, name)})
     backend_options = {"enforce_eager": True} if args.enforce_eager else {}
     return EngineConfig(model=getattr(args, "model", None), enable_prefix_caching=not args.no_prefix_caching,
-                        backend_options=backend_options, media=media, adapters=adapters, **options)
+                        backend_options=backend_options, media=media, adapters=adapters,
+                        speculative=speculative_config(args), **options)
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """The SpeculativeConfig of --speculative and its options; None when it is not given."""
+    from core.speculative import SpeculativeConfig
+
+    method = getattr(args, "speculative", None)
+    if method is None:
+        return None
+    return SpeculativeConfig(method=method, num_speculative_tokens=args.num_speculative_tokens,
+                             ngram_min=args.ngram_min, ngram_max=args.ngram_max, draft_model=args.draft_model,
+                             backoff=args.speculative_backoff)

@@ -16,6 +16,7 @@ from core.adapters import AdapterPolicy, check_adapter_name
 from core.content_format import AUTO, check_content_format
 from core.errors import InvalidRequestError
 from core.media import MediaPolicy
+from core.speculative import SpeculativeConfig
 from core.structured_output import StructuredOutput
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -76,7 +77,8 @@ class GenerationConfig:
     structured_output constrains the output (a JSON schema, regex, choice or grammar; see
     core.structured_output); logprobs still report the model's own distribution, before the constraint.
     adapter names a loaded LoRA adapter to run the request through (None: the base model; the backend
-    must support adapters, core.adapters).
+    must support adapters, core.adapters). speculative False opts the request out of speculative
+    decoding (core.speculative) where the engine speculates; it never changes greedy output.
     """
 
     n: int = 1
@@ -101,6 +103,7 @@ class GenerationConfig:
     include_stop_str_in_output: bool = False
     structured_output: StructuredOutput | None = None
     adapter: str | None = None
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         self._normalise_sequences()
@@ -166,7 +169,7 @@ class GenerationConfig:
             _check_request_int("stop_token_ids", t, 0)
 
     def _validate_flags(self) -> None:
-        for name in ("ignore_eos", "logprobs", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "logprobs", "skip_special_tokens", "include_stop_str_in_output", "speculative"):
             _check_bool(name, getattr(self, name))
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=True", param="top_logprobs")
@@ -227,6 +230,10 @@ class EngineConfig:
         priority (xgrammar, from the pytorch backend plugin).
     :param adapters: the LoRA adapters served (core.adapters.AdapterPolicy: start-up modules, slots,
         maximum rank, runtime loading and its allowed paths).
+    :param tensor_parallel_size: ranks that each hold 1/N of the model (``--tensor-parallel-size``);
+        1 serves in this process alone. A backend that cannot shard the model refuses it at start-up.
+    :param speculative: speculative decoding (core.speculative.SpeculativeConfig: the proposer, tokens
+        per step, n-gram lengths); None: off. A backend that cannot speculate refuses it at start-up.
     """
 
     model: str | None = None
@@ -249,6 +256,8 @@ class EngineConfig:
     chat_template_content_format: str = AUTO
     structured_output_engine: str | None = None
     adapters: AdapterPolicy = field(default_factory=AdapterPolicy)
+    speculative: SpeculativeConfig | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         self._normalise_names()
@@ -264,6 +273,7 @@ class EngineConfig:
             _check_float("kv_cache_memory_gib", self.kv_cache_memory_gib, 0.0, 1e6, low_open=True)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 1024)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         if not isinstance(self.backend_options, Mapping) or not all(isinstance(k, str) for k in self.backend_options):
             raise _fail("backend_options", self.backend_options, "a mapping of option names to values")
@@ -272,6 +282,8 @@ class EngineConfig:
             raise _fail("media", self.media, "a core.media.MediaPolicy")
         if not isinstance(self.adapters, AdapterPolicy):
             raise _fail("adapters", self.adapters, "a core.adapters.AdapterPolicy")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise _fail("speculative", self.speculative, "a core.speculative.SpeculativeConfig")
 
     def _normalise_names(self) -> None:
         names, aliases = self.served_model_name, self.served_model_aliases

@@ -8,6 +8,7 @@ from typing import Any
 
 from core.backend import Backend
 from core.config import EngineConfig
+from core.errors import UnsupportedError
 from core.openmp import release_openmp_pool
 from core.structured_output import ConstraintCompiler
 
@@ -21,6 +22,9 @@ def engine_parts(config: EngineConfig, plugins: Any = None) -> tuple[Backend, di
 
     plugins = plugins or get_plugins()
     backend = select_backend(plugins, config.backend).load()(config)
+    if config.speculative is not None and not backend.supports_speculative_decoding:
+        raise UnsupportedError(f"the {type(backend).__name__} backend does not do speculative decoding; "
+                               "start without --speculative", param="speculative")
     template = resolve_chat_template(plugins, config.chat_template, backend.model_info, backend.tokenizer)
     vision = find_vision_processor(plugins, backend.model_info.architecture, config.model)
     constraints = constraint_compiler(plugins, backend, config.structured_output_engine)

@@ -130,6 +130,23 @@ def core_register_structured_output_engines(register: Register) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Speculative decoding
+# ---------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def core_register_speculative_proposers(register: Register) -> None:
+    """Register proposers of speculative decoding, chosen by name with ``--speculative NAME``.
+
+    :param register: ``register(name, factory, *, description="")``: ``factory(config:
+        core.speculative.SpeculativeConfig) -> core.speculative.Proposer`` (or a "module:attr" string
+        naming it). A backend that speculates asks the proposer for draft tokens each step and verifies
+        them with its model, so a proposer affects speed only, never the output's distribution.
+    :returns: nothing.
+    """
+
+
+# ---------------------------------------------------------------------------------------------------
 # Multimodal inputs
 # ---------------------------------------------------------------------------------------------------
 
@@ -174,6 +191,7 @@ REGISTRATION_HOOKS: dict[str, tuple[str, frozenset[str], str]] = {
     "core_register_tool_call_parsers": ("tool-call parser", _PARSER_OPTIONS, ""),
     "core_register_vision_processors": ("vision processor", frozenset(), ""),
     "core_register_structured_output_engines": ("structured-output engine", _ENGINE_OPTIONS, ""),
+    "core_register_speculative_proposers": ("speculative proposer", frozenset({"description"}), ""),
     "core_register_commands": ("command", frozenset({"help", "configure"}), ""),
 }
 

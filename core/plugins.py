@@ -114,6 +114,10 @@ class PluginHost:
         return self.registry("core_register_structured_output_engines")
 
     @property
+    def speculative_proposers(self) -> Registry:
+        return self.registry("core_register_speculative_proposers")
+
+    @property
     def commands(self) -> Registry:
         return self.registry("core_register_commands")
 

@@ -27,6 +27,7 @@ parsers             ``--*-parser``/none    registered for the architecture with 
 vision processor    (none)                 the one registered under the architecture    none
 grammar engine      ``--structured-output  registered engines by priority (a tie: none)  none
                     -engine``
+proposer            ``--speculative``      (explicit only)                              error
 ==================  =====================  ===========================================  =========
 
 Only this module and core.plugins name the plugin host; the contract modules (backend, chat_template,
@@ -276,3 +277,18 @@ def structured_output_engine(plugins: PluginHost, requested: str | None) -> Entr
             raise PluginError(f"--structured-output-engine {requested!r} is not registered; choose one of: {known}")
         return entry
     return choose(registry, name=_entry_name, rank=_engine_rank, question="the structured-output engine")
+
+
+# -- speculative proposers ---------------------------------------------------------------------------
+
+
+def speculative_proposer(plugins: PluginHost, requested: str) -> Entry:
+    """The proposer registered as `requested` (``--speculative``: always an explicit choice).
+
+    :raises PluginError: when no plugin registered it (the message lists those that are).
+    """
+    entry = plugins.speculative_proposers.find(requested)
+    if entry is None:
+        known = ", ".join(plugins.speculative_proposers.names()) or "none registered"
+        raise PluginError(f"--speculative {requested!r} is not a registered proposer; choose one of: {known}")
+    return entry

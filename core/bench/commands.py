@@ -51,7 +51,8 @@ def add_bench_parser(sub: Any) -> None:
 def _add_dataset_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset", choices=DATASETS, default="random")
-    g.add_argument("--dataset-path", type=Path, help="a multi-turn JSON-lines file (default: the shipped one)")
+    g.add_argument("--dataset-path", type=Path,
+                   help="multi-turn: a JSON-lines file; repeat: a file of sentences (default: shipped ones)")
     g.add_argument("--num-prompts", type=int, default=100)
     g.add_argument("--input-len", type=int, default=128, help="prompt length in words (about one token each)")
     g.add_argument("--output-len", type=int, default=128, help="tokens to generate per request")

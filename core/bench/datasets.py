@@ -9,7 +9,10 @@ is N words, about N tokens. The token counts that the metrics use are the server
 - shared-prefix: a common prefix of `prefix_len` words, then a unique `input_len`-word question;
 - multi-turn: the chat conversations shipped in benchmarks/datasets/multi_turn_chat.jsonl, one request
   per assistant turn carrying the whole history before it (requests are stateless; prefix caching makes
-  the repeated history cheap).
+  the repeated history cheap);
+- repeat: chat requests to repeat, correct or copy out a passage of about `input_len` words (sentences
+  from benchmarks/datasets/passages.txt), so the answer repeats the prompt: where prompt lookup
+  (``--speculative ngram``) helps. `random` is the dataset where it does not.
 """
 
 from __future__ import annotations
@@ -21,8 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DATASETS = ("random", "fixed", "shared-prefix", "multi-turn")
+DATASETS = ("random", "fixed", "shared-prefix", "multi-turn", "repeat")
 MULTI_TURN_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "datasets" / "multi_turn_chat.jsonl"
+PASSAGES_FILE = MULTI_TURN_FILE.with_name("passages.txt")
+REPEAT_INSTRUCTIONS = ("Repeat the following text exactly, word for word:",
+                       "Correct any mistakes in the following text and write it out again in full:",
+                       "Copy out the following text, keeping every sentence:")
 
 WORDS = tuple("""
 the of and to in is it you that he was for on are with as his they be at one have this from or had by
@@ -114,6 +121,27 @@ def multi_turn_requests(num_prompts: int, output_len: int, path: Path | None = N
     return [BenchRequest(messages=turns[i % len(turns)], output_len=output_len) for i in range(num_prompts)]
 
 
+def repeat_requests(num_prompts: int, input_len: int, output_len: int, seed: int = 0,
+                    path: Path | None = None) -> list[BenchRequest]:
+    """Chat requests whose answer repeats a passage of about `input_len` words given in the prompt."""
+    _check_positive(num_prompts=num_prompts, input_len=input_len, output_len=output_len)
+    path = path or PASSAGES_FILE
+    if not path.is_file():
+        raise ValueError(f"the passages file {path} does not exist (give one with --dataset-path)")
+    sentences = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not sentences:
+        raise ValueError(f"{path} holds no sentence")
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_prompts):
+        passage: list[str] = []
+        while sum(len(s.split()) for s in passage) < input_len:
+            passage.append(rng.choice(sentences))
+        ask = f"{rng.choice(REPEAT_INSTRUCTIONS)}\n\n{' '.join(passage)}"
+        requests.append(BenchRequest(messages=({"role": "user", "content": ask},), output_len=output_len))
+    return requests
+
+
 def load_conversations(path: Path) -> list[list[dict[str, str]]]:
     """Conversations from a JSON-lines file: one {"messages": [{"role", "content"}, ...]} per line."""
     conversations = []
@@ -149,6 +177,8 @@ def build_requests(dataset: str, *, num_prompts: int, input_len: int, output_len
         return shared_prefix_requests(num_prompts, prefix_len, input_len, output_len, seed)
     if dataset == "multi-turn":
         return multi_turn_requests(num_prompts, output_len, dataset_path)
+    if dataset == "repeat":
+        return repeat_requests(num_prompts, input_len, output_len, seed, dataset_path)
     raise ValueError(f"unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
 
 

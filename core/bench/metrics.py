@@ -14,8 +14,9 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -92,6 +93,8 @@ class BenchmarkMetrics:
     e2el_ms: Stat
     usage_missing: int = 0
     errors: tuple[str, ...] = ()
+    # speculative decoding during the run (core.bench.spec_decode): drafts, draft and accepted tokens, rate
+    spec_decode: Mapping[str, Any] | None = None
 
 
 def compute_metrics(results: Sequence[RequestResult], duration_s: float) -> BenchmarkMetrics:
@@ -133,6 +136,12 @@ def format_report(metrics: BenchmarkMetrics, title: str = "Serving benchmark res
                  (f"P99 {label} (ms)", f"{stat.p99:.2f}")]
     width = 50
     lines = [f"{f' {title} ':=^{width}}"]
+    if metrics.spec_decode is not None:
+        spec = metrics.spec_decode
+        rows += [("Spec decode drafts", f"{spec['num_drafts']}"),
+                 ("Spec decode draft tokens", f"{spec['num_draft_tokens']}"),
+                 ("Spec decode accepted tokens", f"{spec['num_accepted_tokens']}"),
+                 ("Spec decode acceptance rate", f"{spec['acceptance_rate']:.3f}")]
     lines += [f"{label:<{width - 12}}{value:>12}" for label, value in rows]
     if metrics.usage_missing:
         lines.append(f"note: {metrics.usage_missing} responses had no usage; their chunks were counted")

@@ -7,11 +7,13 @@ outputs, token counts from the engine. torch and the engine are imported only wh
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.bench import spec_decode
 from core.bench.datasets import BenchRequest
 from core.bench.metrics import BenchmarkMetrics, RequestResult, compute_metrics, gaps_between
 from core.bench.progress import make_progress
@@ -61,6 +63,7 @@ def run_offline(pipe: Any, requests: Sequence[BenchRequest], *, ignore_eos: bool
     inputs = [list(r.messages) if r.is_chat else r.prompt for r in requests]
     configs = generation_configs(requests, ignore_eos)
     bar = make_progress(len(requests), "requests", progress)
+    before = spec_decode.from_stats(pipe.engine.stats())
     start = time.perf_counter()
     timings = [_Timing(start) for _ in requests]
     try:
@@ -70,7 +73,9 @@ def run_offline(pipe: Any, requests: Sequence[BenchRequest], *, ignore_eos: bool
     finally:
         bar.close()
     duration = time.perf_counter() - start
-    return compute_metrics([t.result() for t in timings], duration)
+    metrics = compute_metrics([t.result() for t in timings], duration)
+    counts = spec_decode.difference(before, spec_decode.from_stats(pipe.engine.stats()))
+    return dataclasses.replace(metrics, spec_decode=counts.record()) if counts is not None else metrics
 
 
 def warm_up(pipe: Any, request: BenchRequest) -> None:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from core.bench import spec_decode
 from core.bench.arrivals import arrival_gaps
 from core.bench.client import StreamingClient
 from core.bench.datasets import BenchRequest
@@ -85,7 +87,10 @@ async def benchmark_server(base_url: str, model: str, requests: Sequence[BenchRe
                                extra_body=extra_body) as client:
         if check:
             await check_server(client, requests[0])
-        return await run_load(client, requests, options)
+        before = await spec_decode.scrape(base_url, api_key)
+        metrics = await run_load(client, requests, options)
+    counts = spec_decode.difference(before, await spec_decode.scrape(base_url, api_key))
+    return dataclasses.replace(metrics, spec_decode=counts.record()) if counts is not None else metrics
 
 
 def result_record(metrics: BenchmarkMetrics, **settings: Any) -> dict[str, Any]:

@@ -206,6 +206,13 @@ class BlockManager:
                 self._hash_to_block[h] = block.block_id
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
+    def trim(self, seq: Sequence) -> None:
+        """Release the blocks of ``seq`` past its computed tokens (they held rejected speculative drafts
+        only: never registered, never shared), so its table covers exactly its computed KV."""
+        keep = self.num_blocks_for(seq.num_computed_tokens)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks and clear its table (its KV is gone: computed = 0)."""
         # Tail first, so that a sequence's last blocks (least likely to be

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 from collections.abc import Mapping
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
 from core.scheduling.block_manager import BlockManager
@@ -38,6 +39,11 @@ class ScheduledSequence:
     The chunk covers ``seq.token_ids[start:start + num_new_tokens]``;
     ``start`` and ``samples`` are fixed when the chunk is scheduled, so they
     stay right after :meth:`Scheduler.update` advanced the sequence.
+
+    A speculating chunk also carries ``draft_token_ids``: proposed tokens
+    after the sequence's last one, counted in ``num_new_tokens`` (they are
+    query rows of the step), verified by the model and never part of
+    ``seq.token_ids`` until accepted (see ``Scheduler.update``).
     """
 
     seq: Sequence
@@ -45,6 +51,7 @@ class ScheduledSequence:
     start: int = field(init=False)
     samples: bool = field(init=False)
     """This chunk reaches the end of the tokens: the model must sample a token for it."""
+    draft_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.start = self.seq.num_computed_tokens
@@ -52,8 +59,9 @@ class ScheduledSequence:
 
     @property
     def token_ids(self) -> list[int]:
-        """The tokens of this chunk."""
-        return self.seq.token_ids[self.start : self.start + self.num_new_tokens]
+        """The tokens of this chunk (drafts last)."""
+        real = self.num_new_tokens - len(self.draft_token_ids)
+        return [*self.seq.token_ids[self.start : self.start + real], *self.draft_token_ids]
 
 
 @dataclass
@@ -191,17 +199,25 @@ class Scheduler:
 
     # -------------------------------------------------------------- schedule
 
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's chunks: running sequences first, then waiting ones FCFS."""
+    def schedule(self, drafts: Mapping[str, SequenceABC[int]] | None = None) -> SchedulerOutput:
+        """Pick this step's chunks: running sequences first, then waiting ones FCFS.
+
+        ``drafts`` maps a running sequence's id to tokens proposed after its
+        last one (speculative decoding); a sequence that decodes this step
+        verifies them in its chunk (``draft_token_ids``) as far as the token
+        budget and free blocks allow. Drafts never preempt anyone: without
+        room they are dropped and the sequence decodes one token.
+        """
         out = SchedulerOutput(block_copies=self._pending_copies)
         self._pending_copies = []
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        budget = self._schedule_running(out, self.max_num_batched_tokens, drafts or {})
         # After a preemption memory is tight: admitting now would only thrash.
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int,
+                          drafts: Mapping[str, SequenceABC[int]]) -> int:
         bm = self.block_manager
         running = self.running
         i = 0
@@ -215,6 +231,12 @@ class Scheduler:
             if n <= 0:  # nothing sampled for it yet, or its span waits for a fuller budget
                 i += 1
                 continue
+            proposed = self._fitting_drafts(seq, n, budget, drafts)
+            if proposed and bm.allocate(seq, n + len(proposed)):
+                out.scheduled.append(ScheduledSequence(seq, n + len(proposed), draft_token_ids=proposed))
+                budget -= n + len(proposed)
+                i += 1
+                continue
             while not bm.allocate(seq, n):
                 victim = running.pop()  # most recently arrived
                 self._preempt(victim, out)
@@ -225,6 +247,16 @@ class Scheduler:
                 budget -= n
                 i += 1
         return budget
+
+    def _fitting_drafts(self, seq: Sequence, n: int, budget: int,
+                        drafts: Mapping[str, SequenceABC[int]]) -> tuple[int, ...]:
+        """The drafts of a decoding ``seq`` that fit the budget and the whole cache; () otherwise."""
+        proposed = drafts.get(seq.seq_id)
+        if not proposed or n != 1 or seq.num_computed_tokens != seq.num_tokens - 1:
+            return ()
+        bm = self.block_manager
+        room = bm.num_blocks * bm.block_size - seq.num_tokens
+        return tuple(proposed[: max(0, min(budget - 1, room))])
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
@@ -265,13 +297,19 @@ class Scheduler:
 
     # ---------------------------------------------------------------- update
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, int | None]) -> None:
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int | SequenceABC[int] | None]) -> None:
         """Record that ``output`` ran: advance each chunk, cache full blocks, append samples.
 
         ``sampled`` maps ``seq_id`` to the token sampled for every chunk with
         ``samples``; sequences finished or aborted since ``schedule`` are skipped.
         None instead of a token ends a prefill-only sequence (a pooling request)
         with this chunk: its blocks are cached, then freed (``finish``).
+
+        A speculating chunk's entry is a list: its accepted drafts, then the
+        model's next token (shortened by the caller where the sequence stops).
+        Only the KV of accepted tokens counts as computed, so the blocks that
+        held nothing but rejected drafts are released and the prefix cache
+        registers only blocks full of accepted tokens.
         """
         live = [s for s in output.scheduled if s.seq.status is SequenceStatus.RUNNING]
         missing = [s.seq.seq_id for s in live if s.samples and s.seq.seq_id not in sampled]
@@ -280,10 +318,26 @@ class Scheduler:
         bm = self.block_manager
         for s in live:
             seq = s.seq
+            token = sampled[seq.seq_id] if s.samples else None
+            if s.draft_token_ids or isinstance(token, (list, tuple)):
+                self._accept(s, token if isinstance(token, (list, tuple)) else [token])
+                continue
             seq.num_computed_tokens = s.start + s.num_new_tokens
             bm.cache_computed_blocks(seq)
-            token = sampled[seq.seq_id] if s.samples else None
             if token is not None:
                 seq.append_token(token)
             elif s.samples:
                 self.finish(seq)
+
+    def _accept(self, chunk: ScheduledSequence, tokens: SequenceABC[int]) -> None:
+        """A verified chunk: append `tokens` (accepted drafts, then the next token); the KV computed is
+        the chunk's real tokens and the accepted drafts, i.e. all but the last new token."""
+        if not tokens:
+            raise ValueError(f"no verified token for {chunk.seq.seq_id!r}")
+        seq = chunk.seq
+        for token in tokens:
+            seq.append_token(token)
+        real = chunk.num_new_tokens - len(chunk.draft_token_ids)
+        seq.num_computed_tokens = chunk.start + real + len(tokens) - 1
+        self.block_manager.trim(seq)
+        self.block_manager.cache_computed_blocks(seq)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from core.backend import BackendStats
 from core.request import RequestOutput
+from core.speculative import SpecDecodeStats
 from core.stream import RequestStream
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -90,6 +91,8 @@ class Metrics:
         )
         for name, value, help_text in counters:
             lines += _sample(PREFIX + name, "counter", help_text, value)
+        if stats.spec_decode is not None:
+            lines += _spec_decode_lines(stats.spec_decode)
         lines += [f"# HELP {PREFIX}requests_total Finished requests by finish reason.",
                   f"# TYPE {PREFIX}requests_total counter"]
         lines += [f'{PREFIX}requests_total{{finished_reason="{r}"}} {n}' for r, n in sorted(self.requests.items())]
@@ -99,6 +102,25 @@ class Metrics:
         lines += [f"# HELP {PREFIX}model_info The served model.", f"# TYPE {PREFIX}model_info gauge"]
         lines.append(f'{PREFIX}model_info{{model_name="{_escape(model_name)}"}} 1')
         return "\n".join(lines) + "\n"
+
+
+def _spec_decode_lines(spec: SpecDecodeStats) -> list[str]:
+    """Speculative decoding's counters, as vLLM names them, and the acceptance rate they give."""
+    lines: list[str] = []
+    counters = (
+        ("spec_decode_num_drafts_total", spec.num_drafts, "Rows that verified proposed tokens."),
+        ("spec_decode_num_draft_tokens_total", spec.num_draft_tokens, "Proposed tokens verified."),
+        ("spec_decode_num_accepted_tokens_total", spec.num_accepted_tokens, "Proposed tokens accepted."),
+    )
+    for name, value, help_text in counters:
+        lines += _sample(PREFIX + name, "counter", help_text, value)
+    lines += _sample(PREFIX + "spec_decode_acceptance_rate", "gauge",
+                     "Accepted over proposed tokens since start (0-1).", spec.acceptance_rate)
+    name = PREFIX + "spec_decode_num_accepted_tokens_per_pos_total"
+    lines += [f"# HELP {name} Accepted proposed tokens by their position in the proposal.",
+              f"# TYPE {name} counter"]
+    lines += [f'{name}{{position="{i}"}} {n}' for i, n in enumerate(spec.accepted_per_position)]
+    return lines
 
 
 class TrackedStream:

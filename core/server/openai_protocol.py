@@ -49,6 +49,7 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     prompt_logprobs: int | None = None
+    speculative: bool | None = None  # false: this request does not speculate (core.speculative)
     # vLLM's structured output (core.server.structured_fields)
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None

@@ -26,7 +26,7 @@ Decode = Callable[[Sequence[int]], str]
 _RENAMED = {"min_tokens": "min_new_tokens"}
 _COPIED = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
            "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-           "include_stop_str_in_output")
+           "include_stop_str_in_output", "speculative")
 VLLM_STRUCTURED_FIELDS = ("structured_outputs", *sf.GUIDED_FIELDS)
 
 

@@ -28,6 +28,7 @@ from core.errors import BackendError, EngineSleepingError, InvalidRequestError, 
 from core.openmp import release_openmp_pool
 from core.pooling import PoolingConfig, sentence_transformers_pooling
 from core_pytorch_backend.cuda_graphs import make_decode_graphs
+from core_pytorch_backend.distributed import TensorParallel
 from core_pytorch_backend.engine_loop import EngineLoop
 from core_pytorch_backend.kernels import select_ops
 from core_pytorch_backend.loader import LoadedModel, default_model_path, load_checkpoint
@@ -36,6 +37,7 @@ from core_pytorch_backend.model_runner import ModelRunner, kv_cache_blocks
 from core_pytorch_backend.pooled_prompt import PooledPrompt
 from core_pytorch_backend.request_state import RequestState
 from core_pytorch_backend.sampling_batch import SamplingParams
+from core_pytorch_backend.speculative import make_speculative_decoder
 
 log = logging.getLogger(__name__)
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -92,6 +94,7 @@ class PytorchBackend(Backend):
     supports_prompt_logprobs = True  # such requests skip reading the prefix cache (prompt_logprobs.py)
     supports_structured_output = True  # the sampler masks each constrained row (sampling.apply_constraints)
     supports_adapters = True  # LoRA adapters per row of a step (lora/)
+    supports_speculative_decoding = True  # proposals verified in the step's forward pass (speculative/)
 
     def __init__(self, config: EngineConfig, *, architectures: dict[str, Any] | None = None) -> None:
         self.config = config
@@ -100,6 +103,7 @@ class PytorchBackend(Backend):
         self.source = str(config.model) if config.model else str(default_model_path())
         self._architectures = architectures if architectures is not None else architectures_for(self.name)
         self.ops = self._select_ops()  # chosen once; a level-2 wakeup reloads the weights onto the same set
+        self.tp = TensorParallel.from_config(config, self.device)  # None unless --tensor-parallel-size > 1
         loaded = self._load()
         self.tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
@@ -113,17 +117,24 @@ class PytorchBackend(Backend):
         self._pooling_to_log = None if declared else (  # said once, on the first embedding request
             f"{self.model_info.name} declares no pooling (no sentence-transformers modules.json): "
             "embeddings use last-token pooling, L2-normalised")
-        graphs = functools.partial(  # None on the CPU or with enforce_eager
-            make_decode_graphs, device=self.device, enabled=not self.options.enforce_eager, block_size=config.block_size,
+        graphs = functools.partial(  # None on the CPU, with enforce_eager or (for now) tensor parallelism
+            make_decode_graphs, device=self.device, block_size=config.block_size,
+            enabled=not self.options.enforce_eager and self.tp is None,
             max_model_len=max_len, max_num_seqs=config.max_num_seqs)
         self.lora = self._start_adapters(loaded, config.adapters)
+        speculative = (make_speculative_decoder(config.speculative, self.model_info.vocab_size)
+                       if config.speculative is not None else None)
         runner = ModelRunner(loaded.model, block_size=config.block_size, num_blocks=num_blocks,
                              device=self.device, dtype=loaded.dtype, kv_cache_dtype=kv_dtype,
                              capture_graphs=graphs, lora_step=self.lora.step if self.lora else None)
+        if self.tp is not None:  # ranks 1..N-1 start now; the engine loop drives them through rank 0's runner
+            runner = self.tp.start(runner, config=config, source=self.source,
+                                   architectures=self._architectures, ops_kind=self.ops.name)
         self.loop = EngineLoop(runner, max_model_len=max_len, max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=max(config.max_num_batched_tokens, 1),
                                enable_prefix_caching=config.enable_prefix_caching,
-                               sample_kernel=getattr(self.ops, "sample_tokens", None), adapters=self.lora)
+                               sample_kernel=getattr(self.ops, "sample_tokens", None), adapters=self.lora,
+                               speculative=speculative)
         log.info("KV cache: %d blocks of %d tokens (%d tokens) on %s, %s", num_blocks, config.block_size,
                  num_blocks * config.block_size, self.device, str(kv_dtype).replace("torch.", ""))
         release_openmp_pool()  # this thread's idle OpenMP workers would slow the engine thread's (core.openmp)
@@ -133,7 +144,8 @@ class PytorchBackend(Backend):
     def _load(self) -> LoadedModel:
         return load_checkpoint(self.source, dtype=self.config.dtype, device=self.device,
                                architectures=self._architectures, ops=self.ops,
-                               quantization=self.config.quantization)
+                               quantization=self.config.quantization,
+                               shard=self.tp.shard if self.tp is not None else None)  # rank 0's part under TP
 
     def _select_ops(self) -> Any:
         """The op set the model's layers run on; a backend with its own kernels overrides this."""
@@ -272,10 +284,16 @@ class PytorchBackend(Backend):
         return bool(self.loop.asleep)
 
     def stats(self) -> BackendStats:
+        if self.tp is not None:
+            self.tp.check()  # a rank died: /health answers 503 and the server exits non-zero
         return self.loop.stats(self.is_sleeping)
 
     async def close(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.loop.stop)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.loop.stop)
+        finally:
+            if self.tp is not None:  # after the loop: nothing drives the ranks any more
+                await asyncio.get_running_loop().run_in_executor(None, self.tp.close)
 
 
 def _display_name(source: str) -> str:

@@ -20,7 +20,7 @@ import torch
 
 from core.backend import Backend, BackendOutput, BackendStats, EndResult, GenerateRequest, ModelInfo
 from core.config import EngineConfig
-from core.errors import EngineSleepingError, UnsupportedError
+from core.errors import EngineSleepingError, InvalidRequestError, UnsupportedError
 from core.pooling import PoolingConfig, sentence_transformers_max_length, sentence_transformers_pooling
 from core_pytorch_backend.kernels import select_ops
 from core_pytorch_backend.loader import LoadedModel, load_checkpoint
@@ -51,6 +51,9 @@ class PytorchEncoderBackend(Backend):
 
     def __init__(self, config: EngineConfig, *, architectures: dict[str, Any]) -> None:
         self.config, self._architectures = config, architectures
+        if config.tensor_parallel_size > 1:
+            raise InvalidRequestError("encoders (BERT) are not sharded: drop --tensor-parallel-size",
+                                      param="tensor_parallel_size")
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.source = str(config.model)
         loaded = self._load()

@@ -30,6 +30,7 @@ from core_pytorch_backend.pooled_prompt import PooledPrompt
 from core_pytorch_backend.prompt_logprobs import score_tokens
 from core_pytorch_backend.request_state import RequestState
 from core_pytorch_backend.sampling import SampleKernel, SamplingBatch, SamplingRow, sample
+from core_pytorch_backend.speculative import SpeculativeDecoder
 from core_pytorch_backend.step_inputs import PromptRows
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,10 @@ class EngineLoop:
 
     def __init__(self, runner: ModelRunner, *, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_prefix_caching: bool,
-                 sample_kernel: SampleKernel | None = None, adapters: AdapterManager | None = None) -> None:
+                 sample_kernel: SampleKernel | None = None, adapters: AdapterManager | None = None,
+                 speculative: SpeculativeDecoder | None = None) -> None:
         self.runner = runner
+        self.speculative = speculative  # proposals verified each step (speculative/); None: off
         self.adapters = adapters  # LoRA slots (lora/manager.py); None: adapters are off
         self._adapter_slots: dict[str, tuple[str, int]] = {}  # session id -> (adapter, slot) while in flight
         # in flight but not scheduled yet: their adapter has no slot (all held); arrival order
@@ -96,6 +99,7 @@ class EngineLoop:
             kv_blocks_total=self.runner.num_blocks, kv_blocks_used=bm.num_used_blocks,
             block_size=self.runner.block_size, prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits, is_sleeping=is_sleeping,
+            spec_decode=self.speculative.snapshot() if self.speculative is not None else None,
         )
 
     # -- the thread -----------------------------------------------------------------------------------
@@ -277,7 +281,7 @@ class EngineLoop:
     # -- one step -------------------------------------------------------------------------------------
 
     def _step(self) -> None:
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(self._drafts())
         for seq in out.too_long:
             self._close_sequence(seq, FinishReason.LENGTH)
         self.runner.copy_blocks(out.block_copies)
@@ -296,8 +300,8 @@ class EngineLoop:
         except Exception as exc:
             self._isolate_failure(chunks, exc)
             return
-        tokens: dict[str, int | None] = {seq.seq_id: result.token_ids[g[0]]
-                                         for seq, g in zip(sampling, groups, strict=True)}
+        tokens: dict[str, Any] = {c.seq.seq_id: self._sampled(c, [result.token_ids[r] for r in g])
+                                  for c, g in zip(sampling, groups, strict=True)}
         pooled_ends = [c.seq for c in chunks if c.samples and self._pooling(c) is not None]
         tokens.update(dict.fromkeys((seq.seq_id for seq in pooled_ends), None))  # they end, unsampled
         self.scheduler.update(SchedulerOutput(scheduled=chunks), tokens)
@@ -308,9 +312,10 @@ class EngineLoop:
         for seq in pooled_ends:
             self._deliver_embedding(seq)
         if sampling:
-            self._emit(sampling, groups, result)
+            self._emit(sampling, groups, result, tokens)
 
-    def _compute(self, chunks: list[ScheduledSequence]) -> tuple[list[Sequence], list[list[int]], Any, Scored, Pooled]:
+    def _compute(self, chunks: list[ScheduledSequence]) -> tuple[list[ScheduledSequence], list[list[int]], Any, Scored,
+                                                                 Pooled]:
         """The forward pass, the prompt scores, the hidden states to pool and the sampler: no scheduler
         or request state changes, so it can be run again."""
         inputs = self.runner.prepare(chunks, self._scoring_prompts(chunks), self._pooling_positions(chunks),
@@ -319,15 +324,32 @@ class EngineLoop:
         scored = self._score_prompts(inputs.prompt_rows, step.prompt_hidden)
         pooled = _split_rows(inputs.pooling_rows, step.pooling_hidden)
         logits = step.sample
-        sampling = [s.seq for s in inputs.sampling]
+        sampling = inputs.sampling
         if not sampling:
             return [], [], None, scored, pooled
-        rows, groups = self._sampling_rows(sampling)
-        if len(rows) != len(sampling):  # a first sample of an n > 1 request reads its logits n times
-            owners = [i for i, group in enumerate(groups) for _ in group]
+        rows, groups, owners = self._sampling_rows(sampling)
+        if owners != list(range(len(owners))):  # a first sample of an n > 1 request reads its logits n times
             logits = logits.index_select(0, torch.tensor(owners, device=logits.device))
         return sampling, groups, sample(logits, SamplingBatch.from_rows(rows, device=logits.device),
                                         self.sample_kernel), scored, pooled
+
+    # -- speculative decoding (speculative/) -----------------------------------------------------------
+
+    def _drafts(self) -> dict[str, list[int]]:
+        """This step's proposals for the running rows that may speculate ({} when speculation is off)."""
+        if self.speculative is None:
+            return {}
+        rows = ((state, seq) for seq in self.scheduler.running
+                if (state := self._by_seq.get(seq.seq_id, (None, None))[0]) is not None)
+        return self.speculative.drafts(rows, self.max_model_len)
+
+    def _sampled(self, chunk: ScheduledSequence, tokens: list[int]) -> int | list[int]:
+        """What the scheduler records for a sampling chunk: its token, or a verified row's kept tokens."""
+        state = self._owner(chunk)
+        if not chunk.draft_token_ids or state is None:  # (an ended request's chunk is not recorded)
+            return tokens[0]
+        assert self.speculative is not None
+        return self.speculative.verify(state, chunk, tokens)
 
     # -- embeddings (pooled_prompt.py) ----------------------------------------------------------------
 
@@ -403,25 +425,42 @@ class EngineLoop:
         state, _ = self._by_seq.get(chunk.seq.seq_id, (None, None))
         return state
 
-    def _sampling_rows(self, sampling: list[Sequence]) -> tuple[list[SamplingRow], list[list[int]]]:
-        """Sampler rows, and which rows belong to each sequence (n rows for an n > 1 request's first
-        sample, one otherwise)."""
+    def _sampling_rows(self, sampling: list[ScheduledSequence]
+                       ) -> tuple[list[SamplingRow], list[list[int]], list[int]]:
+        """Sampler rows, which rows belong to each chunk (n rows for an n > 1 request's first sample, one
+        per verified position of a speculating chunk, one otherwise), and the logits row each reads."""
         rows: list[SamplingRow] = []
         groups: list[list[int]] = []
-        for seq in sampling:
+        owners: list[int] = []
+        logits_row = 0
+        for chunk in sampling:
+            seq = chunk.seq
             state, index = self._by_seq[seq.seq_id]
-            choices = range(state.n) if state.n > 1 and not state.forked else (index,)
-            groups.append(list(range(len(rows), len(rows) + len(choices))))
-            for choice in choices:
-                rows.append(SamplingRow(state.params, seq.prompt_token_ids, seq.output_token_ids,
-                                        state.generator(choice, self.runner.device), state.banned(seq),
-                                        state.matcher(choice)))
-        return rows, groups
+            if chunk.draft_token_ids:
+                assert self.speculative is not None
+                new = self.speculative.rows(state, index, chunk, self.runner.device)
+                owners.extend(range(logits_row, logits_row + len(new)))
+                logits_row += len(new)
+            else:
+                choices = range(state.n) if state.n > 1 and not state.forked else (index,)
+                new = [SamplingRow(state.params, seq.prompt_token_ids, seq.output_token_ids,
+                                   state.generator(choice, self.runner.device), state.banned(seq),
+                                   state.matcher(choice)) for choice in choices]
+                owners.extend([logits_row] * len(new))
+                logits_row += 1
+            groups.append(list(range(len(rows), len(rows) + len(new))))
+            rows.extend(new)
+        return rows, groups, owners
 
-    def _emit(self, sampling: list[Sequence], groups: list[list[int]], result: Any) -> None:
-        for seq, rows in zip(sampling, groups, strict=True):
+    def _emit(self, sampling: list[ScheduledSequence], groups: list[list[int]], result: Any,
+              tokens: dict[str, Any]) -> None:
+        for chunk, rows in zip(sampling, groups, strict=True):
+            seq = chunk.seq
             state, index = self._by_seq.get(seq.seq_id, (None, None))
             if state is None or state.session_id not in self.requests:
+                continue
+            if chunk.draft_token_ids:
+                self._deliver_verified(state, index, tokens[seq.seq_id], [result.logprobs[r] for r in rows])
                 continue
             if len(rows) > 1:
                 self._fork(state, seq, [result.token_ids[r] for r in rows[1:]])
@@ -438,6 +477,17 @@ class EngineLoop:
             state.sequences[choice] = child
             self._by_seq[child.seq_id] = (state, choice)
 
+    def _deliver_verified(self, state: RequestState, choice: int, tokens: list[int],
+                          logprobs: list[Any]) -> None:
+        """A speculating row's kept tokens, one output each (`SpeculativeDecoder.verify` cut them at the
+        first that ends the choice, so only the last can finish it)."""
+        seq = state.sequences[choice]
+        for j, token in enumerate(tokens):
+            finish = state.finish_reason(seq, token) if j == len(tokens) - 1 else None
+            state.send(state.output(choice, token, finish, logprobs[j]))
+            if finish is not None:
+                self._close_sequence(seq, finish, notify=False)
+
     def _deliver(self, state: RequestState, choice: int, token: int, logprobs: Any) -> None:
         seq = state.sequences[choice]
         constrained = state.constrain(choice, token)  # a token the constraint refused ends it: "length"
@@ -450,6 +500,8 @@ class EngineLoop:
 
     def _close_sequence(self, seq: Sequence, reason: FinishReason, notify: bool = True) -> None:
         state, choice = self._by_seq.pop(seq.seq_id, (None, None))
+        if self.speculative is not None:
+            self.speculative.release(seq.seq_id)
         if not seq.is_finished:
             self.scheduler.finish(seq)
         if state is None:
@@ -476,6 +528,8 @@ class EngineLoop:
             self._give_back_adapter(state.session_id)  # a waiting request may start at the loop's next turn
             for seq in state.sequences.values():
                 self._by_seq.pop(seq.seq_id, None)
+                if self.speculative is not None:
+                    self.speculative.release(seq.seq_id)
                 if self.scheduler.get(seq.seq_id) is not None:
                     self.scheduler.abort(seq.seq_id)
             state.end_stream()

@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,7 +28,10 @@ from .native.packed_weight import NativeWeight
 from .quant.attach import MODES as QUANTIZE_MODES
 from .quant.attach import attach_quantized, quantize_model
 from .quant.gguf_file import gguf_weights
-from .quant.kernel_choice import packed_kernel
+from .quant.kernel_choice import PackedKernel, packed_kernel
+
+if TYPE_CHECKING:
+    from .distributed.shard import ModelShard
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,8 @@ def load_checkpoint(
     cache_dir: str | os.PathLike | None = None,
     use_cache: bool = True,
     quantization: str = "auto",
+    shard: ModelShard | None = None,
+    packed_choice: PackedKernel | None = None,
 ) -> LoadedModel:
     """Build the model for a checkpoint and load its weights.
 
@@ -84,7 +89,10 @@ def load_checkpoint(
     fastest dtype (bfloat16 on CPUs with bf16 instructions). A dtype named explicitly is the model's and
     its KV cache's.
     ``architectures`` maps HF architecture names to classes or ``"module:Class"``
-    strings (built-ins by default).
+    strings (built-ins by default). ``shard`` builds one tensor-parallel rank's part instead
+    (``distributed.shard.ModelShard``: its config, its slices of the tensors, its collectives), and
+    ``packed_choice`` imposes a packed-weights kernel instead of measuring one (ranks > 0 take rank 0's:
+    ranks whose kernels or dtypes differed could not sum their partial results).
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
@@ -95,13 +103,15 @@ def load_checkpoint(
         raise ValueError(f"quantization={quantization!r} runs on the CPU only; device is {device}")
     config, tokenizer, weights, generation = _open(path, gguf, packed, cache_dir, use_cache)
     generation = {**generation_defaults(gguf), **generation}
-    kernel = packed_kernel() if packed or quantization in QUANTIZE_MODES else None
+    kernel = (packed_choice or packed_kernel()) if packed or quantization in QUANTIZE_MODES else None
     torch_dtype = resolve_dtype(dtype, config, gguf is not None, kernel is not None)
     kv_cache_dtype = (torch.bfloat16 if kernel is not None and kernel.native is not None and dtype == "auto"
                       else torch_dtype)
-    model = build_model(
-        config, architectures or BUILTIN_ARCHITECTURES, ops or select_ops(device), device, torch_dtype
-    )
+    architectures = architectures or BUILTIN_ARCHITECTURES
+    model_config = config if shard is None else shard.model_config(config, architectures)
+    model = build_model(model_config, architectures, ops or select_ops(device), device, torch_dtype)
+    if shard is not None:
+        weights = shard.weights(weights)
     with torch.inference_mode():
         native = kernel.native if kernel is not None else None
         attach_quantized(model, model.load_weights(weights) or {}, torch_dtype, native)
@@ -109,6 +119,8 @@ def load_checkpoint(
             count = quantize_model(model, quantization, torch_dtype, native)
             log.info("quantized %d linear layers to %s at load", count, quantization)
     _use_dense_matmul(model, device, torch_dtype)
+    if shard is not None:
+        shard.parallelize(model)
     trim_heap()  # the load's staging copies and parsing leave ~350 MB freed but kept (default model: 929 -> 582)
     return LoadedModel(
         model=model.eval(),

@@ -116,6 +116,11 @@ class ModelRunner:
             v_cache[self.zeroed_blocks : end].zero_()
         self.zeroed_blocks = end
 
+    def zero_blocks(self, block_ids: Iterable[int]) -> None:
+        """What `prepare` does to the cache before a step, for a runner that is handed another's prepared
+        step (a tensor-parallel rank > 0, distributed/worker.py)."""
+        self._zero_blocks_up_to(block_ids)
+
     def free_kv_cache(self) -> None:
         unbind_kv_caches(self.model)
         self.kv_caches = None
@@ -188,11 +193,10 @@ class ModelRunner:
             if s.seq.seq_id in pools and (rows := rows_in(s, len(tokens), pools[s.seq.seq_id])) is not None:
                 pooling_rows.append(rows)
             tokens.extend(s.token_ids)
-            if s.samples and s.seq.seq_id not in pools:
-                sample_rows.append(len(tokens) - 1)
+            if s.samples and s.seq.seq_id not in pools:  # a speculating chunk: each verified position
+                sample_rows.extend(range(len(tokens) - 1 - len(s.draft_token_ids), len(tokens)))
                 sampling.append(s)
-        meta = AttentionMetadata.build([s.start for s in scheduled], [s.num_new_tokens for s in scheduled],
-                                       [s.seq.block_table for s in scheduled], self.block_size, self.device)
+        meta = AttentionMetadata.build(*_attention_rows(scheduled), self.block_size, self.device)
         inputs = StepInputs(
             input_ids=torch.tensor(tokens, dtype=torch.int64, device=self.device),
             positions=meta.positions(),
@@ -207,7 +211,8 @@ class ModelRunner:
         return with_images(inputs, scheduled, self.device) if has_images else inputs
 
     def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """Float32 logits [len(inputs.sampling), vocab] (empty when nothing samples this step)."""
+        """Float32 logits [len(inputs.sample_indices), vocab]: one row per sampling chunk, 1 + k for a chunk
+        verifying k drafts (empty when nothing samples this step)."""
         return self.forward(inputs).sample
 
     @torch.inference_mode()
@@ -241,6 +246,25 @@ class ModelRunner:
             return self.model(inputs.input_ids, inputs.positions, inputs.meta, **extra)
         finally:
             self.lora_step.clear()
+
+
+def _attention_rows(scheduled: Sequence[ScheduledSequence]) -> tuple[list[int], list[int], list[list[int]]]:
+    """Cached-token counts, new-token counts and block tables of the step's attention rows: one per chunk,
+    but one per token of a speculating chunk, so that each verified position is attended to exactly as a
+    decode step of one token would (the same kernel and rounding: greedy output stays token for token)."""
+    computed: list[int] = []
+    new: list[int] = []
+    tables: list[list[int]] = []
+    for s in scheduled:
+        if s.draft_token_ids:
+            rows = [(s.start + j, 1) for j in range(s.num_new_tokens)]
+        else:
+            rows = [(s.start, s.num_new_tokens)]
+        for start, count in rows:
+            computed.append(start)
+            new.append(count)
+            tables.append(s.seq.block_table)
+    return computed, new, tables
 
 
 def _lora_rows(scheduled: Sequence[ScheduledSequence], slots: Sequence[int] | None) -> tuple[int, ...] | None:

@@ -1,5 +1,5 @@
-"""Hook implementations of the pytorch backend: the backend, its built-in architectures and the default
-structured-output engine (xgrammar).
+"""Hook implementations of the pytorch backend: the backend, its built-in architectures, the default
+structured-output engine (xgrammar) and the n-gram proposer of speculative decoding.
 
 Everything is registered lazily ("module:attr" strings), so `core plugins` never imports torch.
 """
@@ -25,6 +25,14 @@ def core_register_backends(register):
 def core_register_structured_output_engines(register):
     register("xgrammar", "core_pytorch_backend.xgrammar_engine:make_engine", priority=PRIORITY,
              description="xgrammar: JSON schema, regex, choice and EBNF grammars as token masks")
+
+
+@hookimpl
+def core_register_speculative_proposers(register):
+    register("ngram", "core.scheduling.ngram:make_ngram_proposer",
+             description="prompt lookup: the tokens that followed the latest earlier match of the last n tokens")
+    register("draft", "core_pytorch_backend.speculative.draft_model:make_draft_proposer",
+             description="a smaller model of the same tokenizer (--draft-model), greedy, its own paged KV cache")
 
 
 @hookimpl

@@ -93,14 +93,22 @@ class RequestState:
 
     def banned(self, seq: Sequence) -> tuple[int, ...]:
         """Stop tokens are not allowed before min_new_tokens."""
-        if seq.num_output_tokens < self.request.config.min_new_tokens:
+        return self.banned_at(seq.num_output_tokens)
+
+    def banned_at(self, num_output_tokens: int) -> tuple[int, ...]:
+        """The tokens banned for the next token of a choice that has generated `num_output_tokens`."""
+        if num_output_tokens < self.request.config.min_new_tokens:
             return tuple(self.request.stop_token_ids)
         return ()
 
     def finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        if token in self.request.stop_token_ids and seq.num_output_tokens > self.request.config.min_new_tokens - 1:
+        return self.finish_reason_at(seq.num_output_tokens, seq.num_tokens, token)
+
+    def finish_reason_at(self, num_output_tokens: int, num_tokens: int, token: int) -> FinishReason | None:
+        """Why a choice ends with `token`, its output then `num_output_tokens` long (`num_tokens` in all)."""
+        if token in self.request.stop_token_ids and num_output_tokens > self.request.config.min_new_tokens - 1:
             return FinishReason.STOP
-        if seq.num_output_tokens >= self.request.max_new_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output_tokens >= self.request.max_new_tokens or num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

@@ -159,6 +159,13 @@ class LlamaForCausalLM(nn.Module):
     uses_mrope = False
     #: The decoder stack, built as ``model_class(config, ops, spec)`` (Gemma 3 has its own).
     model_class: type[nn.Module] = LlamaModel
+    #: How ``--tensor-parallel-size`` shards the HF weights (distributed/plan.py): module-name suffix ->
+    #: column / kv_column / row / vocab; the rest (norms) is replicated. None: the class cannot be sharded.
+    tensor_parallel_plan: dict[str, str] | None = {
+        "self_attn.q_proj": "column", "self_attn.k_proj": "kv_column", "self_attn.v_proj": "kv_column",
+        "self_attn.o_proj": "row", "mlp.gate_proj": "column", "mlp.up_proj": "column", "mlp.down_proj": "row",
+        "embed_tokens": "vocab", "lm_head": "vocab",
+    }
 
     def __init__(self, config: Any, ops: Any):
         super().__init__()

@@ -62,6 +62,8 @@ class VisionLanguageMixin:
 
     #: The text ``model_type`` values this family's decoder class implements.
     text_model_types: tuple[str, ...] = ("llama",)
+    #: Not sharded yet: image embeddings and M-RoPE positions untested across ranks (distributed/).
+    tensor_parallel_plan = None
 
     def __init__(self, config: Any, ops: Any):
         text = text_config_of(config)
