@@ -97,6 +97,20 @@ def test_native_kernel_refuses_a_slot_out_of_range():
     from core_pytorch_backend.native.library import CpuKernelError
 
     layer, _ = make_layer(True, torch.float32)
+    layer.step.set_rows([0], CPU)
     layer.step.row_slots = torch.tensor([SLOTS], dtype=torch.int32)
     with pytest.raises(CpuKernelError, match="core_lora_apply: bad arguments"):
         layer(torch.randn(1, IN), torch.zeros(1, sum(OUTPUTS)))
+
+
+@pytest.mark.parametrize("native", [pytest.param(True, marks=pytest.mark.skipif(
+    NATIVE is None, reason="no C compiler: the native kernels are unavailable")), False], ids=["native", "torch"])
+def test_a_call_of_other_rows_than_the_steps_gets_no_adapter(native):
+    """A layer called on rows that are not the step's (a vision tower encoding on its own thread while a
+    step runs) is left alone, not read past the step's slots."""
+    layer, _ = make_layer(native, torch.float32)
+    layer.step.set_rows([0, 1, 2], CPU)
+    y = torch.randn(5, sum(OUTPUTS))
+    assert torch.equal(layer(torch.randn(5, IN), y.clone()), y)
+    layer.step.clear()
+    assert torch.equal(layer(torch.randn(3, IN), y[:3].clone()), y[:3])

@@ -43,6 +43,7 @@ class LoraStep:
     def __init__(self, dtype: torch.dtype = torch.float32, native: bool = False) -> None:
         self.dtype = dtype  # the adapters' (the mask's) dtype
         self.native = native
+        self.num_rows = 0  # rows of the step the slots are for
         self.row_slots: torch.Tensor | None = None
         self.single: int | None = None
         self.mask: torch.Tensor | None = None
@@ -55,6 +56,7 @@ class LoraStep:
     def set_rows(self, row_slots: Sequence[int], device: torch.device) -> None:
         """One slot per row of the step (-1: the base model alone)."""
         self.clear()
+        self.num_rows = len(row_slots)
         used = sorted(set(row_slots) - {-1})
         if not used:
             return
@@ -72,7 +74,7 @@ class LoraStep:
         self.groups = [(s, torch.nonzero(slots == s).flatten().to(device)) for s in used]
 
     def clear(self) -> None:
-        self.row_slots, self.single, self.mask, self.groups = None, None, None, []
+        self.row_slots, self.single, self.mask, self.groups, self.num_rows = None, None, None, [], 0
 
 
 class LoraLayer:
@@ -111,6 +113,10 @@ class LoraLayer:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         step = self.step
+        if x.shape[0] != step.num_rows or not step.active:
+            # not the step's rows: no step (a pooling or probing call), or another thread's call of a
+            # layer outside the decoder (a vision tower encoding images while a step runs): no adapter
+            return y
         if step.row_slots is not None and self._native_fits(x, y):
             return self._native(x, y, step.row_slots)
         if step.row_slots is not None:  # the native kernel does not take these tensors: group the rows
