@@ -9,18 +9,23 @@ import torch
 
 from core_pytorch_backend.lora import layers as lora_layers
 from core_pytorch_backend.lora.layers import LoraLayer, LoraStep
-from core_pytorch_backend.native.library import available
+from core_pytorch_backend.native import build
+from core_pytorch_backend.native.library import available, load
 
 CPU = torch.device("cpu")
 SLOTS, MAX_RANK, IN = 3, 8, 40
 OUTPUTS = [24, 8, 8]  # a fused q/k/v-like layer
 RANKS = [8, 3, 5]
 NATIVE = available()
+# every variant this CPU runs (generic, avx2, avx512-vnni): an AVX2-only machine runs the avx2 one
+VARIANTS = [v for v, needed in build.VARIANT_CPU_FLAGS.items() if needed <= build.cpu_flags()] if NATIVE else []
 
 
-def make_layer(native: bool, dtype: torch.dtype, outputs=OUTPUTS) -> tuple[LoraLayer, dict]:
-    step = LoraStep(dtype, native=native)
-    layer = LoraLayer(step, SLOTS, MAX_RANK, IN, outputs, CPU, dtype, NATIVE if native else None)
+def make_layer(native: bool | str, dtype: torch.dtype, outputs=OUTPUTS) -> tuple[LoraLayer, dict]:
+    """native: False (the torch paths), True (this CPU's best kernels) or a variant's name."""
+    step = LoraStep(dtype, native=bool(native))
+    kernels = (load(native) if isinstance(native, str) else NATIVE) if native else None
+    layer = LoraLayer(step, SLOTS, MAX_RANK, IN, outputs, CPU, dtype, kernels)
     generator = torch.Generator().manual_seed(0)
     adapters = {}
     for slot, rank in enumerate(RANKS):
@@ -53,8 +58,7 @@ ROWS = {
 }
 
 
-@pytest.mark.parametrize("native", [pytest.param(True, marks=pytest.mark.skipif(
-    NATIVE is None, reason="no C compiler: the native kernels are unavailable")), False], ids=["native", "torch"])
+@pytest.mark.parametrize("native", [*VARIANTS, False], ids=[*VARIANTS, "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("outputs", [OUTPUTS, [16]], ids=["fused", "plain"])
 @pytest.mark.parametrize("case", list(ROWS))
@@ -79,9 +83,9 @@ def test_masked_path_is_the_one_small_mixed_steps_take():
     assert step.single == 1
 
 
-@pytest.mark.skipif(NATIVE is None, reason="no C compiler: the native kernels are unavailable")
-def test_native_rows_do_not_depend_on_their_batch():
-    layer, _ = make_layer(True, torch.float32)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_native_rows_do_not_depend_on_their_batch(variant):
+    layer, _ = make_layer(variant, torch.float32)
     x = torch.randn(9, IN)
     row_slots = [0, 1, 2, 0, 0, 1, -1, 2, 0]
     layer.step.set_rows(row_slots, CPU)
