@@ -60,6 +60,8 @@ class ScheduledSequence:
     @property
     def token_ids(self) -> list[int]:
         """The tokens of this chunk (drafts last)."""
+        if not self.draft_token_ids:  # every chunk of every step: no second copy
+            return self.seq.token_ids[self.start : self.start + self.num_new_tokens]
         real = self.num_new_tokens - len(self.draft_token_ids)
         return [*self.seq.token_ids[self.start : self.start + real], *self.draft_token_ids]
 

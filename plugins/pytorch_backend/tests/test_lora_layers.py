@@ -118,3 +118,22 @@ def test_a_call_of_other_rows_than_the_steps_gets_no_adapter(native):
     assert torch.equal(layer(torch.randn(5, IN), y.clone()), y)
     layer.step.clear()
     assert torch.equal(layer(torch.randn(3, IN), y[:3].clone()), y[:3])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_native_kernel_refuses_other_than_float32_rows(variant):
+    layer, _ = make_layer(variant, torch.float32)
+    layer.step.set_rows([0, 1], CPU)
+    with pytest.raises(TypeError, match="float32"):
+        layer(torch.randn(2, IN, dtype=torch.bfloat16), torch.zeros(2, sum(OUTPUTS), dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(NATIVE is None, reason="no C compiler: the native kernels are unavailable")
+def test_ranks_above_the_native_kernels_maximum_take_the_torch_ops():
+    from core.adapters import AdapterPolicy
+    from core_pytorch_backend.lora.manager import _native_for
+
+    largest = NATIVE.function("core_lora_max_rank")()
+    assert _native_for(AdapterPolicy(max_lora_rank=largest), CPU, torch.float32) is NATIVE
+    assert _native_for(AdapterPolicy(max_lora_rank=largest + 1), CPU, torch.float32) is None
+    assert _native_for(AdapterPolicy(max_lora_rank=16), CPU, torch.bfloat16) is None

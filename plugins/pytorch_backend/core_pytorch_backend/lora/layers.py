@@ -117,11 +117,8 @@ class LoraLayer:
             # not the step's rows: no step (a pooling or probing call), or another thread's call of a
             # layer outside the decoder (a vision tower encoding images while a step runs): no adapter
             return y
-        if step.row_slots is not None and self._native_fits(x, y):
+        if step.row_slots is not None:
             return self._native(x, y, step.row_slots)
-        if step.row_slots is not None:  # the native kernel does not take these tensors: group the rows
-            step = LoraStep(self.a.dtype)
-            step.set_rows(self.step.row_slots.tolist(), x.device)
         if step.single is not None:
             return self._add(y, self._expand(self._shrink(x, step.single, step.single + 1), step.single,
                                              step.single + 1))
@@ -148,12 +145,13 @@ class LoraLayer:
     def _add(y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         return y + delta.to(y.dtype)
 
-    def _native_fits(self, x: torch.Tensor, y: torch.Tensor) -> bool:
-        return (self.kernels is not None and x.dtype == y.dtype == torch.float32 and x.dim() == 2
-                and y.is_contiguous() and x.device.type == "cpu")
-
     def _native(self, x: torch.Tensor, y: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
+        """The native kernel adds the term to y in place. The manager turns it on only for float32 models on
+        the CPU (lora/manager.py), whose layers take and give [rows, features] float32 tensors."""
+        if x.dtype != torch.float32 or y.dtype != torch.float32 or x.dim() != 2:
+            raise TypeError(f"the native LoRA kernel takes float32 [rows, features] tensors, got {x.dtype} "
+                            f"{tuple(x.shape)} -> {y.dtype}")
+        x, y = x.contiguous(), y.contiguous()
         rows, width = x.shape
         status = self.kernels.function("core_lora_apply")(
             x.data_ptr(), rows, width, y.data_ptr(), y.shape[1], row_slots.data_ptr(), self.a.shape[0],

@@ -35,7 +35,7 @@ class AdapterManager:
         self.registry = AdapterRegistry()
         self.device = device
         self.dtype = weights_dtype or dtype  # what the slots hold; the model's activations are in `dtype`
-        self.kernels = native_kernels() if device.type == "cpu" and dtype == torch.float32 else None
+        self.kernels = _native_for(policy, device, dtype)
         self.step = LoraStep(self.dtype, native=self.kernels is not None)
         self.slots: list[str | None] = [None] * policy.max_loras
         self.in_use: dict[str, int] = {}
@@ -142,3 +142,12 @@ class AdapterManager:
                 layer.load(slot, shards)
             else:
                 layer.clear(slot)
+
+
+def _native_for(policy: AdapterPolicy, device: torch.device, dtype: torch.dtype):
+    """The native CPU kernels where they take this model's adapters (float32 activations on the CPU, ranks
+    up to the kernel's maximum), else None: the torch ops (lora/layers.py)."""
+    kernels = native_kernels() if device.type == "cpu" and dtype == torch.float32 else None
+    if kernels is not None and policy.max_lora_rank > kernels.function("core_lora_max_rank")():
+        return None
+    return kernels

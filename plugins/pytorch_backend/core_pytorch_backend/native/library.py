@@ -42,7 +42,6 @@ SIGNATURES: dict[str, list] = {
     # q, q dtype, Hq, D, k cache, v cache, cache dtype, block size, Hkv, sequences, query starts, query
     # lengths, sequence lengths, tables, table width, window, scale, out (csrc/chunk_attention.c)
     "core_chunk_attention": [_P, _I, _L, _L, _P, _P, _I, _L, _L, _L, _P, _P, _P, _P, _L, _L, _F, _P],
-    "core_chunk_attention_max_head_dim": [],
 }
 
 

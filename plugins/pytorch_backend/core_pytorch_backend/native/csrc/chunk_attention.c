@@ -26,8 +26,6 @@
 #define MAX_CHUNK_HEAD_DIM 256
 #define MAX_CHUNK_GROUP 64
 
-int core_chunk_attention_max_head_dim(void) { return MAX_CHUNK_HEAD_DIM; }
-
 typedef struct {
     int32_t seq, head, first, count; /* query rows first .. first + count - 1 of the sequence's chunk */
 } chunk_task;
