@@ -1,10 +1,11 @@
 """Where one decode step of the pytorch backend goes: its phases timed, and its torch ops counted.
 
-    python benchmarks/decode_step.py [--batch 1 64] [--dtype auto] [--steps 40] [--profile]
+    python benchmarks/decode_step.py [--batch 1 64] [--dtype auto] [--steps 40] [--profile] [--eager]
 
 Runs the engine loop's step by hand (scheduler -> ModelRunner.prepare -> execute -> SamplingBatch +
 sample -> scheduler.update) on the default model, greedy, after a 128-token prompt per sequence, on the
-calling thread. Per batch size it prints the median milliseconds of each phase over --steps decode
+calling thread, through the runner's decode path as the server takes it (the native decode stack on
+the CPU; ``--eager``: the model's modules, as ``--enforce-eager``). Per batch size it prints the median milliseconds of each phase over --steps decode
 steps. ``--profile`` adds a torch.profiler table of a few decode steps: ops per step and per layer, and
 the ops by self time.
 """
@@ -20,11 +21,12 @@ import torch
 PROMPT_LEN = 128
 
 
-def build(dtype: str, max_seqs: int):
+def build(dtype: str, max_seqs: int, eager: bool = False):
     from core.scheduling import BlockManager, Scheduler
     from core_pytorch_backend.kernels import select_ops
     from core_pytorch_backend.loader import default_model_path, load_checkpoint
     from core_pytorch_backend.model_runner import ModelRunner, kv_cache_blocks
+    from core_pytorch_backend.native_decode import make_native_decode
 
     ops = select_ops("cpu")
     loaded = load_checkpoint(default_model_path(), dtype=dtype, ops=ops)
@@ -32,7 +34,9 @@ def build(dtype: str, max_seqs: int):
     kv_dtype = loaded.kv_cache_dtype
     blocks = kv_cache_blocks(loaded.model, block_size, kv_dtype, torch.device("cpu"), 1.0, 0.9)
     runner = ModelRunner(loaded.model, block_size=block_size, num_blocks=blocks, device=torch.device("cpu"),
-                         dtype=loaded.dtype, kv_cache_dtype=kv_dtype)
+                         dtype=loaded.dtype, kv_cache_dtype=kv_dtype,
+                         decode_path=lambda model: make_native_decode(model, device=torch.device("cpu"),
+                                                                      enabled=not eager))
     scheduler = Scheduler(BlockManager(blocks, block_size, False), max_num_seqs=max_seqs,
                           max_num_batched_tokens=8192)
     return runner, scheduler
@@ -129,14 +133,17 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--stub-matmuls", action="store_true", help="time all but the matmuls")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--eager", action="store_true", help="every layer through its modules (no native stack)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    runner, scheduler = build(args.dtype, max(args.batch))
+    runner, scheduler = build(args.dtype, max(args.batch), args.eager)
     vocab = runner.model.config.vocab_size
     if args.stub_matmuls:
         stub_matmuls(runner.model)
-    print(f"# decode step, {runner.dtype} (KV cache {runner.kv_cache_dtype}){', matmuls stubbed' if args.stub_matmuls else ''}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+    path = "modules" if runner.decode_path is None else type(runner.decode_path).__name__
+    print(f"# decode step, {runner.dtype} (KV cache {runner.kv_cache_dtype}), {path}"
+          f"{', matmuls stubbed' if args.stub_matmuls else ''}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
     for batch in args.batch:
         start(runner, scheduler, batch, vocab)

@@ -170,10 +170,10 @@ def attach_graphs(runner, max_num_seqs: int, max_model_len: int) -> bool:
     """Decode CUDA graphs on ``runner`` when its op set can be captured; whether it got them."""
     from core_pytorch_backend.cuda_graphs import make_decode_graphs
 
-    runner.cuda_graphs = make_decode_graphs(runner.model, device=runner.device, enabled=True,
+    runner.decode_path = make_decode_graphs(runner.model, device=runner.device, enabled=True,
                                             block_size=BLOCK, max_model_len=max_model_len,
                                             max_num_seqs=max_num_seqs)
-    return runner.cuda_graphs is not None
+    return runner.decode_path is not None
 
 
 # ---------------------------------------------------------------- greedy parity with transformers
@@ -379,9 +379,9 @@ def end_to_end(table: Table, s: Sizes, device: torch.device, graphs_possible: bo
                 modes["CUDA graphs"] = True
             else:
                 rows.setdefault("CUDA graph capture, 8B-shaped", {})[name] = "FAILED (see log)"
-        graphs = runner.cuda_graphs
+        graphs = runner.decode_path
         for mode, on in modes.items():
-            runner.cuda_graphs = graphs if on else None
+            runner.decode_path = graphs if on else None
             for batch in s.e2e_batches:
                 label = f"decode tok/s, 8B-shaped bf16, B={batch}, ctx {s.e2e_context}, {mode}"
                 rows.setdefault(label, {})[name] = f"{decode_tokens_per_s(runner, batch, s):.0f}"

@@ -41,7 +41,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="shard the model over N ranks (processes; gloo on the CPU, NCCL on GPUs), each holding "
                         "1/N of every layer and its own KV-cache shard; default: 1")
     g.add_argument("--enforce-eager", action="store_true",
-                   help="never capture CUDA graphs (the backend option enforce_eager)")
+                   help="run every step through the model's modules: no CUDA graphs, no native CPU decode "
+                        "stack (the backend option enforce_eager)")
     g.add_argument("--chat-template", help="a registered template name or a Jinja file")
     g.add_argument("--chat-template-content-format", choices=list(CONTENT_FORMATS),
                    help="how message content reaches the template: string (text parts joined with a newline), "

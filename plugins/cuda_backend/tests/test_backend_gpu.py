@@ -48,7 +48,7 @@ def prompts_of_different_lengths(count: int) -> list[list[int]]:
 async def test_greedy_parity_with_transformers_single_and_concurrent(tiny_llama_64):
     backend = make_backend(tiny_llama_64, max_num_batched_tokens=64)  # chunked prefill over cached prefixes
     assert backend.loop.runner.model.ops.name == "cuda"
-    assert backend.loop.runner.cuda_graphs is not None  # decode steps replay captured graphs
+    assert backend.loop.runner.decode_path is not None  # decode steps replay captured graphs
     engine = AsyncEngine(backend)
     try:
         prompts = prompts_of_different_lengths(16)
@@ -82,10 +82,10 @@ async def test_sleep_wakeup_recaptures_graphs_and_keeps_outputs(tiny_llama_64):
         before = (await collect(engine.generate(prompt, GREEDY))).token_ids
         for level in (1, 2, 1):
             await engine.sleep(level)
-            assert not backend.loop.runner.cuda_graphs.graphs  # released with the KV cache
+            assert not backend.loop.runner.decode_path.graphs  # released with the KV cache
             await engine.wakeup(["weights"])
             await engine.wakeup(["kv_cache"])
-            assert backend.loop.runner.cuda_graphs.graphs  # captured again for the new cache
+            assert backend.loop.runner.decode_path.graphs  # captured again for the new cache
             assert (await collect(engine.generate(prompt, GREEDY))).token_ids == before
         assert_idle(engine, await wait_idle(engine))
     finally:

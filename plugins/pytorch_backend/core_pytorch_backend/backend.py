@@ -34,6 +34,7 @@ from core_pytorch_backend.kernels import select_ops
 from core_pytorch_backend.loader import LoadedModel, default_model_path, load_checkpoint
 from core_pytorch_backend.lora.manager import AdapterManager
 from core_pytorch_backend.model_runner import ModelRunner, kv_cache_blocks
+from core_pytorch_backend.native_decode import make_native_decode
 from core_pytorch_backend.pooled_prompt import PooledPrompt
 from core_pytorch_backend.request_state import RequestState
 from core_pytorch_backend.sampling_batch import SamplingParams
@@ -49,7 +50,8 @@ class PytorchOptions:
 
     :param kv_cache_memory_fraction: the share of free GPU memory the KV cache takes when
         `EngineConfig.kv_cache_memory_gib` is not given.
-    :param enforce_eager: never capture CUDA graphs (``--enforce-eager``).
+    :param enforce_eager: run every step through the model's modules: no CUDA graphs on a GPU, no native
+        decode stack on the CPU (``--enforce-eager``).
     """
 
     kv_cache_memory_fraction: float = 0.85
@@ -117,16 +119,17 @@ class PytorchBackend(Backend):
         self._pooling_to_log = None if declared else (  # said once, on the first embedding request
             f"{self.model_info.name} declares no pooling (no sentence-transformers modules.json): "
             "embeddings use last-token pooling, L2-normalised")
-        graphs = functools.partial(  # None on the CPU, with enforce_eager or (for now) tensor parallelism
-            make_decode_graphs, device=self.device, block_size=config.block_size,
-            enabled=not self.options.enforce_eager and self.tp is None,
-            max_model_len=max_len, max_num_seqs=config.max_num_seqs)
+        fast = not self.options.enforce_eager and self.tp is None  # (for now) none under tensor parallelism
+        decode_path = (functools.partial(make_native_decode, device=self.device, enabled=fast)
+                       if self.device.type == "cpu" else
+                       functools.partial(make_decode_graphs, device=self.device, block_size=config.block_size,
+                                         enabled=fast, max_model_len=max_len, max_num_seqs=config.max_num_seqs))
         self.lora = self._start_adapters(loaded, config.adapters)
         speculative = (make_speculative_decoder(config.speculative, self.model_info.vocab_size)
                        if config.speculative is not None else None)
         runner = ModelRunner(loaded.model, block_size=config.block_size, num_blocks=num_blocks,
                              device=self.device, dtype=loaded.dtype, kv_cache_dtype=kv_dtype,
-                             capture_graphs=graphs, lora_step=self.lora.step if self.lora else None)
+                             decode_path=decode_path, lora_step=self.lora.step if self.lora else None)
         if self.tp is not None:  # ranks 1..N-1 start now; the engine loop drives them through rank 0's runner
             runner = self.tp.start(runner, config=config, source=self.source,
                                    architectures=self._architectures, ops_kind=self.ops.name)

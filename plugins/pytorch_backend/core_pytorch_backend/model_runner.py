@@ -3,20 +3,23 @@
 It knows nothing about requests or sampling: the engine loop hands it the scheduler's output and gets
 back float32 logits for the sequences that sample this step, and the hidden states of the prompt
 positions whose next token some request scores (prompt logprobs). It also owns what sleep releases:
-`sleep(level)` frees the KV cache (and the CUDA graphs that baked it in) and moves or drops the weights,
+`sleep(level)` frees the KV cache (and the decode path that baked it in) and moves or drops the weights,
 `wakeup(tags)` restores them.
+
+Decode steps may take a faster path than the model's modules (``DecodePath``): captured CUDA graphs on
+a GPU (cuda_graphs.py), the native decoder stack on the CPU (native_decode.py).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from typing import Protocol
 
 import torch
 
 from core.scheduling import ScheduledSequence
 from core_pytorch_backend.attention_metadata import AttentionMetadata
-from core_pytorch_backend.cuda_graphs import DecodeGraphs
 from core_pytorch_backend.layers.attention import (
     allocate_kv_caches,
     attention_layers,
@@ -31,6 +34,19 @@ from core_pytorch_backend.step_inputs import PromptRows, StepInputs, StepLogits,
 log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 ZERO_BLOCKS_AT_LEAST = 64  # the CPU cache is zeroed this many blocks (or more) at a time
+
+
+class DecodePath(Protocol):
+    """A faster way through a decode step than the model's modules, baked in the weights and KV cache."""
+
+    def run(self, model: torch.nn.Module, inputs: StepInputs) -> torch.Tensor | None:
+        """The step's hidden states, or None: the step runs through the modules."""
+
+    def release(self) -> None:
+        """Drop what it holds of the weights and KV cache (they are about to be freed)."""
+
+    def try_capture(self, model: torch.nn.Module) -> bool:
+        """Bake ``model``'s current weights and cache in again (after a wakeup); False if it cannot."""
 
 
 def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -61,13 +77,13 @@ class ModelRunner:
     """Runs one model over paged KV caches of `num_blocks` blocks of `block_size` tokens.
 
     :param kv_cache_dtype: the KV cache's dtype (None: ``dtype``, the model's).
-    :param capture_graphs: builds the CUDA graphs of decode steps for the model (its KV cache bound), or
-        None where they do not apply (cuda_graphs.make_decode_graphs); None: always eager.
+    :param decode_path: builds the model's ``DecodePath`` (its KV cache bound), or None where none applies
+        (cuda_graphs.make_decode_graphs, native_decode.make_native_decode); None: always the modules.
     """
 
     def __init__(self, model: torch.nn.Module, *, block_size: int, num_blocks: int, device: torch.device,
                  dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None,
-                 capture_graphs: Callable[[torch.nn.Module], DecodeGraphs | None] | None = None,
+                 decode_path: Callable[[torch.nn.Module], DecodePath | None] | None = None,
                  lora_step: LoraStep | None = None) -> None:
         self.model = model
         self.lora_step = lora_step  # the row-to-adapter map of the model's LoRA layers (lora/layers.py)
@@ -81,7 +97,7 @@ class ModelRunner:
         self.asleep: set[str] = set()  # the parts sleep released: "kv_cache", "weights"
         self._weights_dropped = False  # level 2: the weights must be loaded again on wakeup
         self.allocate_kv_cache()
-        self.cuda_graphs: DecodeGraphs | None = capture_graphs(model) if capture_graphs is not None else None
+        self.decode_path: DecodePath | None = decode_path(model) if decode_path is not None else None
 
     @property
     def has_kv_cache(self) -> bool:
@@ -124,8 +140,8 @@ class ModelRunner:
     def free_kv_cache(self) -> None:
         unbind_kv_caches(self.model)
         self.kv_caches = None
-        if self.cuda_graphs is not None:
-            self.cuda_graphs.release()  # the graphs baked in the freed cache
+        if self.decode_path is not None:
+            self.decode_path.release()  # it baked in the freed cache
         _empty_device_cache(self.device)
 
     def sleep(self, level: int) -> None:
@@ -146,7 +162,7 @@ class ModelRunner:
 
     def wakeup(self, tags: Iterable[str], load_model: Callable[[], torch.nn.Module]) -> None:
         """Restore the parts named by `tags`; dropped weights come from `load_model()`. Once every part is
-        awake, the CUDA graphs are captured again (they baked in the old cache and weights)."""
+        awake, the decode path bakes in the new ones (it held the old cache and weights)."""
         tags = set(tags)
         was_asleep = bool(self.asleep)
         if "weights" in tags and "weights" in self.asleep:
@@ -160,8 +176,8 @@ class ModelRunner:
         if "kv_cache" in tags and "kv_cache" in self.asleep:
             self.allocate_kv_cache()
             self.asleep.discard("kv_cache")
-        if was_asleep and not self.asleep and self.cuda_graphs is not None:
-            self.cuda_graphs.try_capture(self.model)
+        if was_asleep and not self.asleep and self.decode_path is not None:
+            self.decode_path.try_capture(self.model)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy whole blocks (src -> dst) in every layer: the partial last block of a forked sequence."""
@@ -229,8 +245,8 @@ class ModelRunner:
         if inputs.lora_rows is not None and self.lora_step is not None:
             hidden = self._forward_with_adapters(inputs, extra)
         else:
-            # CUDA graphs (cuda_graphs.py): a captured decode step when one fits; None -> run eagerly
-            hidden = self.cuda_graphs.run(self.model, inputs) if self.cuda_graphs is not None else None
+            # the decode path (CUDA graphs, the native stack) when the step fits it; None -> the modules
+            hidden = self.decode_path.run(self.model, inputs) if self.decode_path is not None else None
             if hidden is None:
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, **extra)
         prompt, pooling = _rows_of(hidden, inputs.prompt_rows), _rows_of(hidden, inputs.pooling_rows)

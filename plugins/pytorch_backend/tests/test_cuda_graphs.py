@@ -84,7 +84,7 @@ def _decode_through_graphs(runner: ModelRunner, graphs: DecodeGraphs, device: st
     """Prefill 3 sequences eagerly, then decode them through a graph padded to 4 rows, and again after
     the KV cache was freed and re-allocated; each time equal to the eager step, and no cache write
     outside the 3 real slots."""
-    runner.cuda_graphs = graphs
+    runner.decode_path = graphs
     graphs.capture(runner.model)
     prefill = _step(PROMPTS, [0, 0, 0], device)
     assert graphs.run(runner.model, prefill) is None  # not a decode step
@@ -94,11 +94,11 @@ def _decode_through_graphs(runner: ModelRunner, graphs: DecodeGraphs, device: st
     through_graph = runner.execute(decode)
     written = sum(int((k != b).any(-1).any(-1).sum()) for (k, _), b in zip(runner.kv_caches, before, strict=True))
     assert written == 3 * len(before)  # one slot per real sequence and layer; padding wrote nothing
-    runner.cuda_graphs = None
+    runner.decode_path = None
     eager = runner.execute(decode)  # rewrites the same slots with the same values
     torch.testing.assert_close(through_graph, eager, atol=1e-5, rtol=1e-5)
 
-    runner.cuda_graphs = graphs
+    runner.decode_path = graphs
     runner.free_kv_cache()
     assert not graphs.graphs  # released with the cache
     runner.allocate_kv_cache()

@@ -140,11 +140,16 @@ class LlamaModel(nn.Module):
         """Token embeddings (models that scale them override this)."""
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids, positions, meta, embed_overrides=None):
+    def embed_inputs(self, input_ids: torch.Tensor, embed_overrides=None) -> torch.Tensor:
+        """The first layer's input: token embeddings, with ``embed_overrides`` (rows, values) in place."""
         hidden = self.embed(input_ids)
         if embed_overrides is not None:  # image features replace their placeholder tokens' rows
             rows, values = embed_overrides
             hidden = hidden.index_copy(0, rows, values.to(hidden.dtype))
+        return hidden
+
+    def forward(self, input_ids, positions, meta, embed_overrides=None):
+        hidden = self.embed_inputs(input_ids, embed_overrides)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)

@@ -15,7 +15,7 @@ from pathlib import Path
 from .build import CpuBuildError, best_variant, build_library
 
 log = logging.getLogger(__name__)
-ABI_VERSION = 6  # csrc/packed_linear.c CORE_PACKED_ABI
+ABI_VERSION = 7  # csrc/packed_linear.c CORE_PACKED_ABI
 STATUS = {1: "bad arguments", 2: "out of memory"}
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -42,6 +42,9 @@ SIGNATURES: dict[str, list] = {
     # q, q dtype, Hq, D, k cache, v cache, cache dtype, block size, Hkv, sequences, query starts, query
     # lengths, sequence lengths, tables, table width, window, scale, out (csrc/chunk_attention.c)
     "core_chunk_attention": [_P, _I, _L, _L, _P, _P, _I, _L, _L, _L, _P, _P, _P, _P, _L, _L, _F, _P],
+    # decoder, layers, layer count, rows, hidden, residual, residual given, positions, slots, tables,
+    # table width, lengths (csrc/decoder_stack.c)
+    "core_decoder_layers": [_P, _P, _L, _L, _P, _P, _I, _P, _P, _P, _L, _P],
 }
 
 

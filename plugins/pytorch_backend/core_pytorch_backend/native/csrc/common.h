@@ -98,4 +98,22 @@ static inline int64_t slot_of(const int32_t *table, int64_t pos, int64_t block_s
     return (int64_t)table[p / b] * block_size + p % b;
 }
 
+/* The exported kernels, for a file that composes them (decoder_stack.c); library.py documents them. */
+int core_packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
+                       int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
+                       const float *bias, void *y, int y_dtype);
+int core_decode_attention(const void *q, int q_dtype, int64_t rows, int64_t hq, int64_t d, const void *k_cache,
+                          const void *v_cache, int cache_dtype, int64_t block_size, int64_t hkv,
+                          const int32_t *tables, int64_t table_width, const int32_t *lengths, int64_t window,
+                          float scale, void *out);
+int core_rms_norm(const void *x, int x_dtype, int64_t tokens, int64_t hidden, const void *residual,
+                  const void *weight, int w_dtype, float eps, void *out, void *residual_out);
+int core_silu_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, void *out);
+int core_rotary(const void *q, const void *k, int dtype, int64_t tokens, int64_t hq, int64_t hkv, int64_t d,
+                int64_t q_row_stride, int64_t k_row_stride, const int64_t *positions, const void *cos_table,
+                const void *sin_table, int table_dtype, int64_t max_position, void *q_out, void *k_out);
+int core_store_kv(const void *k, const void *v, int dtype, int64_t tokens, int64_t hkv, int64_t d,
+                  int64_t k_row_stride, int64_t v_row_stride, const int64_t *slots, void *k_cache, void *v_cache,
+                  int cache_dtype, int64_t num_slots);
+
 #endif

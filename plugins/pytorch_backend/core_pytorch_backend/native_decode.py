@@ -1,0 +1,239 @@
+"""A CPU decode step through every decoder layer in one native call (``native/csrc/decoder_stack.c``).
+
+Eager PyTorch spends ~100 us a layer of a one-row decode step outside the kernels: module calls, the
+ctypes calls of the dozen native ops, tensor allocations and views. For SmolLM2-135M on a 2-core EPYC that
+was 2.9 of a 7.6 ms step. Here the layers' kernels are called from C in the order the modules call them,
+on the same buffers, so the hidden states are bit for bit the module path's (tested); the embedding, the
+final norm, the LM head and sampling stay in Python.
+
+It is what CUDA graphs are on a GPU (cuda_graphs.py), with the same interface to the model runner:
+``run(model, inputs)`` returns a decode step's hidden states or None (the step runs through the modules),
+``release()`` drops every pointer into the weights and the KV cache (before they are freed), and the next
+``run`` after a re-allocation describes the layers again.
+
+It takes a model whose decoder is exactly ``models.llama``'s (Llama, Qwen2, Qwen3, Mistral and the VL
+models over them) built on the native op set, with every projection a ``NativeWeight`` (GGUF quants,
+``--quantization int8|int4``), float32 or bfloat16 activations and KV cache, and no hooks (tensor
+parallel ranks all-reduce in hooks). Steps with a prefill chunk, M-RoPE positions or bidirectional image
+spans, and steps whose rows carry LoRA adapters (the runner routes those elsewhere), run through the
+modules; so does everything with ``--enforce-eager``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from core_pytorch_backend.layers.activation import SiluAndMul
+from core_pytorch_backend.layers.norm import RMSNorm
+from core_pytorch_backend.layers.quantized import packed_linear
+from core_pytorch_backend.layers.rotary import RotaryEmbedding
+from core_pytorch_backend.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+from core_pytorch_backend.native.library import CpuKernels, available
+from core_pytorch_backend.native.packed_weight import DTYPE_CODES, NativeWeight
+from core_pytorch_backend.step_inputs import StepInputs
+
+log = logging.getLogger(__name__)
+MAX_HEAD_DIM, MAX_GROUP = 512, 64  # csrc/cpu_ops.c (decode attention)
+_STEP_DTYPES = (torch.float32, torch.bfloat16)
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+class _Packed(ctypes.Structure):  # csrc/decoder_stack.c core_packed
+    _fields_ = [("codes", _P), ("scale", _P), ("offset", _P), ("bias", _P), ("n", _L), ("kp", _L),
+                ("bits", _I), ("scale_dtype", _I)]
+
+
+class _Layer(ctypes.Structure):  # core_layer
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _Packed),
+                ("o", _Packed), ("gate_up", _Packed), ("down", _Packed), ("k_cache", _P), ("v_cache", _P),
+                ("window", _L), ("scale", _F)]
+
+
+class _Decoder(ctypes.Structure):  # core_decoder
+    _fields_ = [("hidden", _L), ("heads", _L), ("kv_heads", _L), ("head_dim", _L), ("inter", _L),
+                ("dtype", _I), ("norm_dtype", _I), ("cache_dtype", _I), ("table_dtype", _I), ("eps", _F),
+                ("block_size", _L), ("num_slots", _L), ("max_position", _L), ("cos", _P), ("sin", _P)]
+
+
+class DoesNotFit(ValueError):
+    """Why a model's decoder cannot take the native stack (said once in the start-up log)."""
+
+
+@dataclass
+class _Plan:
+    """The described layers of one model, with the tensors they point into kept alive."""
+
+    model: nn.Module
+    cache_ptr: int  # the first layer's K cache when described: a new cache means describing again
+    dtype: torch.dtype
+    decoder: _Decoder
+    layers: Any  # ctypes array of _Layer
+    keep: list[torch.Tensor]  # every tensor a pointer above reads (biases converted to float32 among them)
+
+    def matches(self, model: nn.Module) -> bool:
+        attention = model.model.layers[0].self_attn.attn
+        return model is self.model and attention.k_cache is not None and attention.k_cache.data_ptr() == self.cache_ptr
+
+
+class NativeDecodeStack:
+    """Runs decode steps of one model through ``core_decoder_layers``; see the module docstring."""
+
+    def __init__(self, kernels: CpuKernels) -> None:
+        self.function = kernels.function("core_decoder_layers")
+        self.kernels = kernels
+        self.plan: _Plan | None = None
+
+    def run(self, model: nn.Module, inputs: StepInputs) -> torch.Tensor | None:
+        """Hidden states [T, H] (after the final norm) of a decode step, or None when it takes the modules."""
+        meta = inputs.meta
+        if not meta.is_decode or inputs.positions.dim() != 1 or meta.bidirectional_spans:
+            return None
+        if self.plan is None or not self.plan.matches(model):
+            self.plan = describe(model)
+        plan, decoder = self.plan, model.model
+        hidden = decoder.embed_inputs(inputs.input_ids, inputs.embed_overrides)
+        if hidden.dtype != plan.dtype:
+            return None
+        hidden = hidden.contiguous()  # a fresh tensor (an embedding lookup): the layers write into it
+        residual = torch.empty_like(hidden)
+        tables = meta.block_tables.contiguous()
+        lengths = meta.seq_lens.to(torch.int32).contiguous()
+        positions, slots = inputs.positions.contiguous(), meta.slot_mapping.contiguous()
+        status = self.function(ctypes.addressof(plan.decoder), plan.layers, len(plan.layers), hidden.shape[0],
+                               hidden.data_ptr(), residual.data_ptr(), 0, positions.data_ptr(), slots.data_ptr(),
+                               tables.data_ptr(), tables.shape[1], lengths.data_ptr())
+        if status:
+            self.kernels.raise_for("core_decoder_layers", status)
+        hidden, _ = decoder.norm(hidden, residual)
+        return hidden
+
+    def release(self) -> None:
+        """Forget the described layers (the KV cache or the weights are about to be freed)."""
+        self.plan = None
+
+    def try_capture(self, model: nn.Module) -> bool:
+        """Describe ``model``'s layers again (after a wakeup); False (logged) if they no longer fit."""
+        try:
+            self.plan = describe(model)
+        except DoesNotFit as exc:
+            log.info("native decode stack off: %s", exc)
+            self.plan = None
+            return False
+        return True
+
+
+def make_native_decode(model: nn.Module, *, device: torch.device, enabled: bool) -> NativeDecodeStack | None:
+    """The native decode stack for ``model`` (its KV cache bound), or None (the reason logged) where it
+    does not apply: not on the CPU, disabled (``--enforce-eager``), no native kernels, or a decoder it
+    does not take (see the module docstring)."""
+    if not enabled or device.type != "cpu":
+        return None
+    kernels = available()
+    if kernels is None:
+        return None
+    try:
+        stack = NativeDecodeStack(kernels)
+        stack.plan = describe(model)
+    except DoesNotFit as exc:
+        log.info("native decode stack off: %s", exc)
+        return None
+    log.info("native decode stack: decode steps run all %d layers in one native call (%s kernels)",
+             len(stack.plan.layers), kernels.variant)
+    return stack
+
+
+def describe(model: nn.Module) -> _Plan:
+    """Point the C structs at ``model``'s weights and KV caches; DoesNotFit says why they cannot be."""
+    decoder = getattr(model, "model", None)
+    if type(decoder) is not LlamaModel:
+        raise DoesNotFit(f"{type(model).__name__}'s decoder is not models.llama's")
+    if getattr(getattr(model, "ops", None), "name", None) != "native":
+        raise DoesNotFit("the model is not built on the native op set")
+    _no_hooks(decoder)
+    layers = list(decoder.layers)
+    first = layers[0]
+    attention, mlp = first.self_attn, first.mlp
+    rotary = attention.rotary_emb
+    dtype = first.input_layernorm.weight.dtype
+    cache = attention.attn.k_cache
+    if cache is None:
+        raise DoesNotFit("no KV cache is bound")
+    if dtype not in _STEP_DTYPES or cache.dtype not in _STEP_DTYPES:
+        raise DoesNotFit(f"{dtype} activations or a {cache.dtype} KV cache (float32 or bfloat16 only)")
+    heads, kv_heads, head_dim = attention.attn.num_heads, attention.attn.num_kv_heads, attention.head_dim
+    if head_dim > MAX_HEAD_DIM or heads // kv_heads > MAX_GROUP:
+        raise DoesNotFit(f"{head_dim}-wide heads in groups of {heads // kv_heads}")
+    if not isinstance(rotary, RotaryEmbedding) or rotary.cos_cache.dtype not in _STEP_DTYPES:
+        raise DoesNotFit("an unsupported rotary embedding")
+    keep: list[torch.Tensor] = [rotary.cos_cache, rotary.sin_cache]
+    spec = _Decoder(hidden=first.input_layernorm.weight.shape[0], heads=heads, kv_heads=kv_heads,
+                    head_dim=head_dim, inter=mlp.down_proj.input_size, dtype=DTYPE_CODES[dtype],
+                    norm_dtype=DTYPE_CODES[dtype], cache_dtype=DTYPE_CODES[cache.dtype],
+                    table_dtype=DTYPE_CODES[rotary.cos_cache.dtype], eps=first.input_layernorm.eps,
+                    block_size=cache.shape[1], num_slots=cache.shape[0] * cache.shape[1],
+                    max_position=rotary.cos_cache.shape[0], cos=_ptr(rotary.cos_cache, keep),
+                    sin=_ptr(rotary.sin_cache, keep))
+    described = (_Layer * len(layers))()
+    for index, layer in enumerate(layers):
+        described[index] = _describe_layer(layer, index, spec, rotary, cache, keep)
+    return _Plan(model, cache.data_ptr(), dtype, spec, described, keep)
+
+
+def _describe_layer(layer: nn.Module, index: int, spec: _Decoder, rotary: RotaryEmbedding, cache: torch.Tensor,
+                    keep: list[torch.Tensor]) -> _Layer:
+    attention, mlp = layer.self_attn, layer.mlp
+    if (type(layer) is not LlamaDecoderLayer or type(attention) is not LlamaAttention or type(mlp) is not LlamaMLP
+            or type(mlp.act_fn) is not SiluAndMul or attention.rotary_emb is not rotary):
+        raise DoesNotFit(f"layer {index} is not models.llama's decoder layer with silu")
+    attn = attention.attn
+    if (attn.k_cache is None or attn.v_cache is None or attn.k_cache.dtype != cache.dtype
+            or attn.k_cache.shape != cache.shape or not (attn.k_cache.is_contiguous() and attn.v_cache.is_contiguous())
+            or attn.v_cache.dtype != cache.dtype or attn.num_heads != spec.heads or attn.num_kv_heads != spec.kv_heads):
+        raise DoesNotFit(f"layer {index}'s KV cache or heads differ from layer 0's")
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if attention.q_norm is not None:
+        norms += [attention.q_norm, attention.k_norm]
+    for norm in norms:
+        if type(norm) is not RMSNorm or _F(norm.eps).value != spec.eps or DTYPE_CODES.get(norm.weight.dtype) != spec.norm_dtype:
+            raise DoesNotFit(f"layer {index}'s norms differ (type, eps or dtype)")
+    q_norm = k_norm = None
+    if attention.q_norm is not None:
+        q_norm, k_norm = _ptr(attention.q_norm.weight, keep), _ptr(attention.k_norm.weight, keep)
+    return _Layer(input_norm=_ptr(layer.input_layernorm.weight, keep),
+                  post_norm=_ptr(layer.post_attention_layernorm.weight, keep), q_norm=q_norm, k_norm=k_norm,
+                  qkv=_packed(attention.qkv_proj, index, keep), o=_packed(attention.o_proj, index, keep),
+                  gate_up=_packed(mlp.gate_up_proj, index, keep), down=_packed(mlp.down_proj, index, keep),
+                  k_cache=_ptr(attn.k_cache, keep), v_cache=_ptr(attn.v_cache, keep), window=attn.sliding_window or 0,
+                  scale=attn.scale)
+
+
+def _packed(linear: nn.Module, index: int, keep: list[torch.Tensor]) -> _Packed:
+    weight = linear.weight
+    if not isinstance(weight, NativeWeight) or linear.matmul is not packed_linear:
+        raise DoesNotFit(f"layer {index}'s {type(linear).__name__} is not a native packed weight")
+    bias = None
+    if linear.bias is not None:
+        bias = _ptr(linear.bias.detach().to(torch.float32).contiguous(), keep)
+    buffers = weight._buffers
+    return _Packed(codes=_ptr(buffers["codes"], keep), scale=_ptr(buffers["scale"], keep),
+                   offset=_ptr(buffers["offset"], keep), bias=bias, n=weight.shape[0], kp=weight.padded_k,
+                   bits=weight.bits, scale_dtype=DTYPE_CODES[buffers["scale"].dtype])
+
+
+def _ptr(tensor: torch.Tensor, keep: list[torch.Tensor]) -> int:
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise DoesNotFit("a weight or cache is not a contiguous CPU tensor")
+    keep.append(tensor)
+    return tensor.data_ptr()
+
+
+def _no_hooks(module: nn.Module) -> None:
+    for name, sub in module.named_modules():
+        if sub._forward_hooks or sub._forward_pre_hooks:
+            raise DoesNotFit(f"{name or 'the decoder'} has forward hooks (tensor parallelism)")

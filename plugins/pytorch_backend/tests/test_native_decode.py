@@ -1,0 +1,164 @@
+"""The native decode stack (native_decode.py, csrc/decoder_stack.c): a decode step's layers in one call.
+
+Its oracle is the model's own modules on the native op set: the hidden states must be equal bit for bit
+(the same kernels on the same buffers), for every decoder it takes (Llama, Qwen2's q/k/v bias, Qwen3's
+q/k norms, Mistral's sliding window past its width), int8 and int4 weights, float32 and bfloat16.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import torch
+
+from core_pytorch_backend.attention_metadata import AttentionMetadata
+from core_pytorch_backend.kernels import select_ops
+from core_pytorch_backend.loader import load_checkpoint
+from core_pytorch_backend.model_runner import ModelRunner, StepInputs
+from core_pytorch_backend.native.library import available
+from core_pytorch_backend.native_decode import DoesNotFit, NativeDecodeStack, describe, make_native_decode
+from core_pytorch_backend.quant.kernel_choice import PackedKernel
+
+pytestmark = pytest.mark.skipif(available() is None, reason="the native kernels do not build here")
+CPU = torch.device("cpu")
+BLOCK = 4
+TABLES = [[7, 3, 12, 20, 21, 22, 23, 24, 25, 26], [0, 9, 4, 30, 31, 32, 33, 34, 35, 36],
+          [5, 1, 14, 40, 41, 42, 43, 44, 45, 46]]
+PROMPT_LENS = [5, 17, 26]  # Mistral's tiny window is 12: the longer ones attend to a window
+
+
+@pytest.fixture
+def native_packed(monkeypatch):
+    """Weights quantized at load go to the native kernels, whatever this CPU measures fastest."""
+    monkeypatch.setattr("core_pytorch_backend.loader.packed_kernel", lambda: PackedKernel(available(), torch.float32))
+
+
+def _load(path, quantization: str, dtype: str = "float32", kind: str = "native"):
+    return load_checkpoint(path, dtype=dtype, quantization=quantization, ops=select_ops("cpu", kind=kind)).model
+
+
+def _runner(model, path=None) -> ModelRunner:
+    return ModelRunner(model, block_size=BLOCK, num_blocks=64, device=CPU, dtype=next(model.parameters()).dtype,
+                       decode_path=lambda m: make_native_decode(m, device=CPU, enabled=True))
+
+
+def _step(lengths: list[int], new: list[int], seed: int) -> StepInputs:
+    meta = AttentionMetadata.build(lengths, new, TABLES[: len(lengths)], BLOCK)
+    ids = torch.randint(0, 250, (sum(new),), generator=torch.Generator().manual_seed(seed))
+    return StepInputs(input_ids=ids, positions=meta.positions(), meta=meta, sample_indices=meta.last_token_indices(),
+                      sampling=[None] * len(lengths))
+
+
+def _decode_both_ways(runner: ModelRunner, steps: int = 12) -> None:
+    """Prefill three sequences through the modules, then decode: the stack's hidden states equal the
+    modules' every step (each pass writes the same K/V into the same slots)."""
+    model, stack = runner.model, runner.decode_path
+    runner.zero_blocks(range(50))
+    with torch.inference_mode():
+        prefill = _step([0, 0, 0], PROMPT_LENS, seed=0)
+        assert stack.run(model, prefill) is None  # a prefill step takes the modules
+        model(prefill.input_ids, prefill.positions, prefill.meta)
+        lengths = list(PROMPT_LENS)
+        for i in range(steps):
+            decode = _step(lengths, [1, 1, 1], seed=i + 1)
+            through_stack = stack.run(model, decode)
+            through_modules = model(decode.input_ids, decode.positions, decode.meta)
+            assert through_stack is not None
+            assert torch.equal(through_stack, through_modules), f"step {i}"
+            lengths = [n + 1 for n in lengths]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_the_stack_gives_the_modules_hidden_states_bit_for_bit(tiny_checkpoint_factory, native_packed, arch,
+                                                                 quantization, dtype):
+    runner = _runner(_load(tiny_checkpoint_factory(arch), quantization, dtype))
+    assert isinstance(runner.decode_path, NativeDecodeStack)
+    _decode_both_ways(runner)
+
+
+def test_the_runner_decodes_through_the_stack_and_describes_a_new_cache_again(tiny_checkpoint_factory, native_packed):
+    runner = _runner(_load(tiny_checkpoint_factory("llama"), "int8"))
+    stack = runner.decode_path
+    calls = []
+    original = stack.run
+    stack.run = lambda model, inputs: calls.append(result := original(model, inputs)) or result
+    runner.zero_blocks(range(50))
+    runner.execute(_step([0, 0, 0], PROMPT_LENS, seed=0))
+    logits = runner.execute(_step(PROMPT_LENS, [1, 1, 1], seed=1))
+    assert calls[0] is None and calls[1] is not None and logits.shape == (3, 260)
+    runner.sleep(level=1)
+    assert stack.plan is None  # released with the KV cache: it points into it
+    runner.wakeup({"kv_cache", "weights"}, load_model=lambda: None)
+    assert stack.plan is not None and stack.plan.cache_ptr == runner.kv_caches[0][0].data_ptr()
+    _decode_both_ways(runner, steps=3)
+
+
+def test_rows_that_are_not_plain_decode_rows_take_the_modules(tiny_checkpoint_factory, native_packed):
+    runner = _runner(_load(tiny_checkpoint_factory("llama"), "int8"))
+    model, stack = runner.model, runner.decode_path
+    decode = _step(PROMPT_LENS, [1, 1, 1], seed=1)
+    mixed = _step(PROMPT_LENS, [1, 3, 1], seed=1)  # a chunk of 3 beside decode rows
+    mrope = StepInputs(decode.input_ids, decode.positions.expand(3, -1), decode.meta, decode.sample_indices,
+                       decode.sampling)
+    assert stack.run(model, mixed) is None
+    assert stack.run(model, mrope) is None
+
+
+def test_models_it_does_not_take_are_refused_at_start_with_the_reason(tiny_checkpoint_factory, native_packed,
+                                                                     caplog):
+    path = tiny_checkpoint_factory("llama")
+    dense = _runner(_load(path, "none"))
+    assert dense.decode_path is None  # float weights: F.linear, not the packed kernel
+    with caplog.at_level(logging.INFO, logger="core_pytorch_backend.native_decode"):
+        reference = _runner(_load(path, "int8", kind="reference"))
+    assert reference.decode_path is None and "native op set" in caplog.text
+    gemma = _runner(_load(tiny_checkpoint_factory("gemma3_text"), "int8"))
+    assert gemma.decode_path is None
+    packed = _load(path, "int8")
+    assert make_native_decode(packed, device=CPU, enabled=False) is None  # --enforce-eager
+    runner = ModelRunner(packed, block_size=BLOCK, num_blocks=64, device=CPU, dtype=torch.float32)
+    assert runner.decode_path is None
+    describe(packed)  # fits, its cache bound
+    handle = packed.model.layers[1].self_attn.o_proj.register_forward_hook(lambda *a: None)  # a TP all-reduce
+    with pytest.raises(DoesNotFit, match="hooks"):
+        describe(packed)
+    handle.remove()
+    packed.model.layers[0].mlp.down_proj.matmul = torch.nn.functional.linear
+    with pytest.raises(DoesNotFit, match="layer 0's Linear"):
+        describe(packed)
+
+
+async def test_the_engine_serves_decode_steps_through_the_stack_unless_eager(tiny_checkpoint_factory, native_packed,
+                                                                           monkeypatch):
+    """16 concurrent greedy requests of different lengths, chunked prefill, a cache small enough to
+    preempt: token for token the same through the stack as through the modules (--enforce-eager)."""
+    from core.config import EngineConfig, GenerationConfig
+    from core.engine import AsyncEngine
+    from core.response import collect
+    from core.scheduling import Scheduler
+    from core_pytorch_backend.backend import PytorchBackend
+
+    preempted = []
+    preempt = Scheduler._preempt
+    monkeypatch.setattr(Scheduler, "_preempt", lambda self, seq, out: preempted.append(seq) or preempt(self, seq, out))
+
+    path = tiny_checkpoint_factory("qwen3")
+    prompts = [[(11 * i + 7 * j + 3) % 250 for j in range(3 + (5 * i) % 37)] for i in range(16)]
+    greedy = GenerationConfig(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    outputs = {}
+    for eager in (False, True):
+        backend = PytorchBackend(EngineConfig(model=str(path), quantization="int4", kv_cache_memory_gib=0.0001,
+                                              max_num_batched_tokens=64, backend_options={"enforce_eager": eager}))
+        assert (backend.loop.runner.decode_path is None) == eager
+        engine = AsyncEngine(backend)
+        try:
+            responses = await asyncio.gather(*(collect(engine.generate(p, greedy)) for p in prompts))
+            outputs[eager] = [r.token_ids for r in responses]
+        finally:
+            await engine.close()
+    assert outputs[False] == outputs[True]
+    assert preempted  # 26 blocks for 16 sequences of up to 4
