@@ -157,7 +157,7 @@ def _open(path: Path, gguf: Path | None, packed: bool, cache_dir, use_cache: boo
     cache_root = Path(cache_dir) if cache_dir else None
     if gguf is not None and packed:
         config, tokenizer, _, generation = _open_hf_folder(cached_gguf_folder(gguf, cache_root, with_weights=False))
-        return config, tokenizer, gguf_weights(gguf, config), generation
+        return config, tokenizer, gguf_weights(gguf, config, cache_root or default_cache_dir()), generation
     if gguf is not None:
         return _open_hf_folder(cached_gguf_folder(gguf, cache_root)) if use_cache else _open_gguf(gguf)
     return _open_hf_folder(path)

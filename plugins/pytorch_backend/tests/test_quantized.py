@@ -300,3 +300,24 @@ def test_the_kernel_choice_prefers_native_unless_much_slower():
     assert choose(timings, None) == PackedKernel(None, torch.bfloat16)
     assert choose({"bfloat16": 900.0, "float32": 30.0}, None).dtype == torch.float32
     assert packed_kernel().dtype in (torch.float32, torch.bfloat16)  # this CPU's, measured
+
+
+def test_the_gguf_name_map_is_cached_and_rebuilt_when_unreadable(default_gguf_path, tmp_path):
+    """The GGUF -> HF name map (a transformers skeleton: 1.7 s of a start) is written once to the cache and
+    read back the same; an unreadable cache file is rebuilt, not fatal."""
+    from transformers import AutoConfig
+
+    from core_pytorch_backend.loader import cached_gguf_folder
+    from core_pytorch_backend.quant.gguf_file import _processor_and_names
+    from core_pytorch_backend.quant.gguf_index import read_gguf_index
+
+    architecture = read_gguf_index(default_gguf_path).architecture
+    config = AutoConfig.from_pretrained(cached_gguf_folder(default_gguf_path, with_weights=False))
+    _, built = _processor_and_names(architecture, config)
+    _, first = _processor_and_names(architecture, config, tmp_path)
+    (cached,) = tmp_path.glob("gguf-names-*.json")
+    _, second = _processor_and_names(architecture, config, tmp_path)
+    assert built == first == second and "token_embd.weight" in built
+    cached.write_text("{not json")
+    _, rebuilt = _processor_and_names(architecture, config, tmp_path)
+    assert rebuilt == built and cached.read_text().startswith("{\"")
