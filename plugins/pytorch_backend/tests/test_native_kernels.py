@@ -167,22 +167,29 @@ ATTENTION_CASES = {
     "decode rows of many lengths": ([5, 40, 0, 77], [1, 1, 1, 1]),
     "decode rows mixed with a chunk": ([5, 30, 60], [1, 7, 1]),
     "prefill only": ([0], [20]),
-    "contexts of several partitions": ([300, 129, 700], [1, 1, 1]),  # csrc PARTITION = 128 positions
+    "contexts of several partitions": ([300, 129, 700], [1, 1, 1]),  # csrc PARTITION = 64 positions
+    "contexts off the 16-position tiles": ([37, 64, 15, 80], [1, 1, 1, 1]),  # csrc partial512's score tiles
     "chunks over cached prefixes": ([100, 0, 33, 7], [40, 70, 2, 1]),  # csrc/chunk_attention.c: key tiles
     "a long chunk": ([0], [150]),  # of 16, query tiles of 64 / G rows
 }
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# (query dtype, cache dtype): a model's own, and a float32 model over a bfloat16 cache (the default GGUF)
+ATTENTION_DTYPES = {"float32": (torch.float32, torch.float32), "bfloat16": (torch.bfloat16, torch.bfloat16),
+                    "float32 over bfloat16": (torch.float32, torch.bfloat16)}
+
+
+@pytest.mark.parametrize("dtypes", ATTENTION_DTYPES)
 @pytest.mark.parametrize("window", [None, 10])
 @pytest.mark.parametrize("case", ATTENTION_CASES)
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])  # (Hq, Hkv, D): grouped and plain
-def test_paged_attention_matches_the_reference(ops, dtype, window, case, heads):
+def test_paged_attention_matches_the_reference(ops, dtypes, window, case, heads):
     hq, hkv, d = heads
+    dtype, cache_dtype = ATTENTION_DTYPES[dtypes]
     block_size, num_blocks = 16, 128
     generator = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=generator).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=generator).to(dtype)
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=generator).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=generator).to(cache_dtype)
     computed, new = ATTENTION_CASES[case]
     order = list(range(num_blocks))
     random.Random(1).shuffle(order)  # blocks out of order, as a prefix-cached pool hands them out

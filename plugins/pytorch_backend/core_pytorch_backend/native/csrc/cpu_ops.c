@@ -53,7 +53,7 @@ static inline void exp_shifted(float *s, int64_t n, float top) {
 #define PREFETCH 4
 static inline void prefetch_row(const void *cache, int64_t slot, int64_t row_bytes) {
     const char *start = (const char *)cache + slot * row_bytes;
-    for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(start + offset, 0, 0);
+    for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(start + offset, 0, 3);
 }
 
 /* One partition's share of one row's attention: every query head against positions [begin, end) of
@@ -112,19 +112,114 @@ static inline __attribute__((always_inline)) int partial(const void *q, int q_dt
     return OK;
 }
 
+#if defined(__AVX512F__)
+#define GATHER_AHEAD 8
+/* lane p of the result = the sum of a[p]'s 16 lanes (a transposing tree of 45 adds and shuffles, where 16
+ * separate reductions take ~10 dependent steps each) */
+static inline __m512 sum16(const __m512 a[16]) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; ++i) t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                                                      _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+        const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; ++i)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+/* partial() for AVX-512 and heads of D <= 128 (a multiple of 16): per KV head, its K and V rows of the
+ * partition are gathered as float32 once (for every query head of the group), scores come 16 positions
+ * at a time from register accumulators (sum16), and each query head's V sum stays in registers. */
+static inline __attribute__((always_inline)) int partial512(const void *q, int q_dtype, int64_t row, int64_t hq,
+                                                             int64_t d, const void *k_cache, const void *v_cache,
+                                                             int cache_dtype, int64_t block_size, int64_t hkv,
+                                                             const int32_t *table, int64_t begin, int64_t end,
+                                                             float scale, float *part) {
+    const int64_t group = hq / hkv, span = end - begin, chunks = d / 16;
+    float *queries = malloc((size_t)(hq * d + hq * span + 2 * hkv * span * d) * sizeof(float));
+    if (!queries) return ERR_MEMORY;
+    float *scores = queries + hq * d, *all_keys = scores + hq * span, *all_values = all_keys + hkv * span * d;
+    load_row(q, q_dtype, row * hq * d, hq * d, queries);
+    const __m512 scaled = _mm512_set1_ps(scale);
+    const int64_t row_bytes = hkv * d * (cache_dtype == DT_BF16 ? 2 : 4);
+    for (int64_t j = 0; j < span; ++j) { /* each position's rows of every KV head, in cache order */
+        if (j + GATHER_AHEAD < span) {
+            const int64_t ahead = slot_of(table, begin + j + GATHER_AHEAD, block_size);
+            prefetch_row(k_cache, ahead, row_bytes);
+            prefetch_row(v_cache, ahead, row_bytes);
+        }
+        const int64_t slot = slot_of(table, begin + j, block_size);
+        for (int64_t kv = 0; kv < hkv; ++kv) {
+            load_row(k_cache, cache_dtype, (slot * hkv + kv) * d, d, all_keys + (kv * span + j) * d);
+            load_row(v_cache, cache_dtype, (slot * hkv + kv) * d, d, all_values + (kv * span + j) * d);
+        }
+    }
+    for (int64_t kv = 0; kv < hkv; ++kv) {
+        const float *keys = all_keys + kv * span * d, *values = all_values + kv * span * d;
+        for (int64_t head = kv * group; head < (kv + 1) * group; ++head) {
+            const float *qh = queries + head * d;
+            float *s = scores + head * span;
+            __m512 qv[8];
+            for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_loadu_ps(qh + 16 * c);
+            int64_t j = 0;
+            for (; j + 16 <= span; j += 16) {
+                __m512 acc[16];
+                for (int p = 0; p < 16; ++p) {
+                    const float *k = keys + (j + p) * d;
+                    acc[p] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+                    for (int64_t c = 1; c < chunks; ++c) acc[p] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), acc[p]);
+                }
+                _mm512_storeu_ps(s + j, _mm512_mul_ps(sum16(acc), scaled));
+            }
+            for (; j < span; ++j) s[j] = dot(qh, keys + j * d, d) * scale;
+            float top = -INFINITY, sum = 0.f;
+            for (j = 0; j < span; ++j) top = s[j] > top ? s[j] : top;
+            exp_shifted(s, span, top);
+#pragma omp simd reduction(+ : sum)
+            for (j = 0; j < span; ++j) sum += s[j];
+            __m512 out[8];
+            for (int64_t c = 0; c < chunks; ++c) out[c] = _mm512_setzero_ps();
+            for (j = 0; j < span; ++j) {
+                const __m512 weight = _mm512_set1_ps(s[j]);
+                for (int64_t c = 0; c < chunks; ++c)
+                    out[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(values + j * d + 16 * c), out[c]);
+            }
+            float *o = part + head * (2 + d);
+            o[0] = top;
+            o[1] = sum;
+            for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(o + 2 + 16 * c, out[c]);
+        }
+    }
+    free(queries);
+    return OK;
+}
+#endif
+
 static int partial_any(const void *q, int q_dtype, int64_t row, int64_t hq, int64_t d, const void *k_cache,
                        const void *v_cache, int cache_dtype, int64_t block_size, int64_t hkv, const int32_t *table,
                        int64_t begin, int64_t end, float scale, float *part) {
+#if defined(__AVX512F__)
+#define PARTIAL(QT, CT, D) partial512(q, QT, row, hq, D, k_cache, v_cache, CT, block_size, hkv, table, begin, end, \
+                                      scale, part)
+#else
 #define PARTIAL(QT, CT, D) partial(q, QT, row, hq, D, k_cache, v_cache, CT, block_size, hkv, table, begin, end, \
                                    scale, part)
+#endif
     if (q_dtype == DT_BF16 && cache_dtype == DT_BF16) {
         if (d == 64) return PARTIAL(DT_BF16, DT_BF16, 64);
         if (d == 128) return PARTIAL(DT_BF16, DT_BF16, 128);
     } else if (q_dtype == DT_F32 && cache_dtype == DT_F32) {
         if (d == 64) return PARTIAL(DT_F32, DT_F32, 64);
         if (d == 128) return PARTIAL(DT_F32, DT_F32, 128);
+    } else if (q_dtype == DT_F32 && cache_dtype == DT_BF16) { /* a float32 model over a bfloat16 cache (GGUF) */
+        if (d == 64) return PARTIAL(DT_F32, DT_BF16, 64);
+        if (d == 128) return PARTIAL(DT_F32, DT_BF16, 128);
     }
-    return PARTIAL(q_dtype, cache_dtype, d);
+    return partial(q, q_dtype, row, hq, d, k_cache, v_cache, cache_dtype, block_size, hkv, table, begin, end, scale,
+                   part);
 #undef PARTIAL
 }
 
