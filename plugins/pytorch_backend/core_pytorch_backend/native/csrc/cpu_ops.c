@@ -112,11 +112,53 @@ static inline __attribute__((always_inline)) int partial(const void *q, int q_dt
     return OK;
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #define GATHER_AHEAD 8
-/* lane p of the result = the sum of a[p]'s 16 lanes (a transposing tree of 45 adds and shuffles, where 16
+/* Each position's K and V rows of every KV head of [begin, begin + span), in cache order (the next
+ * positions' rows asked for ahead), as float32: keys and values [hkv][span][d]. */
+static inline __attribute__((always_inline)) void gather_rows(const void *k_cache, const void *v_cache, int cache_dtype,
+                                                               int64_t block_size, int64_t hkv, int64_t d,
+                                                               const int32_t *table, int64_t begin, int64_t span,
+                                                               float *keys, float *values) {
+    const int64_t row_bytes = hkv * d * (cache_dtype == DT_BF16 ? 2 : 4);
+    for (int64_t j = 0; j < span; ++j) {
+        if (j + GATHER_AHEAD < span) {
+            const int64_t ahead = slot_of(table, begin + j + GATHER_AHEAD, block_size);
+            prefetch_row(k_cache, ahead, row_bytes);
+            prefetch_row(v_cache, ahead, row_bytes);
+        }
+        const int64_t slot = slot_of(table, begin + j, block_size);
+        for (int64_t kv = 0; kv < hkv; ++kv) {
+            load_row(k_cache, cache_dtype, (slot * hkv + kv) * d, d, keys + (kv * span + j) * d);
+            load_row(v_cache, cache_dtype, (slot * hkv + kv) * d, d, values + (kv * span + j) * d);
+        }
+    }
+}
+
+/* One query head's softmax header (maximum, sum of e^(s - maximum)) over its scores, which become the
+ * exponentials. */
+static inline void softmax_header(float *s, int64_t span, float *part) {
+    float top = -INFINITY, sum = 0.f;
+    for (int64_t j = 0; j < span; ++j) top = s[j] > top ? s[j] : top;
+    exp_shifted(s, span, top);
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < span; ++j) sum += s[j];
+    part[0] = top;
+    part[1] = sum;
+}
+
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 vec_t;
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VMUL _mm512_mul_ps
+#define VFMA _mm512_fmadd_ps
+#define VSET1 _mm512_set1_ps
+#define VZERO _mm512_setzero_ps
+/* lane p of the result = the sum of a[p]'s lanes (a transposing tree of adds and shuffles, where
  * separate reductions take ~10 dependent steps each) */
-static inline __m512 sum16(const __m512 a[16]) {
+static inline vec_t lane_sums(const vec_t a[LANES]) {
     __m512 t[8], u[4], w[2];
     for (int i = 0; i < 8; ++i) t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
                                                       _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
@@ -129,68 +171,65 @@ static inline __m512 sum16(const __m512 a[16]) {
                              _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
 }
+#else
+#define LANES 8
+typedef __m256 vec_t;
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VMUL _mm256_mul_ps
+#define VFMA _mm256_fmadd_ps
+#define VSET1 _mm256_set1_ps
+#define VZERO _mm256_setzero_ps
+static inline vec_t lane_sums(const vec_t a[LANES]) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]),
+                 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+#define MAX_CHUNKS (128 / LANES)
 
-/* partial() for AVX-512 and heads of D <= 128 (a multiple of 16): per KV head, its K and V rows of the
- * partition are gathered as float32 once (for every query head of the group), scores come 16 positions
- * at a time from register accumulators (sum16), and each query head's V sum stays in registers. */
-static inline __attribute__((always_inline)) int partial512(const void *q, int q_dtype, int64_t row, int64_t hq,
-                                                             int64_t d, const void *k_cache, const void *v_cache,
-                                                             int cache_dtype, int64_t block_size, int64_t hkv,
-                                                             const int32_t *table, int64_t begin, int64_t end,
-                                                             float scale, float *part) {
-    const int64_t group = hq / hkv, span = end - begin, chunks = d / 16;
+/* partial() with SIMD registers, for heads of D <= 128 (a multiple of the vector width): the
+ * partition's K and V rows are gathered as float32 once (for every query head of a group), scores come
+ * a vector of positions at a time from register accumulators (lane_sums), and each query head's V sum
+ * stays in registers. */
+static inline __attribute__((always_inline)) int partial_simd(const void *q, int q_dtype, int64_t row, int64_t hq,
+                                                               int64_t d, const void *k_cache, const void *v_cache,
+                                                               int cache_dtype, int64_t block_size, int64_t hkv,
+                                                               const int32_t *table, int64_t begin, int64_t end,
+                                                               float scale, float *part) {
+    const int64_t group = hq / hkv, span = end - begin, chunks = d / LANES;
     float *queries = malloc((size_t)(hq * d + hq * span + 2 * hkv * span * d) * sizeof(float));
     if (!queries) return ERR_MEMORY;
     float *scores = queries + hq * d, *all_keys = scores + hq * span, *all_values = all_keys + hkv * span * d;
     load_row(q, q_dtype, row * hq * d, hq * d, queries);
-    const __m512 scaled = _mm512_set1_ps(scale);
-    const int64_t row_bytes = hkv * d * (cache_dtype == DT_BF16 ? 2 : 4);
-    for (int64_t j = 0; j < span; ++j) { /* each position's rows of every KV head, in cache order */
-        if (j + GATHER_AHEAD < span) {
-            const int64_t ahead = slot_of(table, begin + j + GATHER_AHEAD, block_size);
-            prefetch_row(k_cache, ahead, row_bytes);
-            prefetch_row(v_cache, ahead, row_bytes);
-        }
-        const int64_t slot = slot_of(table, begin + j, block_size);
-        for (int64_t kv = 0; kv < hkv; ++kv) {
-            load_row(k_cache, cache_dtype, (slot * hkv + kv) * d, d, all_keys + (kv * span + j) * d);
-            load_row(v_cache, cache_dtype, (slot * hkv + kv) * d, d, all_values + (kv * span + j) * d);
-        }
-    }
+    gather_rows(k_cache, v_cache, cache_dtype, block_size, hkv, d, table, begin, span, all_keys, all_values);
+    const vec_t scaled = VSET1(scale);
     for (int64_t kv = 0; kv < hkv; ++kv) {
         const float *keys = all_keys + kv * span * d, *values = all_values + kv * span * d;
         for (int64_t head = kv * group; head < (kv + 1) * group; ++head) {
             const float *qh = queries + head * d;
             float *s = scores + head * span;
-            __m512 qv[8];
-            for (int64_t c = 0; c < chunks; ++c) qv[c] = _mm512_loadu_ps(qh + 16 * c);
             int64_t j = 0;
-            for (; j + 16 <= span; j += 16) {
-                __m512 acc[16];
-                for (int p = 0; p < 16; ++p) {
+            for (; j + LANES <= span; j += LANES) {
+                vec_t acc[LANES];
+                for (int p = 0; p < LANES; ++p) {
                     const float *k = keys + (j + p) * d;
-                    acc[p] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-                    for (int64_t c = 1; c < chunks; ++c) acc[p] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), acc[p]);
+                    acc[p] = VMUL(VLOAD(qh), VLOAD(k));
+                    for (int64_t c = 1; c < chunks; ++c) acc[p] = VFMA(VLOAD(qh + LANES * c), VLOAD(k + LANES * c), acc[p]);
                 }
-                _mm512_storeu_ps(s + j, _mm512_mul_ps(sum16(acc), scaled));
+                VSTORE(s + j, VMUL(lane_sums(acc), scaled));
             }
             for (; j < span; ++j) s[j] = dot(qh, keys + j * d, d) * scale;
-            float top = -INFINITY, sum = 0.f;
-            for (j = 0; j < span; ++j) top = s[j] > top ? s[j] : top;
-            exp_shifted(s, span, top);
-#pragma omp simd reduction(+ : sum)
-            for (j = 0; j < span; ++j) sum += s[j];
-            __m512 out[8];
-            for (int64_t c = 0; c < chunks; ++c) out[c] = _mm512_setzero_ps();
-            for (j = 0; j < span; ++j) {
-                const __m512 weight = _mm512_set1_ps(s[j]);
-                for (int64_t c = 0; c < chunks; ++c)
-                    out[c] = _mm512_fmadd_ps(weight, _mm512_loadu_ps(values + j * d + 16 * c), out[c]);
-            }
             float *o = part + head * (2 + d);
-            o[0] = top;
-            o[1] = sum;
-            for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(o + 2 + 16 * c, out[c]);
+            softmax_header(s, span, o);
+            vec_t out[MAX_CHUNKS];
+            for (int64_t c = 0; c < chunks; ++c) out[c] = VZERO();
+            for (j = 0; j < span; ++j) {
+                const vec_t weight = VSET1(s[j]);
+                for (int64_t c = 0; c < chunks; ++c) out[c] = VFMA(weight, VLOAD(values + j * d + LANES * c), out[c]);
+            }
+            for (int64_t c = 0; c < chunks; ++c) VSTORE(o + 2 + LANES * c, out[c]);
         }
     }
     free(queries);
@@ -201,9 +240,9 @@ static inline __attribute__((always_inline)) int partial512(const void *q, int q
 static int partial_any(const void *q, int q_dtype, int64_t row, int64_t hq, int64_t d, const void *k_cache,
                        const void *v_cache, int cache_dtype, int64_t block_size, int64_t hkv, const int32_t *table,
                        int64_t begin, int64_t end, float scale, float *part) {
-#if defined(__AVX512F__)
-#define PARTIAL(QT, CT, D) partial512(q, QT, row, hq, D, k_cache, v_cache, CT, block_size, hkv, table, begin, end, \
-                                      scale, part)
+#if defined(__AVX2__)
+#define PARTIAL(QT, CT, D) partial_simd(q, QT, row, hq, D, k_cache, v_cache, CT, block_size, hkv, table, begin, end, \
+                                        scale, part)
 #else
 #define PARTIAL(QT, CT, D) partial(q, QT, row, hq, D, k_cache, v_cache, CT, block_size, hkv, table, begin, end, \
                                    scale, part)
