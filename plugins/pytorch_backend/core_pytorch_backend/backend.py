@@ -27,6 +27,7 @@ from core.config import EngineConfig, GenerationConfig
 from core.errors import BackendError, EngineSleepingError, InvalidRequestError, UnsupportedError
 from core.openmp import release_openmp_pool
 from core.pooling import PoolingConfig, sentence_transformers_pooling
+from core_pytorch_backend import huge_pages
 from core_pytorch_backend.cuda_graphs import make_decode_graphs
 from core_pytorch_backend.distributed import TensorParallel
 from core_pytorch_backend.engine_loop import EngineLoop
@@ -140,6 +141,8 @@ class PytorchBackend(Backend):
                                speculative=speculative)
         log.info("KV cache: %d blocks of %d tokens (%d tokens) on %s, %s", num_blocks, config.block_size,
                  num_blocks * config.block_size, self.device, str(kv_dtype).replace("torch.", ""))
+        if self.device.type == "cpu":
+            log.info("large CPU tensors: %s", huge_pages())
         release_openmp_pool()  # this thread's idle OpenMP workers would slow the engine thread's (core.openmp)
 
     # -- loading --------------------------------------------------------------------------------------

@@ -111,7 +111,9 @@ def allocate_kv_caches(
     All layers' K and V are views of one tensor ``[layers, 2, num_blocks, block_size, Hkv, D]``. With
     ``zeroed=False`` its memory is left as allocated, and the caller zeroes each block before a step
     first reads it (``ModelRunner`` does on the CPU: one large fresh allocation costs no resident
-    memory until it is written, so the cache's footprint grows with use).
+    memory until it is written, so the cache's footprint grows with use). Such a CPU cache is kept off
+    transparent huge pages (the package asks torch for them: see ``core_pytorch_backend``), which would
+    make each of the 2 x layers regions resident 2 MiB at a time.
     """
     param = next(model.parameters())
     dtype = dtype or param.dtype
@@ -120,6 +122,28 @@ def allocate_kv_caches(
     shape = (len(layers), 2, *kv_cache_shape(model, num_blocks, block_size))
     allocate = torch.zeros if zeroed else torch.empty
     storage = allocate(shape, dtype=dtype, device=device)
+    if not zeroed and storage.device.type == "cpu":
+        _small_pages(storage)
     caches = [(storage[i, 0], storage[i, 1]) for i in range(len(layers))]
     bind_kv_caches(model, caches)
     return caches
+
+
+MADV_NOHUGEPAGE = 15  # Linux <sys/mman.h>
+PAGE = 4096
+
+
+def _small_pages(tensor: torch.Tensor) -> None:
+    """madvise(MADV_NOHUGEPAGE) over ``tensor``'s whole pages, before anything touches them (Linux; a
+    no-op where libc or the call is missing)."""
+    import ctypes
+
+    start = -(-tensor.data_ptr() // PAGE) * PAGE
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // PAGE * PAGE
+    if end <= start:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_NOHUGEPAGE)
+    except (OSError, AttributeError):
+        pass
