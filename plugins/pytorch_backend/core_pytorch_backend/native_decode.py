@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from core_pytorch_backend.layers.activation import SiluAndMul
+from core_pytorch_backend.layers.attention import attention_layers
 from core_pytorch_backend.layers.norm import RMSNorm
 from core_pytorch_backend.layers.quantized import packed_linear
 from core_pytorch_backend.layers.rotary import RotaryEmbedding
@@ -77,8 +78,7 @@ class _Plan:
     keep: list[torch.Tensor]  # every tensor a pointer above reads (biases converted to float32 among them)
 
     def matches(self, model: nn.Module) -> bool:
-        attention = model.model.layers[0].self_attn.attn
-        return model is self.model and attention.k_cache is not None and attention.k_cache.data_ptr() == self.cache_ptr
+        return model is self.model and _cache_ptr(model) == self.cache_ptr
 
 
 class NativeDecodeStack:
@@ -88,14 +88,15 @@ class NativeDecodeStack:
         self.function = kernels.function("core_decoder_layers")
         self.kernels = kernels
         self.plan: _Plan | None = None
+        self.refused: tuple[nn.Module, int] | None = None  # (model, cache) found not to fit: not described again
 
     def run(self, model: nn.Module, inputs: StepInputs) -> torch.Tensor | None:
         """Hidden states [T, H] (after the final norm) of a decode step, or None when it takes the modules."""
         meta = inputs.meta
         if not meta.is_decode or inputs.positions.dim() != 1 or meta.bidirectional_spans:
             return None
-        if self.plan is None or not self.plan.matches(model):
-            self.plan = describe(model)
+        if (self.plan is None or not self.plan.matches(model)) and not self.try_capture(model):
+            return None
         plan, decoder = self.plan, model.model
         hidden = decoder.embed_inputs(inputs.input_ids, inputs.embed_overrides)
         if hidden.dtype != plan.dtype:
@@ -118,12 +119,15 @@ class NativeDecodeStack:
         self.plan = None
 
     def try_capture(self, model: nn.Module) -> bool:
-        """Describe ``model``'s layers again (after a wakeup); False (logged) if they no longer fit."""
+        """Describe ``model``'s layers again (after a wakeup); False (logged once) if they do not fit."""
+        self.plan = None
+        if self.refused is not None and self.refused[0] is model and self.refused[1] == _cache_ptr(model):
+            return False
         try:
             self.plan = describe(model)
         except DoesNotFit as exc:
             log.info("native decode stack off: %s", exc)
-            self.plan = None
+            self.refused = (model, _cache_ptr(model))
             return False
         return True
 
@@ -155,7 +159,7 @@ def describe(model: nn.Module) -> _Plan:
         raise DoesNotFit(f"{type(model).__name__}'s decoder is not models.llama's")
     if getattr(getattr(model, "ops", None), "name", None) != "native":
         raise DoesNotFit("the model is not built on the native op set")
-    _no_hooks(decoder)
+    _no_hooks(model)
     layers = list(decoder.layers)
     first = layers[0]
     attention, mlp = first.self_attn, first.mlp
@@ -233,7 +237,15 @@ def _ptr(tensor: torch.Tensor, keep: list[torch.Tensor]) -> int:
     return tensor.data_ptr()
 
 
-def _no_hooks(module: nn.Module) -> None:
-    for name, sub in module.named_modules():
+def _no_hooks(model: nn.Module) -> None:
+    """The stack bypasses the model's and its layers' forward: none may carry a hook (tensor-parallel
+    all-reduces are hooks), so none anywhere in the model is allowed."""
+    for name, sub in model.named_modules():
         if sub._forward_hooks or sub._forward_pre_hooks:
-            raise DoesNotFit(f"{name or 'the decoder'} has forward hooks (tensor parallelism)")
+            raise DoesNotFit(f"{name or 'the model'} has forward hooks (tensor parallelism?)")
+
+
+def _cache_ptr(model: nn.Module) -> int:
+    """The first attention layer's K cache (0: none bound, or no attention layer)."""
+    layers = attention_layers(model)
+    return layers[0].k_cache.data_ptr() if layers and layers[0].k_cache is not None else 0

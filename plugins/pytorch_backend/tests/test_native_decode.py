@@ -126,6 +126,12 @@ def test_models_it_does_not_take_are_refused_at_start_with_the_reason(tiny_check
     handle = packed.model.layers[1].self_attn.o_proj.register_forward_hook(lambda *a: None)  # a TP all-reduce
     with pytest.raises(DoesNotFit, match="hooks"):
         describe(packed)
+    stack = _runner(_load(path, "int8")).decode_path  # fits its model; then meets a model that
+    with caplog.at_level(logging.INFO, logger="core_pytorch_backend.native_decode"):  # does not: the modules
+        caplog.clear()
+        assert stack.run(packed, _step(PROMPT_LENS, [1, 1, 1], seed=1)) is None
+        assert stack.run(packed, _step(PROMPT_LENS, [1, 1, 1], seed=2)) is None
+    assert stack.plan is None and caplog.text.count("native decode stack off") == 1  # described once
     handle.remove()
     packed.model.layers[0].mlp.down_proj.matmul = torch.nn.functional.linear
     with pytest.raises(DoesNotFit, match="layer 0's Linear"):
