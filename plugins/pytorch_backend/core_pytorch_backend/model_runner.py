@@ -196,7 +196,7 @@ class ModelRunner:
         also keep the hidden states of their prompt positions (`PromptRows`), and those in `pools`
         (prefill-only: they never sample) the hidden states of the positions it maps them to;
         `adapter_slots` gives each chunk's LoRA slot (-1: the base model)."""
-        self._zero_blocks_up_to(block for s in scheduled for block in s.seq.block_table)
+        self._zero_blocks_up_to(max(s.seq.block_table) for s in scheduled if s.seq.block_table)
         pools = pools or {}
         tokens: list[int] = []
         sample_rows: list[int] = []

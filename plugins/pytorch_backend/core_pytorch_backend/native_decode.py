@@ -71,14 +71,16 @@ class _Plan:
     """The described layers of one model, with the tensors they point into kept alive."""
 
     model: nn.Module
-    cache_ptr: int  # the first layer's K cache when described: a new cache means describing again
+    attention: nn.Module  # the first attention layer, whose K cache is checked on every step
+    cache_ptr: int  # its K cache when described: a new cache means describing again
     dtype: torch.dtype
     decoder: _Decoder
     layers: Any  # ctypes array of _Layer
     keep: list[torch.Tensor]  # every tensor a pointer above reads (biases converted to float32 among them)
 
     def matches(self, model: nn.Module) -> bool:
-        return model is self.model and _cache_ptr(model) == self.cache_ptr
+        cache = self.attention.k_cache
+        return model is self.model and cache is not None and cache.data_ptr() == self.cache_ptr
 
 
 class NativeDecodeStack:
@@ -186,7 +188,7 @@ def describe(model: nn.Module) -> _Plan:
     described = (_Layer * len(layers))()
     for index, layer in enumerate(layers):
         described[index] = _describe_layer(layer, index, spec, rotary, cache, keep)
-    return _Plan(model, cache.data_ptr(), dtype, spec, described, keep)
+    return _Plan(model, attention.attn, cache.data_ptr(), dtype, spec, described, keep)
 
 
 def _describe_layer(layer: nn.Module, index: int, spec: _Decoder, rotary: RotaryEmbedding, cache: torch.Tensor,
