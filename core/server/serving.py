@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -71,8 +72,12 @@ class ClientDisconnected(Exception):
 async def parse_body(request: Request, model: type[T]) -> T:
     """The JSON body validated as `model`; malformed JSON or a wrong type is a 400 naming the field, a
     body over --max-request-bytes a 413 (before any parsing), a removed interactive-state field a 400
-    naming it. A large body is parsed on a thread."""
-    raw = await state_of(request).limits.read_body(request.headers.get("content-length"), request.stream())
+    naming it. A large body is parsed on a thread. A client that leaves while its body is read is
+    `ClientDisconnected` (answered quietly), not an error of the server's."""
+    try:
+        raw = await state_of(request).limits.read_body(request.headers.get("content-length"), request.stream())
+    except ClientDisconnect:
+        raise ClientDisconnected() from None
     if len(raw) > PARSE_OFF_LOOP_BYTES:
         parsed = await asyncio.to_thread(_validate_json, model, raw)
     else:

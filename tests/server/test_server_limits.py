@@ -90,3 +90,22 @@ def test_defaults_are_documented_in_help():
     defaults = {a.dest: a.default for a in serve._actions}
     assert defaults["max_request_bytes"] == 8 * 1024 * 1024
     assert defaults["max_queued_requests"] == 1024
+
+
+def test_a_client_that_leaves_while_its_body_is_sent_is_no_server_error(limited: RunningServer,
+                                                                         http: httpx.Client):
+    """Half a body, then the socket closes: starlette's ClientDisconnect while the body is read is the
+    client's doing, answered quietly (no traceback in the log), and the next request is served."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    address = urlsplit(limited.base_url)
+    for _ in range(3):
+        with socket.create_connection((address.hostname, address.port), timeout=5) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"prompt\": \"half")
+            time.sleep(0.2)  # the route is reading the body when the client goes
+    assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    time.sleep(0.3)
+    assert "Traceback" not in limited.log()
