@@ -18,6 +18,8 @@ import time
 
 import torch
 
+import core_pytorch_backend  # noqa: F401  (before torch: large tensors on huge pages, as the server has them)
+
 PROMPT_LEN = 128
 
 
