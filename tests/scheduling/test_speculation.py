@@ -122,12 +122,18 @@ def test_a_verified_chunk_counts_only_accepted_tokens_as_computed():
     assert bm.num_cached_blocks == 2  # [1..4], [5..8]: full of accepted tokens; [9, ...] is not full
 
 
-def test_the_prefix_cache_never_registers_a_block_of_rejected_drafts():
-    bm = BlockManager(16, 4)
+def _decoding(num_blocks: int) -> tuple[BlockManager, Scheduler, Sequence]:
+    """A scheduler over blocks of 4 whose one sequence, [1, 2, 3], is prefilled and sampled 4."""
+    bm = BlockManager(num_blocks, 4)
     sched = Scheduler(bm)
     seq = Sequence("a", [1, 2, 3])
     sched.add(seq)
     sched.update(sched.schedule(), {"a": 4})
+    return bm, sched, seq
+
+
+def test_the_prefix_cache_never_registers_a_block_of_rejected_drafts():
+    bm, sched, seq = _decoding(16)
     out = sched.schedule({"a": [5, 6, 7, 8]})  # positions 4..7 would fill block 1 with drafts
     sched.update(out, {"a": [50]})  # the first draft is rejected
     assert seq.token_ids == [1, 2, 3, 4, 50] and seq.num_computed_tokens == 4
@@ -162,11 +168,7 @@ def test_drafts_without_free_blocks_are_dropped_and_never_preempt():
 
 
 def test_a_plain_token_for_a_verified_chunk_accepts_no_draft():
-    bm = BlockManager(8, 4)
-    sched = Scheduler(bm)
-    seq = Sequence("a", [1, 2, 3])
-    sched.add(seq)
-    sched.update(sched.schedule(), {"a": 4})
+    _, sched, seq = _decoding(8)
     sched.update(sched.schedule({"a": [5, 6]}), {"a": 7})
     assert seq.token_ids == [1, 2, 3, 4, 7] and seq.num_computed_tokens == 4
 

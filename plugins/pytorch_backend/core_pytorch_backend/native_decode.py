@@ -58,7 +58,7 @@ class _Layer(ctypes.Structure):  # core_layer
 
 class _Decoder(ctypes.Structure):  # core_decoder
     _fields_ = [("hidden", _L), ("heads", _L), ("kv_heads", _L), ("head_dim", _L), ("inter", _L),
-                ("dtype", _I), ("norm_dtype", _I), ("cache_dtype", _I), ("table_dtype", _I), ("eps", _F),
+                ("dtype", _I), ("cache_dtype", _I), ("table_dtype", _I), ("eps", _F),
                 ("block_size", _L), ("num_slots", _L), ("max_position", _L), ("cos", _P), ("sin", _P)]
 
 
@@ -180,7 +180,7 @@ def describe(model: nn.Module) -> _Plan:
     keep: list[torch.Tensor] = [rotary.cos_cache, rotary.sin_cache]
     spec = _Decoder(hidden=first.input_layernorm.weight.shape[0], heads=heads, kv_heads=kv_heads,
                     head_dim=head_dim, inter=mlp.down_proj.input_size, dtype=DTYPE_CODES[dtype],
-                    norm_dtype=DTYPE_CODES[dtype], cache_dtype=DTYPE_CODES[cache.dtype],
+                    cache_dtype=DTYPE_CODES[cache.dtype],
                     table_dtype=DTYPE_CODES[rotary.cos_cache.dtype], eps=first.input_layernorm.eps,
                     block_size=cache.shape[1], num_slots=cache.shape[0] * cache.shape[1],
                     max_position=rotary.cos_cache.shape[0], cos=_ptr(rotary.cos_cache, keep),
@@ -206,7 +206,7 @@ def _describe_layer(layer: nn.Module, index: int, spec: _Decoder, rotary: Rotary
     if attention.q_norm is not None:
         norms += [attention.q_norm, attention.k_norm]
     for norm in norms:
-        if type(norm) is not RMSNorm or _F(norm.eps).value != spec.eps or DTYPE_CODES.get(norm.weight.dtype) != spec.norm_dtype:
+        if type(norm) is not RMSNorm or _F(norm.eps).value != spec.eps or DTYPE_CODES.get(norm.weight.dtype) != spec.dtype:
             raise DoesNotFit(f"layer {index}'s norms differ (type, eps or dtype)")
     q_norm = k_norm = None
     if attention.q_norm is not None:

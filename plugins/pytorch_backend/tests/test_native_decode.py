@@ -39,7 +39,7 @@ def _load(path, quantization: str, dtype: str = "float32", kind: str = "native")
     return load_checkpoint(path, dtype=dtype, quantization=quantization, ops=select_ops("cpu", kind=kind)).model
 
 
-def _runner(model, path=None) -> ModelRunner:
+def _runner(model) -> ModelRunner:
     return ModelRunner(model, block_size=BLOCK, num_blocks=64, device=CPU, dtype=next(model.parameters()).dtype,
                        decode_path=lambda m: make_native_decode(m, device=CPU, enabled=True))
 

@@ -115,14 +115,22 @@ def test_scales_that_halves_hold_exactly_are_kept_as_halves(kernels, bits):
     assert ((simd - expected).norm() / expected.norm()) < 3e-4
 
 
+# (K, rows, slices): one chunk of rows; and K = 1536, whose chunks of activation codes (csrc
+# ACTS_CHUNK_BYTES) hold 32 rows, so 101 rows take four chunks and a tile left over
+BATCH_CASES = {"one chunk": (96, 11, [(0, 1), (3, 5), (2, 9), (5, 11)]),
+               "several chunks": (1536, 101, [(0, 1), (30, 35), (2, 99), (64, 101)])}
+
+
 @pytest.mark.parametrize("bits", [4, 8])
-def test_a_rows_result_does_not_depend_on_its_batch(kernels, bits):
+@pytest.mark.parametrize("case", BATCH_CASES)
+def test_a_rows_result_does_not_depend_on_its_batch(kernels, bits, case):
     """Each activation row is quantized and summed the same way whatever M is: a prompt's KV cache is
     the same whether its prefix was prefilled alone, in a batch or read from the prefix cache."""
-    weight = NativeWeight.from_affine(_weight(40, 96, bits), kernels)
-    x = torch.randn(11, 96)
+    k, rows, slices = BATCH_CASES[case]
+    weight = NativeWeight.from_affine(_weight(40, k, bits), kernels)
+    x = torch.randn(rows, k)
     batched = weight.linear(x, None)
-    for start, stop in [(0, 1), (3, 5), (2, 9), (5, 11)]:
+    for start, stop in slices:
         assert torch.equal(weight.linear(x[start:stop], None), batched[start:stop])
 
 

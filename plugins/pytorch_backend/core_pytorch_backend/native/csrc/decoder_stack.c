@@ -27,7 +27,7 @@ typedef struct { /* one weight in packed_linear.c's layout */
 } core_packed;
 
 typedef struct {
-    const void *input_norm, *post_norm; /* [H] of the norm dtype */
+    const void *input_norm, *post_norm; /* [H] of the activations' dtype */
     const void *q_norm, *k_norm;        /* [D] (Qwen3), or NULL */
     core_packed qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* [slots, Hkv, D] of the cache dtype */
@@ -37,7 +37,7 @@ typedef struct {
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
-    int32_t dtype, norm_dtype, cache_dtype, table_dtype;
+    int32_t dtype, cache_dtype, table_dtype; /* dtype: the activations' and the norm weights' */
     float eps;
     int64_t block_size, num_slots, max_position;
     const void *cos, *sin; /* [max_position, D / 2] of table_dtype */
@@ -51,7 +51,7 @@ static int linear(const core_packed *w, const void *x, int dtype, int64_t rows, 
 }
 
 /* rows [T, width] `stride` elements apart from src into contiguous dst */
-static void gather_rows(const char *src, int64_t stride, int64_t rows, int64_t width, int64_t size, char *dst) {
+static void copy_rows(const char *src, int64_t stride, int64_t rows, int64_t width, int64_t size, char *dst) {
     for (int64_t t = 0; t < rows; ++t) memcpy(dst + t * width * size, src + t * stride * size, (size_t)(width * size));
 }
 
@@ -86,9 +86,9 @@ int core_decoder_layers(const core_decoder *m, const core_layer *layers, int64_t
         const core_layer *L = layers + l;
         if (l == 0 && !residual_given) {
             memcpy(residual, hidden, (size_t)(tokens * h * size));
-            CHECK(core_rms_norm(hidden, m->dtype, tokens, h, NULL, L->input_norm, m->norm_dtype, m->eps, normed, NULL));
+            CHECK(core_rms_norm(hidden, m->dtype, tokens, h, NULL, L->input_norm, m->dtype, m->eps, normed, NULL));
         } else {
-            CHECK(core_rms_norm(hidden, m->dtype, tokens, h, residual, L->input_norm, m->norm_dtype, m->eps, normed,
+            CHECK(core_rms_norm(hidden, m->dtype, tokens, h, residual, L->input_norm, m->dtype, m->eps, normed,
                                 residual));
         }
         CHECK(linear(&L->qkv, normed, m->dtype, tokens, h, qkv));
@@ -96,10 +96,10 @@ int core_decoder_layers(const core_decoder *m, const core_layer *layers, int64_t
         int64_t q_stride = qkv_width, k_stride = qkv_width;
         if (L->q_norm) { /* per-head RMSNorm of contiguous copies of q and k */
             char *qn = heads, *kn = heads + tokens * q_width * size;
-            gather_rows(q, qkv_width, tokens, q_width, size, qn);
-            gather_rows(k, qkv_width, tokens, kv_width, size, kn);
-            CHECK(core_rms_norm(qn, m->dtype, tokens * hq, d, NULL, L->q_norm, m->norm_dtype, m->eps, qn, NULL));
-            CHECK(core_rms_norm(kn, m->dtype, tokens * hkv, d, NULL, L->k_norm, m->norm_dtype, m->eps, kn, NULL));
+            copy_rows(q, qkv_width, tokens, q_width, size, qn);
+            copy_rows(k, qkv_width, tokens, kv_width, size, kn);
+            CHECK(core_rms_norm(qn, m->dtype, tokens * hq, d, NULL, L->q_norm, m->dtype, m->eps, qn, NULL));
+            CHECK(core_rms_norm(kn, m->dtype, tokens * hkv, d, NULL, L->k_norm, m->dtype, m->eps, kn, NULL));
             q = qn, k = kn, q_stride = q_width, k_stride = kv_width;
         }
         CHECK(core_rotary(q, k, m->dtype, tokens, hq, hkv, d, q_stride, k_stride, positions, m->cos, m->sin,
@@ -109,7 +109,7 @@ int core_decoder_layers(const core_decoder *m, const core_layer *layers, int64_t
         CHECK(core_decode_attention(q_rot, m->dtype, tokens, hq, d, L->k_cache, L->v_cache, m->cache_dtype,
                                     m->block_size, hkv, tables, table_width, lengths, L->window, L->scale, attn));
         CHECK(linear(&L->o, attn, m->dtype, tokens, q_width, hidden));
-        CHECK(core_rms_norm(hidden, m->dtype, tokens, h, residual, L->post_norm, m->norm_dtype, m->eps, normed,
+        CHECK(core_rms_norm(hidden, m->dtype, tokens, h, residual, L->post_norm, m->dtype, m->eps, normed,
                             residual));
         CHECK(linear(&L->gate_up, normed, m->dtype, tokens, h, gate_up));
         CHECK(core_silu_and_mul(gate_up, m->dtype, tokens, m->inter, act));
