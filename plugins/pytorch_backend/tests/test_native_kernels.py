@@ -67,8 +67,10 @@ def _weight(n: int, k: int, bits: int):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("shape", [(48, 256), (40, 96), (16, 32)])  # K = 96 and 32 pad to 128 / 64
-@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+# K = 96 and 32 pad to 128 / 64; N = 72: 5 blocks, the last half full, so that tiles of two blocks (AVX-512)
+# and a block left alone both occur whatever the thread count
+@pytest.mark.parametrize("shape", [(48, 256), (40, 96), (16, 32), (72, 128)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 17])  # 16 rows on: tiles of two blocks (AVX-512)
 def test_packed_linear_follows_the_dequantized_weights(kernels, bits, shape, rows):
     codes = _weight(*shape, bits)
     weight = NativeWeight.from_affine(codes, kernels)

@@ -25,7 +25,8 @@
  * rows x 4 inputs a step), AVX2 (vpmaddubsw / vpmaddwd on 8 rows at a time) or plain C (the reference
  * the tests compare with). Blocks are split among OpenMP threads (the process's one libgomp, torch's,
  * so torch.set_num_threads applies); activation rows are taken up to TILE at a time, so that each
- * unpacked weight vector serves them all.
+ * unpacked weight vector serves them all, and on AVX-512 two blocks at a time (TILE_BLOCKS), so that
+ * each broadcast of a row's activation codes serves both.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -46,8 +47,12 @@
 #define ACTS_CHUNK_BYTES (96 * 1024) /* activation codes (q1 and q2) of the rows a thread takes at a time */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TILE 4
+#define TILE_BLOCKS 2 /* weight blocks a tile: each activation broadcast serves both */
+#define TWO_BLOCK_ROWS 16 /* from this many activation rows on (see packed_linear) */
 #else
 #define TILE 2
+#define TILE_BLOCKS 1
+#define TWO_BLOCK_ROWS 1
 #endif
 
 
@@ -241,9 +246,11 @@ static inline int32_t code_at(const uint8_t *block, int bits, int64_t r, int64_t
     return (col % PAIR) < GROUP ? (byte & 0x0f) : (byte >> 4);
 }
 
-/* out[i][r] for `tile` activation rows from m0 and the 16 rows of one block (plain C, the reference) */
-static void block_dots_generic(const uint8_t *block, int bits, scales_t w, int64_t base, const acts_t *a, int64_t m0,
-                               int tile, float out[][BLOCK]) {
+/* out[i][r] for `tile` activation rows from m0 and the 16 rows of one block (plain C, the reference). Not
+ * inlined: inlined into block_outputs, it changed how the SIMD loops there were compiled (AVX2 10-15% slower). */
+static __attribute__((noinline)) void block_dots_generic(const uint8_t *block, int bits, scales_t w, int64_t base,
+                                                         const acts_t *a, int64_t m0, int tile,
+                                                         float out[][TILE_BLOCKS * BLOCK]) {
     for (int i = 0; i < tile; ++i) {
         const int64_t row = m0 + i;
         for (int r = 0; r < BLOCK; ++r) {
@@ -285,31 +292,47 @@ static inline __m512i step_codes(const uint8_t *block, int bits, int64_t g, int 
     return _mm512_and_si512(g % 2 ? _mm512_srli_epi16(raw, 4) : raw, _mm512_set1_epi8(0x0f));
 }
 
-/* One group at a time (a 4-bit pair's bytes are read once per group): two integer accumulators per
- * activation row, so that TILE rows' accumulators stay in registers. (Both groups of a pair at once,
- * four accumulators a row, spilled to the stack and ran 1.5x slower; 8 rows a tile spill too.) */
-static inline __attribute__((always_inline)) void block_dots_simd(const uint8_t *block, int bits, scales_t w,
-                                                                   int64_t base, const acts_t *a, int64_t m0,
-                                                                   int tile, float out[][BLOCK]) {
-    const int64_t kp = a->kp, groups = a->groups;
-    __m512 acc[TILE];
-    for (int i = 0; i < tile; ++i) acc[i] = _mm512_setzero_ps();
+/* out[i][16 b + r] for `tile` activation rows from m0 and the 16 rows of each of `blocks` weight blocks
+ * (block b at first + b * block_bytes), one group at a time: two integer accumulators (q1, q2) per activation
+ * row and block. Each broadcast of a row's 4 activation codes serves every block of the tile, so that
+ * a multiply-add needs ~0.6 loads instead of ~1.1 (the loads, not the multiply-adds, bound the loop of
+ * one block). (Both groups of a pair at once, four accumulators a row, spilled to the stack and ran 1.5x
+ * slower; 8 rows a tile spill too.) */
+static inline __attribute__((always_inline)) void tile_dots(const uint8_t *first, int64_t block_bytes, int blocks,
+                                                             int bits, scales_t w, int64_t base, const acts_t *a,
+                                                             int64_t m0, int tile, float out[][TILE_BLOCKS * BLOCK]) {
+    const int64_t kp = a->kp, groups = a->groups, scales_apart = groups * BLOCK;
+    __m512 acc[TILE][TILE_BLOCKS];
+    for (int i = 0; i < tile; ++i)
+        for (int b = 0; b < blocks; ++b) acc[i][b] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-        __m512i hi[TILE], lo[TILE];
-        for (int i = 0; i < tile; ++i) hi[i] = lo[i] = _mm512_setzero_si512();
+        __m512i hi[TILE][TILE_BLOCKS], lo[TILE][TILE_BLOCKS];
+        for (int i = 0; i < tile; ++i)
+            for (int b = 0; b < blocks; ++b) hi[i][b] = lo[i][b] = _mm512_setzero_si512();
+#pragma GCC unroll 8
         for (int j = 0; j < 8; ++j) {
-            const __m512i codes = step_codes(block, bits, g, j);
+            __m512i codes[TILE_BLOCKS];
+            for (int b = 0; b < blocks; ++b) codes[b] = step_codes(first + b * block_bytes, bits, g, j);
             const int64_t at = g * GROUP + 4 * j;
             for (int i = 0; i < tile; ++i) {
-                hi[i] = _mm512_dpbusd_epi32(hi[i], codes, _mm512_set1_epi32(x4(a->q1, kp, m0 + i, at)));
-                lo[i] = _mm512_dpbusd_epi32(lo[i], codes, _mm512_set1_epi32(x4(a->q2, kp, m0 + i, at)));
+                const __m512i x1 = _mm512_set1_epi32(x4(a->q1, kp, m0 + i, at)),
+                              x2 = _mm512_set1_epi32(x4(a->q2, kp, m0 + i, at));
+                for (int b = 0; b < blocks; ++b) {
+                    hi[i][b] = _mm512_dpbusd_epi32(hi[i][b], codes[b], x1);
+                    lo[i][b] = _mm512_dpbusd_epi32(lo[i][b], codes[b], x2);
+                }
             }
         }
-        const __m512 sg = load16(w.s, w.dtype, base + g * BLOCK), og = load16(w.o, w.dtype, base + g * BLOCK);
-        for (int i = 0; i < tile; ++i)
-            acc[i] = fold_group(acc[i], hi[i], lo[i], sg, og, a->d[(m0 + i) * groups + g], a->sum[(m0 + i) * groups + g]);
+        for (int b = 0; b < blocks; ++b) {
+            const int64_t at = base + b * scales_apart + g * BLOCK;
+            const __m512 sg = load16(w.s, w.dtype, at), og = load16(w.o, w.dtype, at);
+            for (int i = 0; i < tile; ++i)
+                acc[i][b] = fold_group(acc[i][b], hi[i][b], lo[i][b], sg, og, a->d[(m0 + i) * groups + g],
+                                       a->sum[(m0 + i) * groups + g]);
+        }
     }
-    for (int i = 0; i < tile; ++i) _mm512_storeu_ps(out[i], acc[i]);
+    for (int i = 0; i < tile; ++i)
+        for (int b = 0; b < blocks; ++b) _mm512_storeu_ps(out[i] + b * BLOCK, acc[i][b]);
 }
 #elif defined(__AVX2__)
 static inline __m256 fold_group(__m256 acc, __m256i hi, __m256i lo, __m256 s, __m256 o, float d, float sum) {
@@ -395,28 +418,43 @@ static inline void store_y(void *y, int dtype, int64_t index, float v) {
         ((float *)y)[index] = v;
 }
 
-/* block b's outputs for activation rows [m_begin, m): TILE rows at a time, then 2, then 1 (each a compile-time
- * constant, so that the SIMD loop keeps its accumulators in registers) */
+/* The outputs of blocks [b, b + blocks) (blocks <= TILE_BLOCKS) for activation rows [m_begin, m): TILE rows
+ * at a time, then 2, then 1 (each count a compile-time constant, so that the SIMD loop keeps its
+ * accumulators in registers) */
 static void block_outputs(const uint8_t *codes, int bits, scales_t w, const float *bias, const acts_t *a,
-                          int64_t m_begin, int64_t m, int64_t b, int64_t n, void *y, int y_dtype, int reference) {
-    const int64_t block_bytes = (bits == 4 ? a->kp / 2 : a->kp) * BLOCK;
-    const int64_t rows = n - b * BLOCK < BLOCK ? n - b * BLOCK : BLOCK;
-    const uint8_t *block = codes + b * block_bytes;
-    const int64_t base = b * a->groups * BLOCK; /* the block's first scale */
-    float out[TILE][BLOCK];
+                          int64_t m_begin, int64_t m, int64_t b, int blocks, int64_t n, void *y, int y_dtype,
+                          int reference) {
+    const int64_t block_bytes = (bits == 4 ? a->kp / 2 : a->kp) * BLOCK, scales_apart = a->groups * BLOCK;
+    const int64_t col0 = b * BLOCK, cols = n - col0 < blocks * BLOCK ? n - col0 : blocks * BLOCK;
+    const uint8_t *first = codes + b * block_bytes;
+    const int64_t base = b * scales_apart; /* the first block's first scale */
+    float out[TILE][TILE_BLOCKS * BLOCK];
     for (int64_t m0 = m_begin; m0 < m;) {
         const int tile = m - m0 >= TILE ? TILE : (m - m0 >= 2 ? 2 : 1);
-        if (reference)
-            block_dots_generic(block, bits, w, base, a, m0, tile, out);
-        else if (tile == TILE)
-            block_dots_simd(block, bits, w, base, a, m0, TILE, out);
-        else if (tile == 2)
-            block_dots_simd(block, bits, w, base, a, m0, 2, out);
-        else
-            block_dots_simd(block, bits, w, base, a, m0, 1, out);
+        if (reference) {
+            for (int bb = 0; bb < blocks; ++bb) /* block bb's outputs in columns 16 bb.. of out's rows */
+                block_dots_generic(first + bb * block_bytes, bits, w, base + bb * scales_apart, a, m0, tile,
+                                   (float (*)[TILE_BLOCKS * BLOCK])(out[0] + bb * BLOCK));
+        } else {
+#if TILE_BLOCKS > 1
+#define DOTS(T, B) tile_dots(first, block_bytes, B, bits, w, base, a, m0, T, out)
+            if (blocks == TILE_BLOCKS)
+                tile == TILE ? DOTS(TILE, TILE_BLOCKS) : (tile == 2 ? DOTS(2, TILE_BLOCKS) : DOTS(1, TILE_BLOCKS));
+            else
+                tile == TILE ? DOTS(TILE, 1) : (tile == 2 ? DOTS(2, 1) : DOTS(1, 1));
+#undef DOTS
+#else
+            if (tile == TILE)
+                block_dots_simd(first, bits, w, base, a, m0, TILE, out);
+            else if (tile == 2)
+                block_dots_simd(first, bits, w, base, a, m0, 2, out);
+            else
+                block_dots_simd(first, bits, w, base, a, m0, 1, out);
+#endif
+        }
         for (int i = 0; i < tile; ++i)
-            for (int64_t r = 0; r < rows; ++r)
-                store_y(y, y_dtype, (m0 + i) * n + b * BLOCK + r, out[i][r] + (bias ? bias[b * BLOCK + r] : 0.f));
+            for (int64_t c = 0; c < cols; ++c)
+                store_y(y, y_dtype, (m0 + i) * n + col0 + c, out[i][c] + (bias ? bias[col0 + c] : 0.f));
         m0 += tile;
     }
 }
@@ -439,14 +477,21 @@ static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const
            (each output is computed as before: the results do not change) */
         int64_t chunk = ACTS_CHUNK_BYTES / (2 * kp);
         chunk = chunk < TILE ? TILE : chunk / TILE * TILE;
+        /* blocks a tile: two where the multiply-adds bound the call; with few rows (a decode step of up
+           to 15 sequences) the weight streams from memory, and one block after the other reads it faster
+           (the 8-bit LM head, 28 MB: at 1 / 4 / 8 rows 0.74 / 1.8 / 2.4 ms, against 1.0 / 3.0 / 3.1 ms two
+           at a time; at 16 rows 5.0 against 4.5 ms) */
+        const int tile_blocks = m >= TWO_BLOCK_ROWS ? TILE_BLOCKS : 1;
 #pragma omp parallel
         {
             const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
             const int64_t b0 = blocks * t / threads, b1 = blocks * (t + 1) / threads;
             for (int64_t m0 = 0; m0 < m; m0 += chunk) {
                 const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
-                for (int64_t b = b0; b < b1; ++b)
-                    block_outputs(codes, bits, w, bias, &a, m0, m1, b, n, y, y_dtype, reference);
+                for (int64_t b = b0; b < b1; b += tile_blocks) {
+                    const int together = b1 - b < tile_blocks ? (int)(b1 - b) : tile_blocks;
+                    block_outputs(codes, bits, w, bias, &a, m0, m1, b, together, n, y, y_dtype, reference);
+                }
             }
         }
     }
