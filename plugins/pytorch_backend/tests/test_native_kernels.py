@@ -178,7 +178,7 @@ ATTENTION_CASES = {
     "decode rows mixed with a chunk": ([5, 30, 60], [1, 7, 1]),
     "prefill only": ([0], [20]),
     "contexts of several partitions": ([300, 129, 700], [1, 1, 1]),  # csrc PARTITION = 64 positions
-    "contexts off the 16-position tiles": ([37, 64, 15, 80], [1, 1, 1, 1]),  # csrc partial512's score tiles
+    "contexts off the 16-position tiles": ([37, 64, 15, 80], [1, 1, 1, 1]),  # csrc partial_simd's score tiles
     "chunks over cached prefixes": ([100, 0, 33, 7], [40, 70, 2, 1]),  # csrc/chunk_attention.c: key tiles
     "a long chunk": ([0], [150]),  # of 16, query tiles of 64 / G rows
 }

@@ -3,6 +3,8 @@ default model served from its packed Q4_1 / Q8_0 tensors."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -316,8 +318,10 @@ def test_the_gguf_name_map_is_cached_and_rebuilt_when_unreadable(default_gguf_pa
     _, built = _processor_and_names(architecture, config)
     _, first = _processor_and_names(architecture, config, tmp_path)
     (cached,) = tmp_path.glob("gguf-names-*.json")
+    assert built == first and "token_embd.weight" in built and json.loads(cached.read_text()) == built
+    cached.write_text(json.dumps({"token_embd.weight": "read.from.the.cache"}))
     _, second = _processor_and_names(architecture, config, tmp_path)
-    assert built == first == second and "token_embd.weight" in built
+    assert second == {"token_embd.weight": "read.from.the.cache"}  # read back, not built again
     cached.write_text("{not json")
     _, rebuilt = _processor_and_names(architecture, config, tmp_path)
     assert rebuilt == built and cached.read_text().startswith("{\"")

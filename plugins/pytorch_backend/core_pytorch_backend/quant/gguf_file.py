@@ -87,13 +87,16 @@ def _names_key(architecture: str, config: Any) -> str:
 
 
 def _write_atomically(path: Path, text: str) -> None:
+    temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as out:
+            temporary = out.name
             out.write(text)
-        os.replace(out.name, path)
-    except OSError:
-        pass  # a read-only cache: the map is built again next time
+        os.replace(temporary, path)
+    except OSError:  # a read-only or full cache: the map is built again next time
+        if temporary is not None:
+            Path(temporary).unlink(missing_ok=True)
 
 
 def _names(architecture: str, config: Any, processor: Any) -> dict[str, str]:

@@ -48,12 +48,11 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TILE 4
 #define TILE_BLOCKS 2 /* weight blocks a tile: each activation broadcast serves both */
-#define TWO_BLOCK_ROWS 16 /* from this many activation rows on (see packed_linear) */
 #else
 #define TILE 2
 #define TILE_BLOCKS 1
-#define TWO_BLOCK_ROWS 1
 #endif
+#define TWO_BLOCK_ROWS 16 /* tiles of TILE_BLOCKS from this many activation rows on (see packed_linear) */
 
 
 int core_packed_abi_version(void) { return CORE_PACKED_ABI; }
