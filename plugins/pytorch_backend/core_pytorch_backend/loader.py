@@ -82,16 +82,16 @@ def load_checkpoint(
       ``cache_dir`` unless ``use_cache`` is False).
     - ``int8`` / ``int4``: linear layers quantized at load (``quant.attach.quantize_model``), CPU only.
 
-    Packed weights are multiplied by the kernel measured fastest here (``quant.kernel_choice``): the
-    plugin's native kernels where they build and are not much slower than torch's, and then, with
+    Packed weights are multiplied by the plugin's native kernels wherever they build
+    (``quant.kernel_choice``: the kernels that meet the accuracy bar, not timed), and then, with
     ``dtype="auto"``, the model runs in float32 with a bfloat16 KV cache (half the memory; agreement with
     the float32 model 99.65% against 99.9%, measured); with torch's int4 kernel it runs in that kernel's
-    fastest dtype (bfloat16 on CPUs with bf16 instructions). A dtype named explicitly is the model's and
+    fastest dtype (bfloat16 on CPUs with bf16 instructions), where no compiler builds the native ones. A dtype named explicitly is the model's and
     its KV cache's.
     ``architectures`` maps HF architecture names to classes or ``"module:Class"``
     strings (built-ins by default). ``shard`` builds one tensor-parallel rank's part instead
     (``distributed.shard.ModelShard``: its config, its slices of the tensors, its collectives), and
-    ``packed_choice`` imposes a packed-weights kernel instead of measuring one (ranks > 0 take rank 0's:
+    ``packed_choice`` imposes a packed-weights kernel instead of choosing one (ranks > 0 take rank 0's:
     ranks whose kernels or dtypes differed could not sum their partial results).
     """
     if quantization not in QUANTIZATIONS:

@@ -8,7 +8,8 @@
 
 The kernel takes bfloat16, float16 or float32 activations with scales of the same dtype. On this
 project's AVX-512 CPUs bfloat16 is the fast one (float32 and float16 are 40x slower): see
-``quant.kernel_choice``, which measures it once per CPU. (torch's per-channel int8 kernel,
+``quant.kernel_choice``, which times it once per CPU where this kernel serves (where the native
+kernels cannot be built). (torch's per-channel int8 kernel,
 ``_weight_int8pack_mm``, is faster at one row but per-channel codes lose too much: 8-bit codes per group
 of 32 as two planes agree with the float model far better.)
 """

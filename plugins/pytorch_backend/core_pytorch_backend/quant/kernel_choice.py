@@ -1,4 +1,4 @@
-"""Which kernel multiplies packed weights on this CPU, and in which dtype the model runs: measured once.
+"""Which kernel multiplies packed weights on this CPU, and in which dtype the model runs.
 
 Two kernels take the codes as they are:
 
@@ -9,9 +9,12 @@ Two kernels take the codes as they are:
 - torch's int4 kernel (``layers.quantized.Int4Weight``), fast in bfloat16 only on CPUs with bf16
   instructions (float32 is 40x slower there), and a bfloat16 model agrees at ~97.5%.
 
-Both are timed at one row, a decode step's shape (1536x576, one thread, trials interleaved): the native
-kernel is chosen unless it is more than ``NATIVE_MARGIN`` slower than torch's fastest dtype (its accuracy
-is worth that much), or where it cannot be built. The choice and the timings are logged.
+The native kernel serves wherever it builds (its variant chosen from the CPU's flags: ``native.build``):
+it alone meets the accuracy bar (99%), it is what the native decode stack runs, and the choice must not
+change from one start to the next (the two kernels' outputs differ, so a timed choice made the same
+greedy request give different text after a restart). Only where it cannot be built (no C compiler)
+does torch's kernel run, in its faster dtype, timed at one row of 1536x576 on one thread; the choice
+and the reason are logged.
 """
 
 from __future__ import annotations
@@ -26,14 +29,12 @@ import torch
 
 from ..layers.quantized import Int4Weight
 from ..native.library import CpuKernels, available
-from ..native.packed_weight import NativeWeight
 from .affine import quantize_int4
 
 log = logging.getLogger(__name__)
 CANDIDATES = (torch.bfloat16, torch.float32)  # float16 activations overflow on some models' hidden states
 PROBE_SHAPE = (1536, 576)  # a small model's MLP projection: a decode step's typical matmul
 WARMUP_CALLS, TRIALS, CALLS = 60, 7, 3
-NATIVE_MARGIN = 1.25
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,9 @@ def _trial_us(linear, x: torch.Tensor) -> float:
     return (time.perf_counter() - start) / CALLS * 1e6
 
 
-def _timings(native: CpuKernels | None) -> dict[str, float]:
-    """Best-of-trials microseconds per call for each candidate, the candidates' trials interleaved.
+def _torch_timings() -> dict[str, float]:
+    """Best-of-trials microseconds per call of torch's int4 kernel in each candidate dtype, the trials
+    interleaved.
 
     The first few dozen calls of a fresh process are slow whatever the kernel (seen: 1-5 ms instead of
     20 us), so each candidate is warmed up first; other work on the machine only makes a trial slower,
@@ -71,8 +73,6 @@ def _timings(native: CpuKernels | None) -> dict[str, float]:
     codes = quantize_int4(dense)
     probes = {_name(d): (Int4Weight.from_affine(codes, d).linear, torch.randn(1, PROBE_SHAPE[1]).to(d))
               for d in CANDIDATES}
-    if native is not None:
-        probes["native"] = (NativeWeight.from_affine(codes, native).linear, torch.randn(1, PROBE_SHAPE[1]))
     for linear, x in probes.values():
         for _ in range(WARMUP_CALLS):
             linear(x, None)
@@ -83,29 +83,34 @@ def _timings(native: CpuKernels | None) -> dict[str, float]:
     return best
 
 
-def choose(timings: dict[str, float], native: CpuKernels | None) -> PackedKernel:
-    """The choice the timings make (see the module docstring)."""
-    torch_best = min(CANDIDATES, key=lambda d: timings[_name(d)])
-    torch_us = timings[_name(torch_best)]
-    if native is not None and timings["native"] <= NATIVE_MARGIN * torch_us:
+def choose(native: CpuKernels | None, torch_timings: dict[str, float] | None = None) -> PackedKernel:
+    """The native kernels with the model in float32 where they built; else torch's int4 kernel in the dtype
+    ``torch_timings`` found fastest (see the module docstring)."""
+    if native is not None:
         return PackedKernel(native, torch.float32)
-    return PackedKernel(None, torch_best)
+    if torch_timings is None:
+        raise ValueError("torch_timings are needed when the native kernels are unavailable")
+    return PackedKernel(None, min(CANDIDATES, key=lambda d: torch_timings[_name(d)]))
 
 
 @functools.cache
 def packed_kernel() -> PackedKernel:
-    """The kernel for packed weights on this CPU and the dtype its models run in (timed at first call)."""
+    """The kernel for packed weights on this CPU and the dtype its models run in (chosen at first call)."""
     native = available()
+    if native is not None:
+        chosen = choose(native)
+        log.info("packed weights: the %s kernel, the model in float32 (the kernel that meets the accuracy "
+                 "bar; CPU capability %s)", chosen.name, torch.backends.cpu.get_cpu_capability())
+        return chosen
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: a busy machine delays a trial, never a barrier of two threads
     try:
-        timings = _timings(native)
+        timings = _torch_timings()
     finally:
         torch.set_num_threads(threads)
-    chosen = choose(timings, native)
-    log.info("packed weights: the %s kernel, the model in %s (one row, one thread, %s: %s; CPU capability %s)",
-             chosen.name, _name(chosen.dtype), "x".join(map(str, PROBE_SHAPE)),
-             ", ".join(f"{name} {us:.0f} us" for name, us in timings.items()),
+    chosen = choose(None, timings)
+    log.info("packed weights: the %s kernel (the native kernels are unavailable), the model in %s (one row, "
+             "one thread, %s: %s; CPU capability %s)", chosen.name, _name(chosen.dtype),
+             "x".join(map(str, PROBE_SHAPE)), ", ".join(f"{name} {us:.0f} us" for name, us in timings.items()),
              torch.backends.cpu.get_cpu_capability())
     return chosen
-
