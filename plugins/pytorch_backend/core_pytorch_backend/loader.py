@@ -23,6 +23,7 @@ from .default_model import default_model_path, generation_defaults  # noqa: F401
 from .kernels import select_ops
 from .layers.matmul import select_matmul, use_matmul
 from .layers.quantized import AffineRows, Int4Weight
+from .light_config import read_light_config, write_light_config
 from .models import BUILTIN_ARCHITECTURES, resolve_class
 from .native.packed_weight import NativeWeight
 from .quant.attach import MODES as QUANTIZE_MODES
@@ -156,10 +157,11 @@ def _open(path: Path, gguf: Path | None, packed: bool, cache_dir, use_cache: boo
     tensors as they are stored."""
     cache_root = Path(cache_dir) if cache_dir else None
     if gguf is not None and packed:
-        config, tokenizer, _, generation = _open_hf_folder(cached_gguf_folder(gguf, cache_root, with_weights=False))
+        folder = cached_gguf_folder(gguf, cache_root, with_weights=False)
+        config, tokenizer, _, generation = _open_hf_folder(folder, converted=True)
         return config, tokenizer, gguf_weights(gguf, config, cache_root or default_cache_dir()), generation
     if gguf is not None:
-        return _open_hf_folder(cached_gguf_folder(gguf, cache_root)) if use_cache else _open_gguf(gguf)
+        return _open_hf_folder(cached_gguf_folder(gguf, cache_root), converted=True) if use_cache else _open_gguf(gguf)
     return _open_hf_folder(path)
 
 
@@ -241,24 +243,31 @@ def build_model(
 # ---------------------------------------------------------------- Hugging Face folders
 
 
-def _open_hf_folder(path: Path):
-    from transformers import AutoConfig
-
+def _open_hf_folder(path: Path, converted: bool = False):
+    """(config, tokenizer, weights, generation config) of an HF folder; ``converted``: one this loader made
+    from a GGUF file, whose config is read without its transformers class where it can be (``light_config``)."""
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is neither a .gguf file nor a folder with config.json")
-    config = AutoConfig.from_pretrained(path)
+    config = read_light_config(path) if converted else None
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+        if converted:
+            write_light_config(config, path)
     generation_file = path / "generation_config.json"
     generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
-    return config, _load_tokenizer(path), _safetensors_weights(path), generation
+    return config, _load_tokenizer(path, config), _safetensors_weights(path), generation
 
 
-def _load_tokenizer(path: Path):
+def _load_tokenizer(path: Path, config: Any):
+    """The folder's tokenizer (None where it ships none); handed ``config``, AutoTokenizer does not load it again."""
     from transformers import AutoTokenizer
 
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any((path / n).is_file() for n in names):
         return None
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, config=config)
 
 
 def _safetensors_files(path: Path) -> list[Path]:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..cache_files import write_text_atomically
+from ..light_config import full_config
 from .affine import AffineWeight
 from .gguf_blocks import unpack
 from .gguf_index import TensorEntry, read_gguf_index
@@ -73,7 +73,7 @@ def _processor_and_names(architecture: str, config: Any, names_cache: Path | Non
             pass  # unreadable: built again and rewritten
     names = _names(architecture, config, processor)
     if cached is not None:
-        _write_atomically(cached, json.dumps(names))
+        write_text_atomically(cached, json.dumps(names))
     return processor, names
 
 
@@ -84,19 +84,6 @@ def _names_key(architecture: str, config: Any) -> str:
     parts = (architecture, config.to_json_string(use_diff=False), transformers.__version__,
              getattr(gguf, "__version__", ""))
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    temporary = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as out:
-            temporary = out.name
-            out.write(text)
-        os.replace(temporary, path)
-    except OSError:  # a read-only or full cache: the map is built again next time
-        if temporary is not None:
-            Path(temporary).unlink(missing_ok=True)
 
 
 def _names(architecture: str, config: Any, processor: Any) -> dict[str, str]:
@@ -111,7 +98,7 @@ def _names(architecture: str, config: Any, processor: Any) -> dict[str, str]:
     text_config = config.get_text_config()
     name_map = get_tensor_name_map(arch, text_config.num_hidden_layers)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = AutoModelForCausalLM.from_config(full_config(config))
     names: dict[str, str] = {}
     for hf_name in skeleton.state_dict():
         hf_name = processor.preprocess_name(hf_name)
