@@ -27,6 +27,8 @@ def native_fits(weight: AffineWeight) -> bool:
 
 
 def _padded(array: np.ndarray, rows: int, columns: int) -> np.ndarray:
+    if array.shape == (rows, columns):
+        return array
     out = np.zeros((rows, columns), dtype=array.dtype)
     out[: array.shape[0], : array.shape[1]] = array
     return out
@@ -77,8 +79,8 @@ class NativeWeight(nn.Module):
         n, k = weight.shape
         np_, kp = -(-n // BLOCK) * BLOCK, -(-k // PAIR) * PAIR
         bits = 4 if weight.bits <= 4 else 8
-        codes = _block_codes(_padded(weight.q.astype(np.uint8), np_, kp), bits)
-        scale, offset = weight.scale.astype(np.float32), weight.offset.astype(np.float32)
+        codes = _block_codes(_padded(weight.q.astype(np.uint8, copy=False), np_, kp), bits)
+        scale, offset = weight.scale.astype(np.float32, copy=False), weight.offset.astype(np.float32, copy=False)
         halves = _exact_halves(scale, offset)
         scale, offset = (_block_floats(_padded(a.astype(np.float16) if halves else a, np_, kp // GROUP))
                          for a in (scale, offset))

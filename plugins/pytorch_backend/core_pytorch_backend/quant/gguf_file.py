@@ -40,8 +40,8 @@ def gguf_weights(gguf: Path, config: Any, names_cache: Path | None = None
         codes = unpack(tensor.type_name, tensor.data) if len(tensor.shape) == 2 else None
         order, name = _row_order(processor, tensor.name, codes.shape[0], names) if codes is not None else (None, "")
         if order is not None:
-            if name in names:
-                yield names[name], codes.rows(order)
+            if name in names:  # most tensors' order is the identity: no copy for them
+                yield names[name], codes if np.array_equal(order, np.arange(len(order))) else codes.rows(order)
             continue
         result = processor.process(weights=_dequantized(tensor), name=tensor.name, tensor_key_mapping=names,
                                    parsed_parameters={"tensors": {}})

@@ -53,6 +53,12 @@ class _Cursor:
         self.pos += length
         return text
 
+    def skip_strings(self, count: int) -> None:
+        buffer, pos, length = self.buffer, self.pos, struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            pos += 8 + length(buffer, pos)[0]
+        self.pos = pos
+
     def value(self, kind: int):
         if kind == STRING:
             return self.string()
@@ -60,9 +66,11 @@ class _Cursor:
             item, count = self.read("I"), self.read("Q")
             if item in SCALARS:  # skipped as a block: nothing here needs array values
                 self.pos += struct.calcsize("<" + SCALARS[item]) * count
-                return None
-            for _ in range(count):
-                self.value(item)
+            elif item == STRING:  # a vocabulary: each string's length read, its bytes skipped
+                self.skip_strings(count)
+            else:
+                for _ in range(count):
+                    self.value(item)
             return None
         if kind not in SCALARS:
             raise ValueError(f"unknown GGUF value type {kind} at byte {self.pos}")
