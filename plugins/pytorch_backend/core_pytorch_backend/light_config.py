@@ -1,18 +1,20 @@
-"""A GGUF checkpoint's model config read without importing transformers' config class for it.
+"""A GGUF checkpoint's config and tokenizer read without transformers' per-architecture lookups.
 
-Importing one of those classes (``LlamaConfig``, ``Qwen3Config``...) imports ``transformers.activations``
-and, through it, ``torch.distributed.tensor``: 1.0-1.6 s of a 5-7 s start of ``core serve`` on the
-default model (alternated starts on a 2-core AMD EPYC, Zen 5). ``AutoTokenizer`` does the same unless it
-is handed the config. So the folder a GGUF file's metadata is converted into (``loader.cached_gguf_folder``)
-also keeps ``core-config.json``: every attribute of the config, defaults resolved (``to_dict()``),
-written the first time the class is imported for it. Later starts read it into a ``LightConfig``, a plain
-``PreTrainedConfig`` that answers each of those attributes as the class does (the tests compare every
-attribute, for each architecture the backend builds). Only a config without sub-configs (a text model)
-is written; a file missing, unreadable or written under another transformers version means the class is
-imported (and the file written again). Code that needs the class itself (the GGUF name map's meta-device
-skeleton, when its own cache misses) asks ``full_config``.
+Importing a config class (``LlamaConfig``, ``Qwen3Config``...) imports ``transformers.activations`` and,
+through it, ``torch.distributed.tensor``; ``AutoTokenizer`` imports the index of every model transformers
+has and looks the config up again. Together 1.3-2 s of a 5-7 s start of ``core serve`` on the default
+model (alternated starts on a 2-core AMD EPYC, Zen 5). So the folder a GGUF file's metadata is converted
+into (``loader.cached_gguf_folder``) also keeps ``core-config.json``, written the first time the folder is
+loaded the slow way: every attribute of the config, defaults resolved (``to_dict()``), the class
+attributes JSON keeps, and the tokenizer class AutoTokenizer chose for the folder (its choice depends only
+on the folder's files and the config, both fixed). Later starts read the config into a ``LightConfig``, a
+plain ``PreTrainedConfig`` that answers each of those attributes as the class does (the tests compare
+every attribute, for each architecture the backend builds), and load the tokenizer with the kept class.
+Only a config without sub-configs (a text model) is kept; a file missing, unreadable, naming a class that
+does not import, or written under another transformers version means the slow way (and a new file).
+Code that needs the config class itself (the GGUF name map's meta-device skeleton, when its own cache
+misses) asks ``full_config``.
 """
-
 from __future__ import annotations
 
 import importlib.metadata
@@ -21,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from transformers.configuration_utils import PreTrainedConfig
+
+from core.registry import import_target
 
 from .cache_files import write_text_atomically
 
@@ -54,25 +58,30 @@ def _class_attributes(config: PreTrainedConfig, values: dict[str, Any]) -> dict[
     return kept
 
 
-def write_light_config(config: PreTrainedConfig, folder: Path) -> bool:
-    """Keep ``config``'s attributes in ``folder`` for ``read_light_config``; False where it has sub-configs
-    or the folder cannot be written."""
+def write_light_config(config: PreTrainedConfig, folder: Path, tokenizer_class: type | None) -> bool:
+    """Keep ``config``'s attributes and the folder's tokenizer class (None: it has no tokenizer) in
+    ``folder`` for ``read_light_config``; False where the config has sub-configs or the folder cannot be
+    written."""
     if getattr(config, "sub_configs", None):
         return False
     values = config.to_dict()
     kept = {"model_type": config.model_type, "transformers_version": _transformers_version(), "values": values,
-            "class_attributes": _class_attributes(config, values)}
+            "class_attributes": _class_attributes(config, values),
+            "tokenizer_class": None if tokenizer_class is None else
+            f"{tokenizer_class.__module__}:{tokenizer_class.__qualname__}"}
     return write_text_atomically(Path(folder) / LIGHT_CONFIG_FILE, json.dumps(kept, indent=1, sort_keys=True))
 
 
-def read_light_config(folder: Path) -> LightConfig | None:
-    """The config ``write_light_config`` kept in ``folder``; None where there is none this transformers can use."""
+def read_light_config(folder: Path) -> tuple[LightConfig, type | None] | None:
+    """The config and tokenizer class (None: no tokenizer) ``write_light_config`` kept in ``folder``; None
+    where there is nothing this transformers can use."""
     try:
         kept = json.loads((Path(folder) / LIGHT_CONFIG_FILE).read_text())
         if kept["transformers_version"] != _transformers_version():
             return None
         model_type, values, class_attributes = kept["model_type"], dict(kept["values"]), dict(kept["class_attributes"])
-    except (OSError, ValueError, TypeError, KeyError):
+        tokenizer_class = None if kept["tokenizer_class"] is None else import_target(kept["tokenizer_class"])
+    except (OSError, ValueError, TypeError, KeyError, ImportError, AttributeError):
         return None
     cls = type(LightConfig.__name__, (LightConfig,), {**class_attributes, "model_type": model_type,
                                                        "__module__": __name__})
@@ -80,7 +89,7 @@ def read_light_config(folder: Path) -> LightConfig | None:
     for name, value in values.items():  # from_dict drops a few (use_cache, output_attentions)
         if name not in config.__dict__:
             setattr(config, name, value)
-    return config
+    return config, tokenizer_class
 
 
 def full_config(config: PreTrainedConfig) -> PreTrainedConfig:

@@ -245,19 +245,24 @@ def build_model(
 
 def _open_hf_folder(path: Path, converted: bool = False):
     """(config, tokenizer, weights, generation config) of an HF folder; ``converted``: one this loader made
-    from a GGUF file, whose config is read without its transformers class where it can be (``light_config``)."""
+    from a GGUF file, whose config and tokenizer are read without transformers' per-architecture lookups
+    where they can be (``light_config``)."""
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is neither a .gguf file nor a folder with config.json")
-    config = read_light_config(path) if converted else None
-    if config is None:
+    kept = read_light_config(path) if converted else None
+    if kept is not None:
+        config, tokenizer_class = kept
+        tokenizer = None if tokenizer_class is None else tokenizer_class.from_pretrained(path)
+    else:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(path)
+        tokenizer = _load_tokenizer(path, config)
         if converted:
-            write_light_config(config, path)
+            write_light_config(config, path, None if tokenizer is None else type(tokenizer))
     generation_file = path / "generation_config.json"
     generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
-    return config, _load_tokenizer(path, config), _safetensors_weights(path), generation
+    return config, tokenizer, _safetensors_weights(path), generation
 
 
 def _load_tokenizer(path: Path, config: Any):

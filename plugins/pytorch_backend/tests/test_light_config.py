@@ -1,6 +1,7 @@
-"""A GGUF checkpoint's config read back without its transformers class (``light_config``): every
-attribute the class answers, for each architecture the backend builds; the cases where the class is
-imported instead; and a start that never imports it."""
+"""A GGUF checkpoint's config and tokenizer read back without transformers' per-architecture lookups
+(``light_config``): every attribute the config class answers, for each architecture the backend builds;
+the tokenizer AutoTokenizer gives; the cases where the slow way is taken instead; and a start that never
+imports the config class."""
 
 from __future__ import annotations
 
@@ -53,8 +54,9 @@ def _attributes(config) -> dict:
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
 def test_the_light_config_answers_every_attribute_as_the_class_does(model_type, tmp_path):
     real = CONFIGS[model_type]()
-    assert write_light_config(real, tmp_path)
-    light = read_light_config(tmp_path)
+    assert write_light_config(real, tmp_path, None)
+    light, tokenizer_class = read_light_config(tmp_path)
+    assert tokenizer_class is None
     assert isinstance(light, LightConfig) and not isinstance(light, type(real))
     assert light.model_type == real.model_type == model_type
     assert _attributes(light) == _attributes(real)
@@ -70,24 +72,53 @@ def test_the_models_built_from_either_config_are_the_same(tmp_path):
     from core_pytorch_backend.loader import BUILTIN_ARCHITECTURES, build_model
 
     real = CONFIGS["qwen3"]()
-    write_light_config(real, tmp_path)
+    write_light_config(real, tmp_path, None)
     ops = select_ops(torch.device("cpu"))
     shapes = [{name: p.shape for name, p in build_model(c, BUILTIN_ARCHITECTURES, ops, "cpu", torch.float32)
-               .state_dict().items()} for c in (real, read_light_config(tmp_path))]
+               .state_dict().items()} for c in (real, read_light_config(tmp_path)[0])]
     assert shapes[0] == shapes[1] and shapes[0]
 
 
-def test_no_light_config_where_the_class_is_needed_or_the_file_is_not_this_transformers(tmp_path):
+def test_no_light_config_where_the_class_is_needed_or_the_file_is_not_usable(tmp_path):
     composite = transformers.Gemma3Config(text_config=SMALL)  # sub-configs: not written
-    assert not write_light_config(composite, tmp_path) and read_light_config(tmp_path) is None
+    assert not write_light_config(composite, tmp_path, None) and read_light_config(tmp_path) is None
     assert read_light_config(tmp_path / "missing") is None
-    (tmp_path / LIGHT_CONFIG_FILE).write_text("{not json")
+    file = tmp_path / LIGHT_CONFIG_FILE
+    file.write_text("{not json")
     assert read_light_config(tmp_path) is None
-    write_light_config(CONFIGS["llama"](), tmp_path)
-    values = json.loads((tmp_path / LIGHT_CONFIG_FILE).read_text())
-    (tmp_path / LIGHT_CONFIG_FILE).write_text(json.dumps({**values, "transformers_version": "4.0.0"}))
-    assert read_light_config(tmp_path) is None
-    assert not write_light_config(CONFIGS["llama"](), tmp_path / LIGHT_CONFIG_FILE / "below-a-file")
+    write_light_config(CONFIGS["llama"](), tmp_path, transformers.PreTrainedTokenizerFast)
+    assert read_light_config(tmp_path)[1] is transformers.PreTrainedTokenizerFast
+    values = json.loads(file.read_text())
+    for changed in ({"transformers_version": "4.0.0"}, {"tokenizer_class": "transformers:NoSuchTokenizer"},
+                    {"tokenizer_class": "no_such_module:Tokenizer"}, {"values": None}):
+        file.write_text(json.dumps({**values, **changed}))
+        assert read_light_config(tmp_path) is None, changed
+    assert not write_light_config(CONFIGS["llama"](), file / "below-a-file", None)
+
+
+def _same_tokenizer(a, b) -> None:
+    assert type(a) is type(b)
+    assert a.get_vocab() == b.get_vocab() and a.special_tokens_map == b.special_tokens_map
+    assert a.all_special_ids == b.all_special_ids and a.chat_template == b.chat_template
+    assert a.model_max_length == b.model_max_length and a.added_tokens_decoder == b.added_tokens_decoder
+    text = "<|im_start|>user\nHello, wörld! 3.14 \t tabs\n<|im_end|>def f(x): return x ** 2  # 🙂"
+    for with_special in (True, False):
+        assert a.encode(text, add_special_tokens=with_special) == b.encode(text, add_special_tokens=with_special)
+    ids = a.encode(text)
+    assert a.decode(ids, skip_special_tokens=True) == b.decode(ids, skip_special_tokens=True)
+    chat = [{"role": "user", "content": "hi"}]
+    assert (a.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == b.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+
+
+def test_the_kept_tokenizer_class_loads_what_autotokenizer_does(default_gguf_path, tmp_path):
+    from core_pytorch_backend.loader import cached_gguf_folder
+
+    folder = cached_gguf_folder(default_gguf_path, tmp_path, with_weights=False)
+    slow = transformers.AutoTokenizer.from_pretrained(folder)
+    assert write_light_config(transformers.AutoConfig.from_pretrained(folder), folder, type(slow))
+    _, tokenizer_class = read_light_config(folder)
+    _same_tokenizer(tokenizer_class.from_pretrained(folder), slow)
 
 
 # Loads the default model as `core serve` does, from a cache made by an earlier load, and prints whether
@@ -96,16 +127,18 @@ START = """
 import sys
 from core_pytorch_backend.loader import load_checkpoint
 loaded = load_checkpoint(sys.argv[1], cache_dir=sys.argv[2])
-print(type(loaded.hf_config).__name__, "transformers.models.llama.configuration_llama" in sys.modules)
+print(type(loaded.hf_config).__name__, type(loaded.tokenizer).__name__,
+      "transformers.models.llama.configuration_llama" in sys.modules, "transformers.models.auto.tokenization_auto" in sys.modules)
 """
 
 
 def test_a_start_from_a_warm_cache_never_imports_the_config_class(default_gguf_path, tmp_path):
-    """The saving (1-1.6 s of a start, most of it transformers.activations -> torch.distributed.tensor)
-    holds only while nothing else imports the class: the first load writes the file, the second reads it."""
+    """The saving (1.3-2 s of a start: transformers.activations -> torch.distributed.tensor, and the index
+    of transformers' models) holds only while nothing else imports them: the first load writes the file,
+    the second reads it."""
     def load() -> str:
         return subprocess.run([sys.executable, "-c", START, str(default_gguf_path), str(tmp_path)], check=True,
                               capture_output=True, text=True, timeout=300).stdout.split("\n")[-2]
 
-    assert load() == "LlamaConfig True"
-    assert load() == "LightConfig False"
+    assert load() == "LlamaConfig TokenizersBackend True True"
+    assert load() == "LightConfig TokenizersBackend False False"
