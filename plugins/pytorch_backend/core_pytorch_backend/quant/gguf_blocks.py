@@ -37,7 +37,11 @@ def _half(b: np.ndarray) -> np.ndarray:
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     """[..., 16] bytes -> [..., 32] codes: low nibbles first, then high nibbles (ggml's order)."""
-    return np.concatenate((qs & 0x0F, qs >> 4), axis=-1)
+    out = np.empty((*qs.shape[:-1], 2 * qs.shape[-1]), dtype=np.uint8)
+    half = qs.shape[-1]
+    np.bitwise_and(qs, 0x0F, out=out[..., :half])
+    np.right_shift(qs, 4, out=out[..., half:])
+    return out
 
 
 def unpack_q4_0(raw: np.ndarray) -> AffineWeight:
