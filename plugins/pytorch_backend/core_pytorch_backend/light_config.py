@@ -15,6 +15,7 @@ does not import, or written under another transformers version means the slow wa
 Code that needs the config class itself (the GGUF name map's meta-device skeleton, when its own cache
 misses) asks ``full_config``.
 """
+
 from __future__ import annotations
 
 import importlib.metadata

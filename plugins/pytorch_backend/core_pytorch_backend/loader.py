@@ -86,9 +86,9 @@ def load_checkpoint(
     Packed weights are multiplied by the plugin's native kernels wherever they build
     (``quant.kernel_choice``: the kernels that meet the accuracy bar, not timed), and then, with
     ``dtype="auto"``, the model runs in float32 with a bfloat16 KV cache (half the memory; agreement with
-    the float32 model 99.65% against 99.9%, measured); with torch's int4 kernel it runs in that kernel's
-    fastest dtype (bfloat16 on CPUs with bf16 instructions), where no compiler builds the native ones. A dtype named explicitly is the model's and
-    its KV cache's.
+    the float32 model 99.65% against 99.9%, measured); where no compiler builds them, torch's int4 kernel
+    runs and the model in that kernel's fastest dtype (bfloat16 on CPUs with bf16 instructions). A dtype
+    named explicitly is the model's and its KV cache's.
     ``architectures`` maps HF architecture names to classes or ``"module:Class"``
     strings (built-ins by default). ``shard`` builds one tensor-parallel rank's part instead
     (``distributed.shard.ModelShard``: its config, its slices of the tensors, its collectives), and
