@@ -2,7 +2,10 @@
 flags (exactly what a user gets) and with the harness's `--core-best-args` (core's fastest configuration).
 
 Only the address and the model name clients send are added; `OMP_NUM_THREADS` is the harness's
-`--threads`, as every peer gets its thread count.
+`--threads`, as every peer gets its thread count. Before the timed start the model is loaded once in a
+separate process, as a user's earlier start would have: the start-up target is "with a warm cache" (the
+native kernels built for this CPU, the GGUF metadata converted, the kept config and tokenizer class and
+the tensor-name map written under ~/.cache/core), and the first start on a fresh machine does all that.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import importlib.metadata
 import re
 import shlex
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,9 +40,19 @@ def command(ctx: Context, extra: Sequence[str]) -> list[str]:
             "--port", str(ctx.port), "--served-model-name", "smollm2"]
 
 
+WARM_CACHE = "import sys; from core_pytorch_backend.loader import load_checkpoint; load_checkpoint(sys.argv[1])"
+
+
+def warm_cache(gguf: Path) -> None:
+    """Load `gguf` once in a process of its own, so that the caches a start reads are there."""
+    subprocess.run([sys.executable, "-c", WARM_CACHE, str(gguf)], check=True, timeout=900,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def launcher(extra: Sequence[str] = ()) -> Callable[[Context], Launch]:
     """The launch function of the row that adds `extra` to `core serve GGUF`."""
     def launch(ctx: Context) -> Launch:
+        warm_cache(ctx.gguf)
         return Launch(command(ctx, extra), model="smollm2",
                       version=f"core-serve {importlib.metadata.version('core-serve')}",
                       env={"OMP_NUM_THREADS": str(ctx.threads)}, start_timeout_s=180.0)

@@ -351,9 +351,12 @@ def test_label_for_no_flags_and_for_best_args():
     assert core_server.label(GGUF, ["--x", "a b"]) == "core serve Q4_1 GGUF --x 'a b'"
 
 
-def test_launcher_adds_only_the_extra_args_the_address_and_the_model_name():
+def test_launcher_adds_only_the_extra_args_the_address_and_the_model_name(monkeypatch):
+    warmed = []
+    monkeypatch.setattr(core_server, "warm_cache", warmed.append)
     ctx = Context(GGUF, convert=lambda: Path("unused"), port=8123, threads=3)
     plain = core_server.launcher()(ctx)
+    assert warmed == [GGUF]  # the caches a start reads are made before the timed start
     assert plain.command == [sys.executable, "-m", "core.cli", "serve", str(GGUF), "--host", "127.0.0.1",
                              "--port", "8123", "--served-model-name", "smollm2"]
     assert plain.env == {"OMP_NUM_THREADS": "3"} and plain.model == "smollm2"
