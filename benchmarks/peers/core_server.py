@@ -2,10 +2,11 @@
 flags (exactly what a user gets) and with the harness's `--core-best-args` (core's fastest configuration).
 
 Only the address and the model name clients send are added; `OMP_NUM_THREADS` is the harness's
-`--threads`, as every peer gets its thread count. Before the timed start the model is loaded once in a
-separate process, as a user's earlier start would have: the start-up target is "with a warm cache" (the
-native kernels built for this CPU, the GGUF metadata converted, the kept config and tokenizer class and
-the tensor-name map written under ~/.cache/core), and the first start on a fresh machine does all that.
+`--threads`, as every peer gets its thread count. Before the timed start the row's own server is started
+once and stopped when ready, as a user's earlier start would have: the start-up target is "with a warm
+cache" (the native kernels built for this CPU, the GGUF metadata converted, the kept config and tokenizer
+class and the tensor-name map written under ~/.cache/core, and for a dense row the dequantized weights),
+and the first start on a fresh machine does all that.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from __future__ import annotations
 import importlib.metadata
 import re
 import shlex
-import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from peers.peer import Context, Launch
+from peers.process import PeerProcess
 
 QUANT_NAME = re.compile(r"(?:^|[.\-_])((?:I?Q\d[\w]*)|F16|F32|BF16)$", re.IGNORECASE)
 
@@ -40,20 +41,22 @@ def command(ctx: Context, extra: Sequence[str]) -> list[str]:
             "--port", str(ctx.port), "--served-model-name", "smollm2"]
 
 
-WARM_CACHE = "import sys; from core_pytorch_backend.loader import load_checkpoint; load_checkpoint(sys.argv[1])"
-
-
-def warm_cache(gguf: Path) -> None:
-    """Load `gguf` once in a process of its own, so that the caches a start reads are there."""
-    subprocess.run([sys.executable, "-c", WARM_CACHE, str(gguf)], check=True, timeout=900,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def warm_cache(launch: Launch, url: str) -> None:
+    """Start the row's own server once and stop it as soon as `url` answers: the caches its timed start
+    reads are then there, whatever its flags load (a dense row also converts the GGUF's weights)."""
+    process = PeerProcess("core-warm-up", launch.command, launch.env).start()
+    try:
+        process.wait_ready(url, launch.start_timeout_s)
+    finally:
+        process.stop()
 
 
 def launcher(extra: Sequence[str] = ()) -> Callable[[Context], Launch]:
     """The launch function of the row that adds `extra` to `core serve GGUF`."""
     def launch(ctx: Context) -> Launch:
-        warm_cache(ctx.gguf)
-        return Launch(command(ctx, extra), model="smollm2",
-                      version=f"core-serve {importlib.metadata.version('core-serve')}",
-                      env={"OMP_NUM_THREADS": str(ctx.threads)}, start_timeout_s=180.0)
+        ready = Launch(command(ctx, extra), model="smollm2",
+                       version=f"core-serve {importlib.metadata.version('core-serve')}",
+                       env={"OMP_NUM_THREADS": str(ctx.threads)}, start_timeout_s=180.0)
+        warm_cache(ready, f"http://127.0.0.1:{ctx.port}{ready.ready_path}")
+        return ready
     return launch

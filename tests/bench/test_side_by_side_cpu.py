@@ -353,14 +353,16 @@ def test_label_for_no_flags_and_for_best_args():
 
 def test_launcher_adds_only_the_extra_args_the_address_and_the_model_name(monkeypatch):
     warmed = []
-    monkeypatch.setattr(core_server, "warm_cache", warmed.append)
+    monkeypatch.setattr(core_server, "warm_cache", lambda launch, url: warmed.append((launch, url)))
     ctx = Context(GGUF, convert=lambda: Path("unused"), port=8123, threads=3)
     plain = core_server.launcher()(ctx)
-    assert warmed == [GGUF]  # the caches a start reads are made before the timed start
+    # the row's own server is started once before the timed start, so that its caches are there
+    assert warmed == [(plain, "http://127.0.0.1:8123/v1/models")]
     assert plain.command == [sys.executable, "-m", "core.cli", "serve", str(GGUF), "--host", "127.0.0.1",
                              "--port", "8123", "--served-model-name", "smollm2"]
     assert plain.env == {"OMP_NUM_THREADS": "3"} and plain.model == "smollm2"
     best = core_server.launcher(["--dtype", "bfloat16"])(ctx)
+    assert warmed[-1][0] is best  # with its own flags: a dense row's caches are not a packed row's
     assert best.command[4:7] == [str(GGUF), "--dtype", "bfloat16"]
     assert best.command[7:] == plain.command[5:]
 
