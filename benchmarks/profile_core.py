@@ -122,8 +122,9 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(benchmark_server(base, "smollm2", fixed_requests(4, args.input_len, 8, seed=1),
                                      LoadOptions(progress=False)))  # warm-up, not profiled
         recorder = subprocess.Popen([spy, "record", "--pid", str(server.process.pid), "--format", "raw",
-                                     "--rate", str(args.rate), "--output", str(raw), "--nonblocking",
-                                     *(["--native"] if args.native else [])],
+                                     "--rate", str(args.rate), "--output", str(raw),
+                                     # py-spy reads native stacks only from a stopped process
+                                     *(["--native"] if args.native else ["--nonblocking"])],
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         requests = fixed_requests(args.num_prompts, args.input_len, args.output_len, seed=0)
         metrics = asyncio.run(benchmark_server(base, "smollm2", requests,

@@ -16,6 +16,11 @@ peers/cpu.py).
 
 core has two rows: `core serve GGUF` with no flags (what a user gets), and with `--core-best-args` (its
 fastest configuration; empty, the default until there is one: no such row).
+
+`--isa-ceiling avx2` measures as on a CPU with AVX2 and no AVX-512 (the AVX2-only EPYCs some of these
+machines are) where the CPU has more: core's native kernels and torch's held to AVX2, llama.cpp built for
+AVX2; vLLM is not run, since nothing holds its kernels to fewer instructions than the CPU has. The
+results are tagged `avx2-ceiling` and name the ceiling. A proxy, not that CPU: its caches and memory differ.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import os
 import shlex
 import sys
 import tempfile
@@ -38,7 +44,7 @@ sys.path.insert(0, str(HERE))
 from peers import core_server, llama_cpp_python, llamacpp, transformers_peer, vllm  # noqa: E402
 from peers.common import cache_dir, default_gguf, free_port  # noqa: E402
 from peers.convert import converted_folder  # noqa: E402
-from peers.cpu import busy_fraction, this_cpu  # noqa: E402
+from peers.cpu import CEILING_VARIABLE, ISA_CEILINGS, busy_fraction, this_cpu  # noqa: E402
 from peers.peer import Context, Launch, Peer  # noqa: E402
 from peers.process import PeerProcess  # noqa: E402
 from peers.report import Row, markdown, plot, update_readme, write_json  # noqa: E402
@@ -223,9 +229,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tag", default="", help="appended to the result file names (e.g. smoke)")
     parser.add_argument("--update-readme", action=argparse.BooleanOptionalAction, default=False,
                         help="put the table and plot into README.md (nox -s bench does; --no-update-readme not)")
+    parser.add_argument("--isa-ceiling", choices=sorted(ISA_CEILINGS),
+                        help="run every system as on a CPU with only these instruction sets (avx2: an "
+                             "AVX2-only EPYC): core's kernels and torch's held to it, llama.cpp built for it, "
+                             "vLLM not run; results tagged with it, README not updated")
     parser.add_argument("--level-timeout", type=float, default=900.0,
                         help="seconds one concurrency level may take; a slower system skips the rest")
     args = parser.parse_args(argv)
+    if args.isa_ceiling:  # another CPU than this one: the README's table is not for it (nox -s bench asks)
+        args.update_readme = False
+        args.tag = "-".join(filter(None, [args.tag, f"{args.isa_ceiling}-ceiling"]))
     if any(c < 1 for c in args.concurrency) or args.output_len < 2 or args.input_len < 1:
         parser.error("--concurrency values and --input-len must be at least 1, --output-len at least 2")
     return args
@@ -233,6 +246,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.isa_ceiling:  # every peer module (and the report) reads it through peers.cpu.this_cpu
+        os.environ[CEILING_VARIABLE] = args.isa_ceiling
     started = time.monotonic()
     plan = Plan(sorted(set(args.concurrency)), args.input_len, args.output_len, args.prompts_per_stream,
                 args.min_prompts, args.level_timeout)

@@ -2,7 +2,8 @@
 flags (exactly what a user gets) and with the harness's `--core-best-args` (core's fastest configuration).
 
 Only the address and the model name clients send are added; `OMP_NUM_THREADS` is the harness's
-`--threads`, as every peer gets its thread count. Before the timed start the row's own server is started
+`--threads`, as every peer gets its thread count; under the run's ISA ceiling (`--isa-ceiling avx2`)
+`CORE_CPU_KERNELS` and `ATEN_CPU_CAPABILITY` hold core's kernels and torch's to it. Before the timed start the row's own server is started
 once and stopped when ready, as a user's earlier start would have: the start-up target is "with a warm
 cache" (the native kernels built for this CPU, the GGUF metadata converted, the kept config and tokenizer
 class and the tensor-name map written under ~/.cache/core, and for a dense row the dequantized weights),
@@ -18,6 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from peers.cpu import this_cpu
 from peers.peer import Context, Launch
 from peers.process import PeerProcess
 
@@ -51,12 +53,18 @@ def warm_cache(launch: Launch, url: str) -> None:
         process.stop()
 
 
+def ceiling_env() -> dict[str, str]:
+    """Under the run's ISA ceiling, the variables that hold core's native kernels and torch's to it."""
+    ceiling = this_cpu(with_torch=False).ceiling
+    return {"CORE_CPU_KERNELS": ceiling, "ATEN_CPU_CAPABILITY": ceiling} if ceiling else {}
+
+
 def launcher(extra: Sequence[str] = ()) -> Callable[[Context], Launch]:
     """The launch function of the row that adds `extra` to `core serve GGUF`."""
     def launch(ctx: Context) -> Launch:
         ready = Launch(command(ctx, extra), model="smollm2",
                        version=f"core-serve {importlib.metadata.version('core-serve')}",
-                       env={"OMP_NUM_THREADS": str(ctx.threads)}, start_timeout_s=180.0)
+                       env={"OMP_NUM_THREADS": str(ctx.threads), **ceiling_env()}, start_timeout_s=180.0)
         warm_cache(ready, f"http://127.0.0.1:{ctx.port}{ready.ready_path}")
         return ready
     return launch

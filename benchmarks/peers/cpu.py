@@ -8,6 +8,7 @@ different speeds with and without AVX-512, bf16 or AMX instructions.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import platform
@@ -22,6 +23,10 @@ ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512
              "avx512dq", "avx512vl", "avx512vbmi", "avx512_vnni", "avx512_bf16", "avx512_fp16",
              "amx_tile", "amx_int8", "amx_bf16", "amx_fp16")
 TORCH_CAPABILITY = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+# `--isa-ceiling`: the instruction sets a run may use, to measure every system as on a CPU without the
+# rest (an AVX2-only EPYC on a machine with AVX-512); the harness tells each process through this variable
+CEILING_VARIABLE = "CORE_BENCH_ISA_CEILING"
+ISA_CEILINGS = {"avx2": ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2")}
 
 
 @dataclass(frozen=True)
@@ -34,9 +39,12 @@ class Cpu:
     isa: tuple[str, ...]  # the ISA_FLAGS present, in ISA_FLAGS order
     torch_capability: str | None  # e.g. "AVX512"; None where torch could not be asked
     machine: str = platform.machine()
+    ceiling: str | None = None  # an ISA_CEILINGS key: the run may use only those of `isa`
 
     def has(self, *flags: str) -> bool:
-        return all(flag in self.isa for flag in flags)
+        """Whether the run may use every one of `flags` (the CPU has it, and the ceiling allows it)."""
+        allowed = ISA_CEILINGS[self.ceiling] if self.ceiling else self.isa
+        return all(flag in self.isa and flag in allowed for flag in flags)
 
     def line(self) -> str:
         """One line for the results page: `CPU: AMD EPYC (AuthenticAMD, x86_64), 2 cores; ISA: ...; ...`."""
@@ -44,7 +52,13 @@ class Cpu:
         torch = f"torch CPU capability: {self.torch_capability or 'unknown'}"
         isa = " ".join(self.isa) or "none of " + ", ".join(ISA_FLAGS[:3])
         where = f"{self.model} ({self.vendor}, {self.machine}), {self.cores} cores"
-        return f"CPU: {where}; ISA: {isa}; {amx}; {torch}"
+        limited = ""
+        if self.ceiling:
+            used = " ".join(flag for flag in self.isa if self.has(flag))
+            limited = (f"; **run limited to {self.ceiling}** ({used}), as on a CPU without the rest: core with "
+                       f"CORE_CPU_KERNELS={self.ceiling} and ATEN_CPU_CAPABILITY={self.ceiling}, llama.cpp built "
+                       "for those instruction sets only, vLLM not run (its kernels follow the CPU)")
+        return f"CPU: {where}; ISA: {isa}; {amx}; {torch}{limited}"
 
 
 def cpuinfo_fields(text: str) -> dict[str, str]:
@@ -75,10 +89,13 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def torch_capability(python: str = sys.executable) -> str | None:
-    """torch's CPU capability as `python` (core's environment) reports it; None if that fails."""
+def torch_capability(python: str = sys.executable, ceiling: str | None = None) -> str | None:
+    """torch's CPU capability as `python` (core's environment) reports it (under `ceiling`: with
+    ATEN_CPU_CAPABILITY set to it, as core's rows run); None if that fails."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": ceiling} if ceiling else None
     try:
-        done = subprocess.run([python, "-c", TORCH_CAPABILITY], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([python, "-c", TORCH_CAPABILITY], capture_output=True, text=True, timeout=120,
+                              env=env)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if done.returncode != 0:
@@ -86,14 +103,27 @@ def torch_capability(python: str = sys.executable) -> str | None:
     return done.stdout.strip() or None
 
 
+def isa_ceiling() -> str | None:
+    """The run's ISA ceiling (`$CORE_BENCH_ISA_CEILING`, set by `side_by_side.py --isa-ceiling`), or None."""
+    ceiling = os.environ.get(CEILING_VARIABLE) or None
+    if ceiling is not None and ceiling not in ISA_CEILINGS:
+        raise ValueError(f"{CEILING_VARIABLE} must be one of {', '.join(ISA_CEILINGS)}, got {ceiling!r}")
+    return ceiling
+
+
 @functools.cache
-def this_cpu(with_torch: bool = True) -> Cpu:
-    """This machine's CPU (read once per process)."""
+def _this_cpu(with_torch: bool, ceiling: str | None) -> Cpu:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         text = ""
-    return parse_cpu(text, usable_cores(), torch_capability() if with_torch else None)
+    capability = torch_capability(ceiling=ceiling) if with_torch else None
+    return dataclasses.replace(parse_cpu(text, usable_cores(), capability), ceiling=ceiling)
+
+
+def this_cpu(with_torch: bool = True) -> Cpu:
+    """This machine's CPU under the run's ISA ceiling (read once per process and ceiling)."""
+    return _this_cpu(with_torch, isa_ceiling())
 
 
 def _cpu_ticks() -> tuple[int, int]:

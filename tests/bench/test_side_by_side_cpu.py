@@ -19,7 +19,7 @@ if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
 
 import side_by_side  # noqa: E402
-from peers import core_server, cpu, llama_cpp_python, llamacpp  # noqa: E402
+from peers import core_server, cpu, llama_cpp_python, llamacpp, vllm  # noqa: E402
 from peers.common import SetupError  # noqa: E402
 from peers.cpu import Cpu, parse_cpu  # noqa: E402
 from peers.peer import Context  # noqa: E402
@@ -367,6 +367,42 @@ def test_launcher_adds_only_the_extra_args_the_address_and_the_model_name(monkey
     assert best.command[7:] == plain.command[5:]
 
 
+# --- the ISA ceiling (--isa-ceiling avx2) --------------------------------------------------------------
+
+def test_an_avx2_ceiling_builds_llama_cpp_as_for_an_avx2_only_cpu():
+    intel = dataclasses.replace(x86(INTEL_CPUINFO), ceiling="avx2")
+    assert llamacpp.ggml_cpu_flags(intel) == AMD_FLAGS  # the AVX2-only EPYC's flags, option for option
+    assert intel.isa == INTEL_ISA  # the CPU's own instruction sets are still what it reports
+    line = intel.line()
+    assert "**run limited to avx2** (sse4_2 avx avx2 fma f16c bmi2)" in line
+    assert "CORE_CPU_KERNELS=avx2 and ATEN_CPU_CAPABILITY=avx2" in line and "vLLM not run" in line
+    assert "limited" not in x86(INTEL_CPUINFO).line()
+
+
+def test_the_ceiling_from_the_environment_holds_core_rows_and_refuses_vllm(monkeypatch):
+    monkeypatch.setattr(core_server, "warm_cache", lambda launch, url: None)
+    ctx = Context(GGUF, convert=lambda: Path("unused"), port=8123, threads=3)
+    monkeypatch.setenv(cpu.CEILING_VARIABLE, "avx2")
+    assert cpu.this_cpu(with_torch=False).ceiling == "avx2"
+    assert core_server.launcher()(ctx).env == {"OMP_NUM_THREADS": "3", "CORE_CPU_KERNELS": "avx2",
+                                               "ATEN_CPU_CAPABILITY": "avx2"}
+    with pytest.raises(SetupError, match="not run under the ISA ceiling avx2"):
+        vllm.launch(ctx)
+    monkeypatch.setenv(cpu.CEILING_VARIABLE, "sse9")
+    with pytest.raises(ValueError, match="CORE_BENCH_ISA_CEILING must be one of avx2, got 'sse9'"):
+        cpu.this_cpu(with_torch=False)
+    monkeypatch.delenv(cpu.CEILING_VARIABLE)
+    assert cpu.this_cpu(with_torch=False).ceiling is None
+
+
+def test_an_isa_ceiling_tags_the_results_and_leaves_the_readme_alone():
+    assert side_by_side.parse_args(["--isa-ceiling", "avx2"]).tag == "avx2-ceiling"
+    assert side_by_side.parse_args(["--isa-ceiling", "avx2", "--tag", "b"]).tag == "b-avx2-ceiling"
+    assert side_by_side.parse_args([]).tag == ""
+    assert not side_by_side.parse_args(["--update-readme", "--isa-ceiling", "avx2"]).update_readme  # nox -s bench
+    assert side_by_side.parse_args(["--update-readme"]).update_readme
+
+
 def test_peers_has_a_core_best_row_only_with_best_args():
     plain = side_by_side.peers(GGUF, [])
     assert [p.key for p in plain] == ["core", "vllm", "llama-server", "llama-cpp-python", "transformers"]
@@ -438,7 +474,8 @@ def test_json_has_the_cpu_object_and_the_rows_build_flags(tmp_path):
     write_json(report_rows(), {"threads": 2}, path, amd)
     data = json.loads(path.read_text())
     assert data["cpu"] == {"model": "AMD EPYC 7763 64-Core Processor", "vendor": "AuthenticAMD", "cores": 2,
-                           "isa": list(AVX2_ONLY_ISA), "torch_capability": "AVX2", "machine": "x86_64"}
+                           "isa": list(AVX2_ONLY_ISA), "torch_capability": "AVX2", "machine": "x86_64",
+                           "ceiling": None}
     assert data["machine"].startswith("AMD EPYC 7763 64-Core Processor, 2 cores, ")
     assert data["rows"][2]["build_flags"] == AMD_FLAGS and data["rows"][0]["build_flags"] == []
 

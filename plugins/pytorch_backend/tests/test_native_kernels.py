@@ -40,6 +40,20 @@ def test_the_best_variant_follows_the_cpu_flags():
     assert build.best_variant(frozenset(vnni - {"avx512_vnni"})) == "avx2"  # AVX-512 without VNNI
 
 
+def test_core_cpu_kernels_overrides_the_variant_within_what_the_cpu_runs(monkeypatch):
+    vnni = frozenset(build.VARIANT_CPU_FLAGS["avx512-vnni"])
+    monkeypatch.delenv("CORE_CPU_KERNELS", raising=False)
+    assert build.chosen_variant(vnni) == ("avx512-vnni", "chosen from this CPU's flags")
+    monkeypatch.setenv("CORE_CPU_KERNELS", "avx2")
+    assert build.chosen_variant(vnni) == ("avx2", "set by CORE_CPU_KERNELS")
+    with pytest.raises(ValueError, match="CORE_CPU_KERNELS=avx512-vnni needs CPU flags .*avx512_vnni"):
+        monkeypatch.setenv("CORE_CPU_KERNELS", "avx512-vnni")
+        build.chosen_variant(frozenset({"avx2", "fma", "f16c"}))
+    monkeypatch.setenv("CORE_CPU_KERNELS", "sse9")
+    with pytest.raises(ValueError, match="CORE_CPU_KERNELS must be one of avx512-vnni, avx2, generic, got 'sse9'"):
+        build.chosen_variant(vnni)
+
+
 def test_a_missing_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setattr(build.shutil, "which", lambda name: None)

@@ -6,6 +6,10 @@ x86 server CPU of the last decade) and ``generic`` (plain C, any CPU; also the t
 variant is built only with the flags its instructions need (never ``-march=native``, which would use
 instructions of this machine's CPU that another machine sharing the cache may lack).
 
+``CORE_CPU_KERNELS=avx2`` (or another variant's name) overrides the choice, as ``ATEN_CPU_CAPABILITY``
+does torch's: to serve as a CPU without AVX-512 would (to compare kernels, or where a VM's flags mislead);
+a variant this CPU cannot run is refused by name.
+
 Libraries are cached under ``$CORE_CACHE_DIR/cpu`` (default ``~/.cache/core/cpu``), keyed by a hash of
 the sources, the flags and the compiler's version; a build takes about a second. Nothing here imports
 torch.
@@ -20,6 +24,8 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+
+from core.errors import InvalidRequestError
 
 CSRC = Path(__file__).parent / "csrc"
 LIBRARY_STEM = "core_cpu_kernels"
@@ -66,6 +72,28 @@ def best_variant(flags: frozenset[str] | None = None) -> str:
     return next(name for name, needed in VARIANT_CPU_FLAGS.items() if needed <= flags)
 
 
+VARIANT_VARIABLE = "CORE_CPU_KERNELS"
+
+
+def chosen_variant(flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """The variant to serve with and why: ``$CORE_CPU_KERNELS`` where set, else this CPU's best.
+
+    Raises InvalidRequestError (a ValueError) naming the variable for an unknown variant or one whose
+    instructions the CPU lacks."""
+    flags = cpu_flags() if flags is None else flags
+    asked = os.environ.get(VARIANT_VARIABLE, "").strip()
+    if not asked:
+        return best_variant(flags), "chosen from this CPU's flags"
+    if asked not in VARIANT_CPU_FLAGS:
+        raise InvalidRequestError(f"{VARIANT_VARIABLE} must be one of {', '.join(VARIANT_CPU_FLAGS)}, got {asked!r}",
+                                  param=VARIANT_VARIABLE)
+    missing = VARIANT_CPU_FLAGS[asked] - flags
+    if missing:
+        raise InvalidRequestError(f"{VARIANT_VARIABLE}={asked} needs CPU flags this CPU does not list: "
+                                  f"{', '.join(sorted(missing))}", param=VARIANT_VARIABLE)
+    return asked, f"set by {VARIANT_VARIABLE}"
+
+
 def compiler() -> str | None:
     """The C compiler: ``$CC``, else ``cc``, ``gcc`` or ``clang`` on PATH."""
     candidates = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "clang"]
@@ -90,8 +118,8 @@ def build_key(variant: str, cc: str) -> str:
 
 
 def build_library(variant: str | None = None, *, force: bool = False) -> Path:
-    """The shared library of ``variant`` (default: this CPU's best), from the cache or compiled now."""
-    variant = variant or best_variant()
+    """The shared library of ``variant`` (default: ``chosen_variant()``), from the cache or compiled now."""
+    variant = variant or chosen_variant()[0]
     cc = compiler()
     if cc is None:
         raise CpuBuildError("no C compiler found (set CC, or install gcc) to build the CPU kernels")

@@ -12,7 +12,7 @@ import functools
 import logging
 from pathlib import Path
 
-from .build import CpuBuildError, best_variant, build_library
+from .build import CpuBuildError, build_library, chosen_variant
 
 log = logging.getLogger(__name__)
 ABI_VERSION = 7  # csrc/packed_linear.c CORE_PACKED_ABI
@@ -90,18 +90,21 @@ class CpuKernels:
 
 @functools.cache
 def load(variant: str | None = None) -> CpuKernels:
-    """The kernels of ``variant`` (default: the best this CPU runs), built on first use."""
-    return CpuKernels(build_library(variant or best_variant()))
+    """The kernels of ``variant`` (default: ``build.chosen_variant()``), built on first use."""
+    return CpuKernels(build_library(variant or chosen_variant()[0]))
 
 
 @functools.cache
 def available() -> CpuKernels | None:
-    """This CPU's kernels, or None (logged once) where no compiler is found or the build fails."""
+    """This CPU's kernels, or None (logged once) where no compiler is found or the build fails.
+
+    A ``CORE_CPU_KERNELS`` this CPU cannot run raises InvalidRequestError (a setting to mend, not to serve around)."""
+    variant, why = chosen_variant()
     try:
-        kernels = load()
+        kernels = load(variant)
     except (CpuBuildError, CpuKernelError, OSError) as exc:
         log.warning("the native CPU kernels are unavailable (%s); the plain-torch ops and torch's packed "
                     "kernels run instead", exc)
         return None
-    log.info("native CPU kernels: the %s variant (chosen from this CPU's flags), %s", kernels.variant, kernels.path)
+    log.info("native CPU kernels: the %s variant (%s), %s", kernels.variant, why, kernels.path)
     return kernels
