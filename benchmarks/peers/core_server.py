@@ -3,7 +3,8 @@ flags (exactly what a user gets) and with the harness's `--core-best-args` (core
 
 Only the address and the model name clients send are added; `OMP_NUM_THREADS` is the harness's
 `--threads`, as every peer gets its thread count; under the run's ISA ceiling (`--isa-ceiling avx2`)
-`CORE_CPU_KERNELS` and `ATEN_CPU_CAPABILITY` hold core's kernels and torch's to it. Before the timed start the row's own server is started
+`CORE_CPU_KERNELS`, `ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA` and `MKL_ENABLE_INSTRUCTIONS` hold core's
+kernels and torch's to it. Before the timed start the row's own server is started
 once and stopped when ready, as a user's earlier start would have: the start-up target is "with a warm
 cache" (the native kernels built for this CPU, the GGUF metadata converted, the kept config and tokenizer
 class and the tensor-name map written under ~/.cache/core, and for a dense row the dequantized weights),
@@ -54,9 +55,13 @@ def warm_cache(launch: Launch, url: str) -> None:
 
 
 def ceiling_env() -> dict[str, str]:
-    """Under the run's ISA ceiling, the variables that hold core's native kernels and torch's to it."""
+    """Under the run's ISA ceiling, the variables that hold core's native kernels and torch's to it: ATen's
+    own kernels, and the oneDNN and MKL GEMMs torch calls (each dispatches on the CPU by itself)."""
     ceiling = this_cpu(with_torch=False).ceiling
-    return {"CORE_CPU_KERNELS": ceiling, "ATEN_CPU_CAPABILITY": ceiling} if ceiling else {}
+    if not ceiling:
+        return {}
+    return {"CORE_CPU_KERNELS": ceiling, "ATEN_CPU_CAPABILITY": ceiling, "ONEDNN_MAX_CPU_ISA": ceiling.upper(),
+            "MKL_ENABLE_INSTRUCTIONS": ceiling.upper()}
 
 
 def launcher(extra: Sequence[str] = ()) -> Callable[[Context], Launch]:

@@ -385,7 +385,8 @@ def test_the_ceiling_from_the_environment_holds_core_rows_and_refuses_vllm(monke
     monkeypatch.setenv(cpu.CEILING_VARIABLE, "avx2")
     assert cpu.this_cpu(with_torch=False).ceiling == "avx2"
     assert core_server.launcher()(ctx).env == {"OMP_NUM_THREADS": "3", "CORE_CPU_KERNELS": "avx2",
-                                               "ATEN_CPU_CAPABILITY": "avx2"}
+                                               "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                                               "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
     with pytest.raises(SetupError, match="not run under the ISA ceiling avx2"):
         vllm.launch(ctx)
     monkeypatch.setenv(cpu.CEILING_VARIABLE, "sse9")
