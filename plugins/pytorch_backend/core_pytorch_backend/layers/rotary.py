@@ -1,5 +1,9 @@
-"""Rotary position embedding: default, linear-scaled and Llama 3 scaled frequencies, and Qwen2-VL's
-multimodal rotary embedding (M-RoPE: temporal, height and width positions on sections of the head)."""
+"""Rotary position embedding: default, linear-scaled, Llama 3 scaled and YaRN frequencies, and Qwen2-VL's
+multimodal rotary embedding (M-RoPE: temporal, height and width positions on sections of the head).
+
+Each is computed as transformers' ``modeling_rope_utils`` computes it (the parity oracle), from the
+config's rope settings alone. ``dynamic`` (NTK) is refused: its frequencies change with the longest
+sequence in a batch, which a KV cache written at other frequencies cannot follow."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -45,7 +49,48 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Ten
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_frequencies(head_dim: int, params: dict[str, Any], max_positions: int) -> tuple[torch.Tensor, float]:
+    """YaRN: frequencies blended between extrapolated (fast) and interpolated (slow, / factor) by a linear
+    ramp over the head's dimensions, and the attention factor the cos/sin tables are scaled by."""
+    base = float(params["rope_theta"])
+    original = params.get("original_max_position_embeddings") or max_positions
+    factor = params.get("factor") or max_positions / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+                     else _yarn_mscale(factor))
+    fast, slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).to(torch.float32) / head_dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention)
+
+
+def rope_frequencies(head_dim: int, params: dict[str, Any], max_positions: int) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies of ``params``' rope type and the factor its cos/sin tables are scaled by."""
+    rope_type = params["rope_type"]
+    if rope_type == "yarn":
+        return yarn_frequencies(head_dim, params, max_positions)
+    return compute_inv_freq(head_dim, params), 1.0
+
+
 def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """The inverse frequencies of the rope types that scale nothing else (default, linear, llama3)."""
     rope_type = params["rope_type"]
     inv_freq = default_inv_freq(head_dim, float(params["rope_theta"]))
     if rope_type == "default":
@@ -54,7 +99,7 @@ def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
         return inv_freq / params["factor"]
     if rope_type == "llama3":
         return llama3_inv_freq(inv_freq, params)
-    raise NotImplementedError(f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
+    raise NotImplementedError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
 
 
 class RotaryEmbedding(nn.Module):
@@ -64,11 +109,14 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.ops = ops
         self.head_dim = head_dim
-        inv_freq = compute_inv_freq(head_dim, params)
+        inv_freq, scaling = rope_frequencies(head_dim, params, max_positions)
         t = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
         freqs = torch.outer(t, inv_freq.to(t.device))
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        if scaling != 1.0:  # YaRN's attention factor, applied to the tables as transformers does
+            cos, sin = cos * scaling, sin * scaling
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, Hq * D] and k [T, Hkv * D] (or already [T, H, D]); returns them rotated, same shapes."""
