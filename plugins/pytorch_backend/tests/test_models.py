@@ -139,6 +139,33 @@ def test_rope_scaling_parity(rope, tiny_checkpoint_factory):
     assert paged_greedy(ours, prompts, block_size=4) == [hf_greedy(hf, p) for p in prompts]
 
 
+# Config variants real checkpoints of these families use, beyond the tiny defaults above.
+VARIANTS = {
+    "llama-attention-and-mlp-bias": ("llama", dict(attention_bias=True, mlp_bias=True)),
+    "llama-head-dim-apart-from-hidden": ("llama", dict(head_dim=32)),
+    "llama-one-kv-head": ("llama", dict(num_key_value_heads=1)),
+    "llama-tied-embeddings": ("llama", dict(tie_word_embeddings=True)),
+    "llama-no-gqa": ("llama", dict(num_key_value_heads=4)),
+    "qwen2-untied": ("qwen2", dict(tie_word_embeddings=False)),
+    "qwen3-yarn": ("qwen3", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1000000.0,
+                                                  "original_max_position_embeddings": 16})),
+    "qwen3-tied-one-kv-head": ("qwen3", dict(tie_word_embeddings=True, num_key_value_heads=1)),
+    "mistral-window-4": ("mistral", dict(sliding_window=4)),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_config_variants_match_transformers(variant, tiny_checkpoint_factory):
+    from transformers import AutoModelForCausalLM
+
+    arch, overrides = VARIANTS[variant]
+    path = tiny_checkpoint_factory(arch, **overrides)
+    ours = load_checkpoint(path, dtype="float32").model
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = _prompts([23, 6], seed=7)
+    assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=2) == [hf_greedy(hf, p) for p in prompts]
+
+
 def test_forward_without_kv_cache_raises(pair):
     ours, _ = pair
     meta = AttentionMetadata.build([0], [2], [[0]], 4)

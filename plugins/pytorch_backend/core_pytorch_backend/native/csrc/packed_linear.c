@@ -68,8 +68,8 @@ const char *core_packed_variant(void) {
 }
 
 /* Activations quantized: q1 and q2 [M][Kp] int8 (the two steps), d [M][G] (the combined code's scale,
- * max|x| / 127^2), sum [M][G] (the group's float sum) and csum [M][G] (the codes' own combined sum,
- * 127 sum(q1) + sum(q2): what the AVX2 loop's centred 8-bit codes leave out). */
+ * max|x| / 127^2), sum [M][G] (the group's float sum) and csum [M][G] (127 sum(q1): what the AVX2
+ * loop's centred 8-bit codes leave out of 127 hi). */
 typedef struct {
     int8_t *q1, *q2;
     float *d, *sum;
@@ -105,12 +105,12 @@ static void quantize_group_generic(const float *buf, int8_t *q1, int8_t *q2, flo
     for (int j = 0; j < GROUP; ++j) {
         int v = (int)lrintf(buf[j] * inv);
         v = v > 127 ? 127 : (v < -127 ? -127 : v);
-        int rest = (int)lrintf((buf[j] - d * (float)v) * inv * 127.f); /* |rest| <= 64 */
-        rest = rest > 127 ? 127 : (rest < -127 ? -127 : rest);
+        int rest = (int)lrintf((buf[j] - d * (float)v) * inv * 127.f); /* |rest| <= 63.5 + rounding */
+        rest = rest > 64 ? 64 : (rest < -64 ? -64 : rest); /* a bound the AVX2 8-bit loop relies on */
         q1[j] = (int8_t)v;
         q2[j] = (int8_t)rest;
         total += buf[j];
-        codes += 127 * v + rest;
+        codes += 127 * v;
     }
     *d_out = d / 127.f;
     *sum_out = total;
@@ -156,6 +156,7 @@ static void quantize_group_simd(const void *x, int dtype, int64_t index, int8_t 
                                 float *sum_out, int32_t *csum_out) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+    const __m256i rest_top = _mm256_set1_epi32(64), rest_bottom = _mm256_set1_epi32(-64);
     __m256 v[4], amax = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) {
         v[i] = load8(x, dtype, index + 8 * i);
@@ -169,16 +170,17 @@ static void quantize_group_simd(const void *x, int dtype, int64_t index, int8_t 
         q = _mm256_max_epi32(_mm256_min_epi32(q, top), bottom);
         __m256 rest = _mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(v[i], _mm256_mul_ps(dv, _mm256_cvtepi32_ps(q))), inv), k127);
         c1[i] = q;
-        c2[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(rest), top), bottom);
+        c2[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(rest), rest_top), rest_bottom);
     }
     store_codes(q1, c1);
     store_codes(q2, c2);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     *csum_out = 0; /* only the AVX2 loop's centred 8-bit codes read it */
+    (void)c2;
 #else
     const __m256i k = _mm256_set1_epi32(127);
     __m256i codes = _mm256_setzero_si256();
-    for (int i = 0; i < 4; ++i) codes = _mm256_add_epi32(codes, _mm256_add_epi32(_mm256_mullo_epi32(c1[i], k), c2[i]));
+    for (int i = 0; i < 4; ++i) codes = _mm256_add_epi32(codes, _mm256_mullo_epi32(c1[i], k));
     *csum_out = hsum8_epi32(codes);
 #endif
     *d_out = d / 127.f;
@@ -354,8 +356,9 @@ static inline __m256i centred_dot4(__m256i magnitude, __m256i centred, int32_t x
 }
 
 /* Half h (rows 8h..8h+7) of a block. 4-bit codes fit vpmaddubsw's int16 pairs (15 * 127 * 2) as they
- * are (and 8 steps of them in int16, widened once a group); 8-bit codes are centred (q - 128) and the
- * activation codes' sum times 128 added back. */
+ * are (and 8 steps of them in int16, widened once a group). 8-bit codes times the second step's codes
+ * (|q2| <= 64) fit as they are too (255 * 64 * 2); times the first step's they are centred (q - 128),
+ * and 128 times those codes' sum is added back. */
 static inline __attribute__((always_inline)) void half_dots(const uint8_t *block, int bits, scales_t w, int64_t base,
                                                              const acts_t *a, int64_t m0, int tile, int h,
                                                              float out[][BLOCK]) {
@@ -380,7 +383,8 @@ static inline __attribute__((always_inline)) void half_dots(const uint8_t *block
                 __m256i centred = _mm256_xor_si256(raw, _mm256_set1_epi8((char)0x80)), magnitude = _mm256_abs_epi8(centred);
                 for (int i = 0; i < tile; ++i) {
                     hi[i] = _mm256_add_epi32(hi[i], centred_dot4(magnitude, centred, x4(a->q1, kp, m0 + i, at)));
-                    lo[i] = _mm256_add_epi32(lo[i], centred_dot4(magnitude, centred, x4(a->q2, kp, m0 + i, at)));
+                    lo[i] = _mm256_add_epi32(lo[i], _mm256_madd_epi16(_mm256_maddubs_epi16(raw, _mm256_set1_epi32(
+                                                     x4(a->q2, kp, m0 + i, at))), _mm256_set1_epi16(1)));
                 }
             }
         }
@@ -389,7 +393,7 @@ static inline __attribute__((always_inline)) void half_dots(const uint8_t *block
                 hi[i] = _mm256_madd_epi16(hi[i], _mm256_set1_epi16(1));
                 lo[i] = _mm256_madd_epi16(lo[i], _mm256_set1_epi16(1));
             }
-        else /* 127 hi + lo gains 128 (127 sum(q1) + sum(q2)) */
+        else /* 127 hi gains 128 * 127 sum(q1) (csum) */
             for (int i = 0; i < tile; ++i)
                 lo[i] = _mm256_add_epi32(lo[i], _mm256_set1_epi32(128 * a->csum[(m0 + i) * groups + g]));
         const int64_t at = base + g * BLOCK + h * 8;
