@@ -150,6 +150,7 @@ VARIANTS = {
     "qwen3-yarn": ("qwen3", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1000000.0,
                                                   "original_max_position_embeddings": 16})),
     "qwen3-tied-one-kv-head": ("qwen3", dict(tie_word_embeddings=True, num_key_value_heads=1)),
+    "qwen3-attention-bias": ("qwen3", dict(attention_bias=True)),
     "mistral-window-4": ("mistral", dict(sliding_window=4)),
 }
 

@@ -80,6 +80,17 @@ def test_the_stack_gives_the_modules_hidden_states_bit_for_bit(tiny_checkpoint_f
     _decode_both_ways(runner)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_stack_takes_biases_on_every_projection(tiny_checkpoint_factory, native_packed, arch):
+    """attention_bias (q, k, v and o) and Llama's mlp_bias (gate, up and down) go through the stack too."""
+    extra = {"mlp_bias": True} if arch == "llama" else {}
+    runner = _runner(_load(tiny_checkpoint_factory(arch, attention_bias=True, **extra), "int8", "float32"))
+    assert isinstance(runner.decode_path, NativeDecodeStack)
+    layer = runner.model.model.layers[0]
+    assert layer.self_attn.o_proj.bias is not None and layer.self_attn.qkv_proj.bias is not None
+    _decode_both_ways(runner)
+
+
 def test_the_runner_decodes_through_the_stack_and_describes_a_new_cache_again(tiny_checkpoint_factory, native_packed):
     runner = _runner(_load(tiny_checkpoint_factory("llama"), "int8"))
     stack = runner.decode_path

@@ -43,6 +43,7 @@ class DecoderSpec:
     qkv_bias: bool
     qk_norm: bool
     sliding_windows: tuple[int | None, ...]  # one per layer
+    o_bias: bool = False  # Llama's and Qwen3's attention_bias covers o_proj too; Qwen2's q/k/v biases do not
 
 
 def head_dim_of(config: Any) -> int:
@@ -67,7 +68,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(config)
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, heads, kv_heads, bias=spec.qkv_bias)
-        self.o_proj = Linear(heads * self.head_dim, config.hidden_size, bias=False)
+        self.o_proj = Linear(heads * self.head_dim, config.hidden_size, bias=spec.o_bias)
         self.rotary_emb = rotary  # one table shared by every layer of the model
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
@@ -186,11 +187,9 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:
-        return DecoderSpec(
-            qkv_bias=bool(getattr(config, "attention_bias", False)),
-            qk_norm=False,
-            sliding_windows=(None,) * config.num_hidden_layers,
-        )
+        bias = bool(getattr(config, "attention_bias", False))
+        return DecoderSpec(qkv_bias=bias, qk_norm=False, sliding_windows=(None,) * config.num_hidden_layers,
+                           o_bias=bias)
 
     def forward(
         self,

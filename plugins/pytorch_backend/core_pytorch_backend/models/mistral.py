@@ -11,8 +11,5 @@ class MistralForCausalLM(LlamaForCausalLM):
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:
         window = getattr(config, "sliding_window", None)
-        return DecoderSpec(
-            qkv_bias=bool(getattr(config, "attention_bias", False)),
-            qk_norm=False,
-            sliding_windows=(window,) * config.num_hidden_layers,
-        )
+        # no biases whatever the config says: transformers' Mistral has none
+        return DecoderSpec(qkv_bias=False, qk_norm=False, sliding_windows=(window,) * config.num_hidden_layers)

@@ -10,8 +10,5 @@ from .llama import DecoderSpec, LlamaForCausalLM, layer_types_windows
 class Qwen3ForCausalLM(LlamaForCausalLM):
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:
-        return DecoderSpec(
-            qkv_bias=bool(getattr(config, "attention_bias", False)),
-            qk_norm=True,
-            sliding_windows=layer_types_windows(config),
-        )
+        bias = bool(getattr(config, "attention_bias", False))  # q, k, v and o alike, as transformers
+        return DecoderSpec(qkv_bias=bias, qk_norm=True, sliding_windows=layer_types_windows(config), o_bias=bias)
