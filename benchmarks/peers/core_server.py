@@ -4,11 +4,11 @@ flags (exactly what a user gets) and with the harness's `--core-best-args` (core
 Only the address and the model name clients send are added; `OMP_NUM_THREADS` is the harness's
 `--threads`, as every peer gets its thread count; under the run's ISA ceiling (`--isa-ceiling avx2`)
 `CORE_CPU_KERNELS`, `ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA` and `MKL_ENABLE_INSTRUCTIONS` hold core's
-kernels and torch's to it. Before the timed start the row's own server is started
-once and stopped when ready, as a user's earlier start would have: the start-up target is "with a warm
-cache" (the native kernels built for this CPU, the GGUF metadata converted, the kept config and tokenizer
-class and the tensor-name map written under ~/.cache/core, and for a dense row the dequantized weights),
-and the first start on a fresh machine does all that.
+kernels and torch's to it. Before the timed start the row's own server is started once and stopped when
+ready, as a user's earlier start would have: the start-up target is "with a warm cache" (the native
+kernels built for this CPU, the GGUF metadata converted, the kept config and tokenizer class and the
+tensor-name map written under ~/.cache/core, and for a dense row the dequantized weights), and the first
+start on a fresh machine does all that.
 """
 
 from __future__ import annotations

@@ -56,9 +56,9 @@ class Cpu:
         if self.ceiling:
             used = " ".join(flag for flag in self.isa if self.has(flag))
             limited = (f"; **run limited to {self.ceiling}** ({used}), as on a CPU without the rest: core with "
-                       f"CORE_CPU_KERNELS={self.ceiling} and ATEN_CPU_CAPABILITY={self.ceiling} (and oneDNN's and "
-                       "MKL's ISA limits), llama.cpp built "
-                       "for those instruction sets only, vLLM not run (its kernels follow the CPU)")
+                       f"CORE_CPU_KERNELS={self.ceiling} and ATEN_CPU_CAPABILITY={self.ceiling} (and oneDNN's "
+                       "and MKL's ISA limits), llama.cpp built for those instruction sets only, vLLM not run "
+                       "(its kernels follow the CPU)")
         return f"CPU: {where}; ISA: {isa}; {amx}; {torch}{limited}"
 
 
