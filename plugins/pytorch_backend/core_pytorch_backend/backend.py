@@ -148,10 +148,13 @@ class PytorchBackend(Backend):
     # -- loading --------------------------------------------------------------------------------------
 
     def _load(self) -> LoadedModel:
-        return load_checkpoint(self.source, dtype=self.config.dtype, device=self.device,
-                               architectures=self._architectures, ops=self.ops,
-                               quantization=self.config.quantization,
-                               shard=self.tp.shard if self.tp is not None else None)  # rank 0's part under TP
+        try:
+            return load_checkpoint(self.source, dtype=self.config.dtype, device=self.device,
+                                   architectures=self._architectures, ops=self.ops,
+                                   quantization=self.config.quantization,
+                                   shard=self.tp.shard if self.tp is not None else None)  # rank 0's part under TP
+        except NotImplementedError as exc:  # a setting of the checkpoint no layer implements (e.g. a rope type)
+            raise UnsupportedError(f"{self.source}: {exc}") from exc
 
     def _select_ops(self) -> Any:
         """The op set the model's layers run on; a backend with its own kernels overrides this."""

@@ -236,3 +236,13 @@ def test_backend_options_are_validated():
         PytorchOptions.from_mapping({"kv_cache_memory_fraction": 1.5})
     with pytest.raises(InvalidRequestError, match="'eager'"):
         PytorchOptions.from_mapping({"eager": True})
+
+
+def test_a_checkpoint_setting_no_layer_implements_is_a_clear_start_up_error(tiny_checkpoint_factory):
+    """`core serve` prints a CoreError as one line (a NotImplementedError was a traceback)."""
+    from core.errors import UnsupportedError
+
+    path = tiny_checkpoint_factory("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                             "rope_theta": 10000.0})
+    with pytest.raises(UnsupportedError, match="rope_type 'dynamic' is not supported"):
+        make_backend(path)
