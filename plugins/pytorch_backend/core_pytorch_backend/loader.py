@@ -23,6 +23,7 @@ from .default_model import default_model_path, generation_defaults  # noqa: F401
 from .kernels import select_ops
 from .layers.matmul import select_matmul, use_matmul
 from .layers.quantized import AffineRows, Int4Weight
+from .layers.rotary import context_positions
 from .light_config import read_light_config, write_light_config
 from .models import BUILTIN_ARCHITECTURES, resolve_class
 from .native.packed_weight import NativeWeight
@@ -131,7 +132,7 @@ def load_checkpoint(
         dtype=torch_dtype,
         kv_cache_dtype=kv_cache_dtype,
         chat_template=getattr(tokenizer, "chat_template", None) or legacy_chat_template(path),
-        max_model_len=int(getattr(config.get_text_config(), "max_position_embeddings", None) or 2048),
+        max_model_len=context_positions(config.get_text_config()),  # the positions the rotary tables hold
         source=str(gguf or path),
         quantization=_describe_weights(model),
     )

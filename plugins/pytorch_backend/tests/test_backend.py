@@ -246,3 +246,28 @@ def test_a_checkpoint_setting_no_layer_implements_is_a_clear_start_up_error(tiny
                                                              "rope_theta": 10000.0})
     with pytest.raises(UnsupportedError, match="rope_type 'dynamic' is not supported"):
         make_backend(path)
+
+
+def test_max_model_len_past_the_models_positions_is_refused_at_start_up(tiny_checkpoint_factory):
+    """The tiny config has 256 positions: a longer max_model_len failed every long request mid-step."""
+    from core.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="max_model_len 600 exceeds the 256 positions") as raised:
+        make_backend(tiny_checkpoint_factory("llama"), max_model_len=600)
+    assert raised.value.param == "max_model_len"
+
+
+async def test_yarn_serves_the_original_context_times_its_factor(tiny_checkpoint_factory):
+    """Qwen's long-context recipe: YaRN over a 64-position original, factor 4, max_position_embeddings 64
+    (kept): 256 positions; a 180-token prompt and 12 new tokens, all past 64, match transformers."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    path = tiny_checkpoint_factory("qwen3", rope_parameters=rope, max_position_embeddings=64)
+    backend = make_backend(path, kv_cache_memory_gib=0.02)
+    assert backend.model_info.max_model_len == 256
+    engine = AsyncEngine(backend)
+    try:
+        prompt = [3 + (i * 37) % 250 for i in range(180)]
+        response = await collect(engine.generate(prompt, GREEDY))
+        assert response.token_ids == reference_greedy(path, prompt, 12)
+    finally:
+        await engine.close()

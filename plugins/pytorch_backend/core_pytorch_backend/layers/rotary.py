@@ -109,6 +109,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.ops = ops
         self.head_dim = head_dim
+        # where YaRN's factor or original context is missing, context_positions left max_positions at
+        # max_position_embeddings: the value transformers falls back on
         inv_freq, scaling = rope_frequencies(head_dim, params, max_positions)
         t = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
         freqs = torch.outer(t, inv_freq.to(t.device))
@@ -154,10 +156,22 @@ class MRotaryEmbedding(RotaryEmbedding):
         return q.reshape(q_shape), k.reshape(k_shape)
 
 
+def context_positions(config: Any) -> int:
+    """The positions a decoder config serves: ``max_position_embeddings`` (2048 where it names none), or
+    what YaRN extends it to, the original context times the factor (as vLLM derives it: Qwen's long-context
+    recipe adds YaRN and keeps max_position_embeddings). The rotary tables hold this many positions."""
+    base = int(getattr(config, "max_position_embeddings", 0) or 2048)
+    params = rope_parameters(config)
+    original, factor = params.get("original_max_position_embeddings"), params.get("factor")
+    if params["rope_type"] == "yarn" and original and factor:
+        return max(base, int(original * factor))
+    return base
+
+
 def get_rope(config: Any, head_dim: int, ops: Any) -> RotaryEmbedding:
     """The rotary embedding an HF decoder config asks for (M-RoPE when it names an mrope_section)."""
     params = rope_parameters(config)
-    max_positions = int(getattr(config, "max_position_embeddings", 0) or 8192)
+    max_positions = context_positions(config)
     section = params.get("mrope_section")
     if section:
         return MRotaryEmbedding(head_dim, max_positions, params, ops, list(section))

@@ -37,7 +37,7 @@ from ..layers import (
     VocabEmbedding,
     get_act_and_mul,
 )
-from ..layers.rotary import rope_parameters
+from ..layers.rotary import context_positions, rope_parameters
 from .llama import DecoderSpec, LlamaModel, head_dim_of, layer_types_of
 from .qwen3 import Qwen3ForCausalLM
 from .vision_language import VisionLanguageMixin
@@ -162,7 +162,7 @@ class Gemma3Model(LlamaModel):
         # transformers keeps sqrt(hidden_size) as a float32 tensor and rounds it to the weights' dtype
         self.register_buffer("embed_scale", torch.tensor(float(config.hidden_size) ** 0.5), persistent=False)
         head_dim = head_dim_of(config)
-        max_positions = int(getattr(config, "max_position_embeddings", 0) or 8192)
+        max_positions = context_positions(config)
         ropes = {t: RotaryEmbedding(head_dim, max_positions, params, ops)
                  for t, params in rope_parameters_by_layer_type(config).items()}
         self.layers = nn.ModuleList(
