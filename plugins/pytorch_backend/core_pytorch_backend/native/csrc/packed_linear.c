@@ -176,7 +176,6 @@ static void quantize_group_simd(const void *x, int dtype, int64_t index, int8_t 
     store_codes(q2, c2);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     *csum_out = 0; /* only the AVX2 loop's centred 8-bit codes read it */
-    (void)c2;
 #else
     const __m256i k = _mm256_set1_epi32(127);
     __m256i codes = _mm256_setzero_si256();
