@@ -46,12 +46,27 @@ def test_core_cpu_kernels_overrides_the_variant_within_what_the_cpu_runs(monkeyp
     assert build.chosen_variant(vnni) == ("avx512-vnni", "chosen from this CPU's flags")
     monkeypatch.setenv("CORE_CPU_KERNELS", "avx2")
     assert build.chosen_variant(vnni) == ("avx2", "set by CORE_CPU_KERNELS")
+    monkeypatch.setenv("CORE_CPU_KERNELS", "avx512-vnni")
     with pytest.raises(ValueError, match="CORE_CPU_KERNELS=avx512-vnni needs CPU flags .*avx512_vnni"):
-        monkeypatch.setenv("CORE_CPU_KERNELS", "avx512-vnni")
         build.chosen_variant(frozenset({"avx2", "fma", "f16c"}))
     monkeypatch.setenv("CORE_CPU_KERNELS", "sse9")
     with pytest.raises(ValueError, match="CORE_CPU_KERNELS must be one of avx512-vnni, avx2, generic, got 'sse9'"):
         build.chosen_variant(vnni)
+
+
+def test_the_served_kernels_follow_core_cpu_kernels_and_the_log_says_why(monkeypatch, caplog):
+    """What the backend serves with (library.available, uncached here): the variable's variant, logged as
+    set by it; a variant the CPU cannot run stops the start (not a warning and a fallback to torch)."""
+    from core.errors import InvalidRequestError
+    from core_pytorch_backend.native import library
+
+    monkeypatch.setenv("CORE_CPU_KERNELS", "generic")
+    with caplog.at_level("INFO", logger=library.__name__):
+        kernels = library.available.__wrapped__()
+    assert kernels.variant == "generic" and "the generic variant (set by CORE_CPU_KERNELS)" in caplog.text
+    monkeypatch.setenv("CORE_CPU_KERNELS", "sse9")
+    with pytest.raises(InvalidRequestError, match="CORE_CPU_KERNELS must be one of"):
+        library.available.__wrapped__()
 
 
 def test_a_missing_compiler_is_a_clear_error(monkeypatch):
