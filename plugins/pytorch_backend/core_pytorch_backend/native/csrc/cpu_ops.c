@@ -3,7 +3,9 @@
  * KV-cache store.
  *
  * Each rounds where the plain-torch reference (kernels/reference.py) rounds, so bfloat16 results match
- * it to the last bit or one ulp (the sums run in a different order), and float32 ones to rounding.
+ * it to the last bit or one ulp (the sums run in a different order), and float32 ones to rounding;
+ * except decode attention over a bfloat16 cache in the avx512-bf16 build (partial_bf16), which
+ * multiplies in bfloat16 (a float32 query and the softmax weights rounded to it).
  * Tensors are contiguous; dtype codes as packed_linear.c (0 float32, 1 bfloat16).
  */
 #include <stdint.h>
@@ -54,6 +56,32 @@ static inline void exp_shifted(float *s, int64_t n, float top) {
 static inline void prefetch_row(const void *cache, int64_t slot, int64_t row_bytes) {
     const char *start = (const char *)cache + slot * row_bytes;
     for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(start + offset, 0, 3);
+}
+
+/* The next task's K and V rows (every KV head of positions [begin, begin + left) of one context), asked
+ * for into L2 a position at a time while the current task computes: its rows then arrive while this
+ * task's arithmetic runs, where asked for at its own start they keep the arithmetic waiting (a decode
+ * step's contexts are read once, from memory). */
+typedef struct {
+    const int32_t *table;
+    int64_t block, offset, left;
+} next_rows;
+
+static inline next_rows next_rows_at(const int32_t *table, int64_t begin, int64_t end, int64_t block_size) {
+    const next_rows n = {table, table ? begin / block_size : 0, table ? begin % block_size : 0, table ? end - begin : 0};
+    return n;
+}
+
+static inline void fetch_next_position(next_rows *n, const void *k_cache, const void *v_cache, int64_t block_size,
+                                       int64_t row_bytes) {
+    if (n->left <= 0) return;
+    const int64_t at = ((int64_t)n->table[n->block] * block_size + n->offset) * row_bytes;
+    for (int64_t o = 0; o < row_bytes; o += 64) {
+        __builtin_prefetch((const char *)k_cache + at + o, 0, 2);
+        __builtin_prefetch((const char *)v_cache + at + o, 0, 2);
+    }
+    if (++n->offset == block_size) n->offset = 0, ++n->block;
+    --n->left;
 }
 
 /* One partition's share of one row's attention: every query head against positions [begin, end) of
@@ -139,6 +167,7 @@ static inline __attribute__((always_inline)) void gather_rows(const void *k_cach
  * exponentials. */
 static inline void softmax_header(float *s, int64_t span, float *part) {
     float top = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : top)
     for (int64_t j = 0; j < span; ++j) top = s[j] > top ? s[j] : top;
     exp_shifted(s, span, top);
 #pragma omp simd reduction(+ : sum)
@@ -197,8 +226,9 @@ static inline __attribute__((always_inline)) int partial_simd(const void *q, int
                                                                int64_t d, const void *k_cache, const void *v_cache,
                                                                int cache_dtype, int64_t block_size, int64_t hkv,
                                                                const int32_t *table, int64_t begin, int64_t end,
-                                                               float scale, float *part) {
+                                                               float scale, next_rows *next, float *part) {
     const int64_t group = hq / hkv, span = end - begin, chunks = d / LANES;
+    const int64_t slot_bytes = hkv * d * (cache_dtype == DT_BF16 ? 2 : 4);
     float *queries = malloc((size_t)(hq * d + hq * span + 2 * hkv * span * d) * sizeof(float));
     if (!queries) return ERR_MEMORY;
     float *scores = queries + hq * d, *all_keys = scores + hq * span, *all_values = all_keys + hkv * span * d;
@@ -219,6 +249,8 @@ static inline __attribute__((always_inline)) int partial_simd(const void *q, int
                     for (int64_t c = 1; c < chunks; ++c) acc[p] = VFMA(VLOAD(qh + LANES * c), VLOAD(k + LANES * c), acc[p]);
                 }
                 VSTORE(s + j, VMUL(lane_sums(acc), scaled));
+                fetch_next_position(next, k_cache, v_cache, block_size, slot_bytes);
+                fetch_next_position(next, k_cache, v_cache, block_size, slot_bytes);
             }
             for (; j < span; ++j) s[j] = dot(qh, keys + j * d, d) * scale;
             float *o = part + head * (2 + d);
@@ -232,20 +264,187 @@ static inline __attribute__((always_inline)) int partial_simd(const void *q, int
             for (int64_t c = 0; c < chunks; ++c) VSTORE(o + 2 + LANES * c, out[c]);
         }
     }
+    while (next->left > 0) fetch_next_position(next, k_cache, v_cache, block_size, slot_bytes);
     free(queries);
+    return OK;
+}
+#endif
+
+#if defined(__AVX512BF16__)
+#define MAX_BF16_CHUNKS 4 /* 32 bfloat16 a register: heads of up to 128 */
+#define BF16_PASS_VECTORS 16 /* V sums in registers a pass (of 32) */
+#define MAX_BF16_PASS_HEADS 4
+
+/* The scores of one query head (queries as bfloat16, chunks registers of 32) against one KV head's K
+ * rows of [begin, begin + span), read in place from the bfloat16 cache: vdpbf16ps sums products of
+ * pairs in float32, 16 positions at a time into register accumulators (lane_sums). `fetch`: ask for
+ * the next tile's K rows and this tile's V rows (the first head of a KV head reads them from memory). */
+static inline __attribute__((always_inline)) void head_scores_bf16(const __m512bh *qv, int64_t chunks,
+                                                                    const uint16_t *k_cache, const uint16_t *v_cache,
+                                                                    const int64_t *rows, int64_t span, float scale,
+                                                                    int fetch, next_rows *next, int64_t block_size,
+                                                                    int64_t slot_bytes, float *s) {
+    const __m512 scaled = _mm512_set1_ps(scale);
+    int64_t j = 0;
+    for (; j + 16 <= span; j += 16) {
+        __m512 acc[16];
+        for (int p = 0; p < 16; ++p) {
+            const int64_t at = rows[j + p];
+            if (fetch) {
+                fetch_next_position(next, k_cache, v_cache, block_size, slot_bytes);
+                if (j + 16 + p < span) {
+                    const int64_t ahead = rows[j + 16 + p];
+                    for (int64_t c = 0; c < chunks; ++c) __builtin_prefetch(k_cache + ahead + 32 * c, 0, 3);
+                }
+                for (int64_t c = 0; c < chunks; ++c) __builtin_prefetch(v_cache + at + 32 * c, 0, 3);
+            }
+            acc[p] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], (__m512bh)_mm512_loadu_si512(k_cache + at));
+            for (int64_t c = 1; c < chunks; ++c)
+                acc[p] = _mm512_dpbf16_ps(acc[p], qv[c], (__m512bh)_mm512_loadu_si512(k_cache + at + 32 * c));
+        }
+        _mm512_storeu_ps(s + j, _mm512_mul_ps(lane_sums(acc), scaled));
+    }
+    for (; j < span; ++j) {
+        const int64_t at = rows[j];
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; ++c)
+            acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(k_cache + at + 32 * c));
+        s[j] = _mm512_reduce_add_ps(acc) * scale;
+    }
+}
+
+/* The V sums of `heads` query heads of one KV head from their softmax weights as bfloat16 pairs
+ * (weights[h][j / 2] holds positions j and j + 1, an odd span's last pair padded with 0): each two
+ * positions' V rows interleaved (unpack lo / hi) into pairs that vdpbf16ps multiplies by the pair of
+ * weights, so the sums' lanes come out permuted within each 32 outputs; put back in order on the store. */
+static inline __attribute__((always_inline)) void weighted_values_bf16(const uint16_t *v_cache, int64_t d,
+                                                                        int64_t chunks, const int64_t *rows,
+                                                                        int64_t span, const uint32_t *weights,
+                                                                        int64_t pairs, int heads, float *part) {
+    __m512 lo[MAX_BF16_PASS_HEADS][MAX_BF16_CHUNKS], hi[MAX_BF16_PASS_HEADS][MAX_BF16_CHUNKS];
+    for (int h = 0; h < heads; ++h)
+        for (int64_t c = 0; c < chunks; ++c) lo[h][c] = hi[h][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < span; j += 2) {
+        const uint16_t *first = v_cache + rows[j], *second = j + 1 < span ? v_cache + rows[j + 1] : NULL;
+        __m512bh w[MAX_BF16_PASS_HEADS];
+        for (int h = 0; h < heads; ++h) w[h] = (__m512bh)_mm512_set1_epi32((int32_t)weights[h * pairs + j / 2]);
+        for (int64_t c = 0; c < chunks; ++c) {
+            const __m512i a = _mm512_loadu_si512(first + 32 * c),
+                          b = second ? _mm512_loadu_si512(second + 32 * c) : _mm512_setzero_si512();
+            const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(a, b), high = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            for (int h = 0; h < heads; ++h) {
+                lo[h][c] = _mm512_dpbf16_ps(lo[h][c], low, w[h]);
+                hi[h][c] = _mm512_dpbf16_ps(hi[h][c], high, w[h]);
+            }
+        }
+    }
+    /* lo's lane i holds output 8 (i / 4) + i % 4 of its 32, hi's the one 4 after it */
+    const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23),
+                  second16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int h = 0; h < heads; ++h)
+        for (int64_t c = 0; c < chunks; ++c) {
+            float *o = part + h * (2 + d) + 2 + 32 * c;
+            _mm512_storeu_ps(o, _mm512_permutex2var_ps(lo[h][c], first16, hi[h][c]));
+            _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(lo[h][c], second16, hi[h][c]));
+        }
+}
+
+/* partial() in bfloat16 dot products, for a bfloat16 cache and heads of D = 32 c <= 128 (vdpbf16ps:
+ * 32 products an instruction where float32 FMAs do 16, and the cache's rows multiplied as they are,
+ * with no conversion to float32). The query is rounded to bfloat16 (exact for a bfloat16 model), each
+ * score sums its products in float32; the softmax weights are rounded to bfloat16 and their sum taken
+ * as rounded, and the V sums accumulate in float32. Against float32 math on the same cache: within
+ * bfloat16's rounding of q and of the weights (a relative 2^-9). */
+static inline __attribute__((always_inline)) int partial_bf16(const void *q, int q_dtype, int64_t row, int64_t hq,
+                                                               int64_t d, const uint16_t *k_cache,
+                                                               const uint16_t *v_cache, int64_t block_size,
+                                                               int64_t hkv, const int32_t *table, int64_t begin,
+                                                               int64_t end, float scale, next_rows *next,
+                                                               float *part) {
+    const int64_t group = hq / hkv, span = end - begin, chunks = d / 32, pairs = (span + 1) / 2;
+    const int64_t slot_bytes = hkv * d * (int64_t)sizeof(uint16_t);
+    const int pass = BF16_PASS_VECTORS / (2 * chunks) > MAX_BF16_PASS_HEADS ? MAX_BF16_PASS_HEADS
+                                                                         : BF16_PASS_VECTORS / (2 * (int)chunks);
+    /* each position's first element of KV head 0 in the caches [span], scores [hq][span] float32, weights
+       [group][pairs] bfloat16 pairs, the query [d] bfloat16 */
+    int64_t *starts = malloc((size_t)span * 2 * sizeof(int64_t) + (size_t)(hq * span) * sizeof(float) +
+                             (size_t)(group * pairs) * sizeof(uint32_t) + (size_t)d * sizeof(uint16_t));
+    if (!starts) return ERR_MEMORY;
+    int64_t *rows = starts + span; /* of the KV head at hand */
+    float *scores = (float *)(rows + span);
+    uint32_t *weights = (uint32_t *)(scores + hq * span);
+    uint16_t *query = (uint16_t *)(weights + group * pairs);
+    for (int64_t j = 0, block = begin / block_size, offset = begin % block_size; j < span; ++j) {
+        starts[j] = ((int64_t)table[block] * block_size + offset) * hkv * d; /* no division a position */
+        if (++offset == block_size) offset = 0, ++block;
+    }
+    for (int64_t kv = 0; kv < hkv; ++kv) {
+        for (int64_t j = 0; j < span; ++j) rows[j] = starts[j] + kv * d;
+        for (int64_t head = kv * group; head < (kv + 1) * group; ++head) {
+            const int64_t at = (row * hq + head) * d;
+            if (q_dtype == DT_BF16) {
+                memcpy(query, (const uint16_t *)q + at, (size_t)d * sizeof(uint16_t));
+            } else {
+                const float *qf = (const float *)q + at;
+#pragma omp simd
+                for (int64_t i = 0; i < d; ++i) query[i] = f32_to_bf16(qf[i]);
+            }
+            __m512bh qv[MAX_BF16_CHUNKS];
+            for (int64_t c = 0; c < chunks; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(query + 32 * c);
+            float *s = scores + head * span, *header = part + head * (2 + d);
+            head_scores_bf16(qv, chunks, k_cache, v_cache, rows, span, scale, head == kv * group, next, block_size,
+                             slot_bytes, s);
+            float top = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : top)
+            for (int64_t j = 0; j < span; ++j) top = s[j] > top ? s[j] : top;
+            exp_shifted(s, span, top);
+            uint16_t *w = (uint16_t *)(weights + (head - kv * group) * pairs);
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < span; ++j) {
+                w[j] = f32_to_bf16(s[j]);
+                sum += bf16_to_f32(w[j]);
+            }
+            if (span % 2) w[span] = 0;
+            header[0] = top;
+            header[1] = sum;
+        }
+        for (int64_t head = kv * group; head < (kv + 1) * group; head += pass) {
+            const int64_t left = (kv + 1) * group - head;
+            const uint32_t *w = weights + (head - kv * group) * pairs;
+#define VALUES(H) weighted_values_bf16(v_cache, d, chunks, rows, span, w, pairs, H, part + head * (2 + d))
+            switch (left < pass ? left : pass) { /* a constant count, so that the sums stay in registers */
+            case 1: VALUES(1); break;
+            case 2: VALUES(2); break;
+            case 3: VALUES(3); break;
+            default: VALUES(4); break;
+            }
+#undef VALUES
+        }
+    }
+    while (next->left > 0) fetch_next_position(next, k_cache, v_cache, block_size, slot_bytes);
+    free(starts);
     return OK;
 }
 #endif
 
 static int partial_any(const void *q, int q_dtype, int64_t row, int64_t hq, int64_t d, const void *k_cache,
                        const void *v_cache, int cache_dtype, int64_t block_size, int64_t hkv, const int32_t *table,
-                       int64_t begin, int64_t end, float scale, float *part) {
+                       int64_t begin, int64_t end, float scale, next_rows *next, float *part) {
 #if defined(__AVX2__)
 #define PARTIAL(QT, CT, D) partial_simd(q, QT, row, hq, D, k_cache, v_cache, CT, block_size, hkv, table, begin, end, \
-                                        scale, part)
+                                        scale, next, part)
 #else
 #define PARTIAL(QT, CT, D) partial(q, QT, row, hq, D, k_cache, v_cache, CT, block_size, hkv, table, begin, end, \
                                    scale, part)
+#endif
+#if defined(__AVX512BF16__)
+#define PARTIAL_BF16(QT, D) partial_bf16(q, QT, row, hq, D, k_cache, v_cache, block_size, hkv, table, begin, end, \
+                                         scale, next, part)
+    if (cache_dtype == DT_BF16 && (d == 64 || d == 128)) {
+        if (q_dtype == DT_BF16) return d == 64 ? PARTIAL_BF16(DT_BF16, 64) : PARTIAL_BF16(DT_BF16, 128);
+        return d == 64 ? PARTIAL_BF16(DT_F32, 64) : PARTIAL_BF16(DT_F32, 128);
+    }
+#undef PARTIAL_BF16
 #endif
     if (q_dtype == DT_BF16 && cache_dtype == DT_BF16) {
         if (d == 64) return PARTIAL(DT_BF16, DT_BF16, 64);
@@ -323,21 +522,33 @@ int core_decode_attention(const void *q, int q_dtype, int64_t rows, int64_t hq, 
     int status = OK;
 #pragma omp parallel if (work * hq * d > 50000)
     {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t index = 0; index < partitions; ++index) {
-            int64_t r = 0;
+        /* each thread its contiguous share of the tasks, so that it knows its next one (next_rows) */
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t last = partitions * (t + 1) / threads;
+        int64_t r = 0;
+        for (int64_t index = partitions * t / threads; index < last; ++index) {
             while (first[r + 1] <= index) ++r;
             const int64_t start = window > 0 && lengths[r] > window ? lengths[r] - window : 0;
             const int64_t begin = start + (index - first[r]) * PARTITION;
             const int64_t end = begin + PARTITION < lengths[r] ? begin + PARTITION : lengths[r];
+            next_rows next = next_rows_at(NULL, 0, 0, block_size);
+            if (index + 1 < last) {
+                int64_t rn = r;
+                while (first[rn + 1] <= index + 1) ++rn;
+                const int64_t start2 = window > 0 && lengths[rn] > window ? lengths[rn] - window : 0;
+                const int64_t begin2 = start2 + (index + 1 - first[rn]) * PARTITION;
+                const int64_t end2 = begin2 + PARTITION < lengths[rn] ? begin2 + PARTITION : lengths[rn];
+                next = next_rows_at(tables + rn * table_width, begin2, end2, block_size);
+            }
             int s = partial_any(q, q_dtype, r, hq, d, k_cache, v_cache, cache_dtype, block_size, hkv,
-                                tables + r * table_width, begin, end, scale, parts + index * stride);
+                                tables + r * table_width, begin, end, scale, &next, parts + index * stride);
             if (s != OK) status = s;
         }
+#pragma omp barrier
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; ++r)
-            if (first[r + 1] > first[r]) /* an empty context has no output to write */
-                combine(parts + first[r] * stride, first[r + 1] - first[r], stride, hq, d, r, q_dtype, out);
+        for (int64_t row = 0; row < rows; ++row)
+            if (first[row + 1] > first[row]) /* an empty context has no output to write */
+                combine(parts + first[row] * stride, first[row + 1] - first[row], stride, hq, d, row, q_dtype, out);
     }
     free(parts);
     free(first);
@@ -357,7 +568,7 @@ int core_rms_norm(const void *x, int x_dtype, int64_t tokens, int64_t hidden, co
     load_row(weight, w_dtype, 0, hidden, w);
     const int fused = x_dtype == DT_F32 && w_dtype == DT_F32;
     int status = OK;
-#pragma omp parallel if (tokens * hidden > 65536)
+#pragma omp parallel if (tokens * hidden > PARALLEL_MIN_WORK)
     {
         float *row = malloc((size_t)hidden * sizeof(float)), *other = malloc((size_t)hidden * sizeof(float));
         if (!row || !other) {
@@ -391,7 +602,7 @@ int core_rms_norm(const void *x, int x_dtype, int64_t tokens, int64_t hidden, co
 int core_silu_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, void *out) {
     if ((tokens > 0 && (!x || !out)) || tokens < 0 || inner <= 0 || (dtype != DT_F32 && dtype != DT_BF16)) return ERR_ARGS;
     int status = OK;
-#pragma omp parallel if (tokens * inner > 65536)
+#pragma omp parallel if (tokens * inner > PARALLEL_MIN_WORK)
     {
         float *gate = malloc((size_t)inner * sizeof(float)), *up = malloc((size_t)inner * sizeof(float));
         if (!gate || !up) {
@@ -432,7 +643,7 @@ int core_rotary(const void *q, const void *k, int dtype, int64_t tokens, int64_t
     for (int64_t t = 0; t < tokens; ++t)
         if (positions[t] < 0 || positions[t] >= max_position) return ERR_ARGS;
     const int64_t half = d / 2;
-#pragma omp parallel for schedule(static) if (tokens * (hq + hkv) * d > 65536)
+#pragma omp parallel for schedule(static) if (tokens * (hq + hkv) * d > PARALLEL_MIN_WORK)
     for (int64_t t = 0; t < tokens; ++t) {
         float c[MAX_HEAD_DIM / 2], s[MAX_HEAD_DIM / 2], x[MAX_HEAD_DIM], y[MAX_HEAD_DIM];
         load_row(cos_table, table_dtype, positions[t] * half, half, c);

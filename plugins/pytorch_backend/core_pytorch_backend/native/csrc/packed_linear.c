@@ -58,7 +58,9 @@
 int core_packed_abi_version(void) { return CORE_PACKED_ABI; }
 
 const char *core_packed_variant(void) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+    return "avx512-bf16";
+#elif defined(__AVX512VNNI__) && defined(__AVX512BW__)
     return "avx512-vnni";
 #elif defined(__AVX2__)
     return "avx2";
@@ -217,7 +219,7 @@ static int quantize_acts(const void *x, int dtype, int64_t m, int64_t k, int64_t
     a->sum = malloc((size_t)(m * a->groups) * sizeof(float));
     a->csum = malloc((size_t)(m * a->groups) * sizeof(int32_t));
     if (!a->q1 || !a->q2 || !a->d || !a->sum || !a->csum) return ERR_MEMORY;
-#pragma omp parallel for schedule(static) if (m * k > 65536)
+#pragma omp parallel for schedule(static) if (m * k > PARALLEL_MIN_WORK)
     for (int64_t row = 0; row < m; ++row) quantize_row(x, dtype, row, k, a, reference);
     return OK;
 }
