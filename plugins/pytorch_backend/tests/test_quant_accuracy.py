@@ -7,7 +7,7 @@ positions, and its perplexity must be within 1% of the oracle's.
 
 The bar holds for the native kernel (``quant.kernel_choice``: chosen where it builds, on AVX-512 and
 AVX2 CPUs alike), whose model runs in float32 with activations rounded per 32 inputs in two int8 steps
-and a bfloat16 KV cache. Measured on an AMD EPYC (Zen 5, AVX-512, no AMX), prefill chunks of 256:
+and a bfloat16 KV cache. Measured on an AMD EPYC (Zen 4 Genoa, AVX-512, no AMX), prefill chunks of 256:
 packed GGUF 99.90%, int8 99.75%, int4 99.90%; perplexity ratio 1.0003-1.0006 (``benchmarks/quant_accuracy.py``);
 one token a step (decode attention, the last test) 99.55%. Where only
 torch's int4 kernel runs (no C compiler), the model runs in bfloat16 and no bf16 arithmetic reaches 99%
@@ -99,7 +99,7 @@ def test_quantized_path_follows_the_float32_model(name, default_gguf_path, oracl
 def test_the_packed_default_model_follows_the_float32_model_one_token_a_step(default_gguf_path, oracle):
     """The same bar with every position a decode step: each token attends to its context through decode
     attention over the bfloat16 KV cache (bfloat16 dot products in the avx512-bf16 build), which
-    prefill chunks of 256 never reach. Measured on the Zen 5 EPYC: 99.55% (the avx512-vnni build's
+    prefill chunks of 256 never reach. Measured on a Zen 4 EPYC: 99.55% (the avx512-vnni build's
     float32 attention: 99.65%), perplexity ratio 1.0004."""
     tokens, oracle_run = oracle
     loaded = load_checkpoint(default_gguf_path)

@@ -14,7 +14,7 @@ enum { OK = 0, ERR_ARGS = 1, ERR_MEMORY = 2 }; /* library.py STATUS */
  * saves. In a decode step the threads are awake (one kernel follows another); at the former 65536 a
  * 32-row step of SmolLM2 (576 x 32 = 18432) ran its activations' quantization, norms, rotary and
  * silu * up on one thread while the other spun (perf: a quarter of that thread's samples in libgomp),
- * and 8192 made the native decode stack ~4% faster at 32 and 64 rows on the 2-core Zen 5 EPYC. */
+ * and 8192 made the native decode stack ~4% faster at 32 and 64 rows on a 2-core Zen 4 EPYC (Genoa). */
 #define PARALLEL_MIN_WORK 8192
 
 static inline float bf16_to_f32(uint16_t v) {
