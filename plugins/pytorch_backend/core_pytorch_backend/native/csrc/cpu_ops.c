@@ -58,30 +58,38 @@ static inline void prefetch_row(const void *cache, int64_t slot, int64_t row_byt
     for (int64_t offset = 0; offset < row_bytes; offset += 64) __builtin_prefetch(start + offset, 0, 3);
 }
 
-/* The next task's K and V rows (every KV head of positions [begin, begin + left) of one context), asked
- * for into L2 a position at a time while the current task computes: its rows then arrive while this
- * task's arithmetic runs, where asked for at its own start they keep the arithmetic waiting (a decode
- * step's contexts are read once, from memory). */
+/* A walk over positions [begin, begin + left) of one context's paged slots, a block and an offset at a
+ * time (no division a position: 32-bit division costs tens of cycles). */
 typedef struct {
     const int32_t *table;
     int64_t block, offset, left;
-} next_rows;
+} context_walk;
 
-static inline next_rows next_rows_at(const int32_t *table, int64_t begin, int64_t end, int64_t block_size) {
-    const next_rows n = {table, table ? begin / block_size : 0, table ? begin % block_size : 0, table ? end - begin : 0};
-    return n;
+static inline context_walk context_walk_at(const int32_t *table, int64_t begin, int64_t end, int64_t block_size) {
+    const context_walk walk = {table, begin / block_size, begin % block_size, end - begin};
+    return walk;
 }
 
-static inline void fetch_next_position(next_rows *n, const void *k_cache, const void *v_cache, int64_t block_size,
-                                       int64_t row_bytes) {
-    if (n->left <= 0) return;
-    const int64_t at = ((int64_t)n->table[n->block] * block_size + n->offset) * row_bytes;
+/* the walk's next slot (walk->left > 0) */
+static inline int64_t walk_slot(context_walk *walk, int64_t block_size) {
+    const int64_t slot = (int64_t)walk->table[walk->block] * block_size + walk->offset;
+    if (++walk->offset == block_size) walk->offset = 0, ++walk->block;
+    --walk->left;
+    return slot;
+}
+
+/* The next task's K and V rows (every KV head of the positions of `next`), asked for into L2 a position
+ * at a time while the current task computes: its rows then arrive while this task's arithmetic runs,
+ * where asked for at its own start they keep the arithmetic waiting (a decode step's contexts are read
+ * once, from memory). */
+static inline void fetch_next_position(context_walk *next, const void *k_cache, const void *v_cache,
+                                       int64_t block_size, int64_t row_bytes) {
+    if (next->left <= 0) return;
+    const int64_t at = walk_slot(next, block_size) * row_bytes;
     for (int64_t o = 0; o < row_bytes; o += 64) {
         __builtin_prefetch((const char *)k_cache + at + o, 0, 2);
         __builtin_prefetch((const char *)v_cache + at + o, 0, 2);
     }
-    if (++n->offset == block_size) n->offset = 0, ++n->block;
-    --n->left;
 }
 
 /* One partition's share of one row's attention: every query head against positions [begin, end) of
@@ -226,7 +234,7 @@ static inline __attribute__((always_inline)) int partial_simd(const void *q, int
                                                                int64_t d, const void *k_cache, const void *v_cache,
                                                                int cache_dtype, int64_t block_size, int64_t hkv,
                                                                const int32_t *table, int64_t begin, int64_t end,
-                                                               float scale, next_rows *next, float *part) {
+                                                               float scale, context_walk *next, float *part) {
     const int64_t group = hq / hkv, span = end - begin, chunks = d / LANES;
     const int64_t slot_bytes = hkv * d * (cache_dtype == DT_BF16 ? 2 : 4);
     float *queries = malloc((size_t)(hq * d + hq * span + 2 * hkv * span * d) * sizeof(float));
@@ -282,7 +290,7 @@ static inline __attribute__((always_inline)) int partial_simd(const void *q, int
 static inline __attribute__((always_inline)) void head_scores_bf16(const __m512bh *qv, int64_t chunks,
                                                                     const uint16_t *k_cache, const uint16_t *v_cache,
                                                                     const int64_t *rows, int64_t span, float scale,
-                                                                    int fetch, next_rows *next, int64_t block_size,
+                                                                    int fetch, context_walk *next, int64_t block_size,
                                                                     int64_t slot_bytes, float *s) {
     const __m512 scaled = _mm512_set1_ps(scale);
     int64_t j = 0;
@@ -359,7 +367,7 @@ static inline __attribute__((always_inline)) int partial_bf16(const void *q, int
                                                                int64_t d, const uint16_t *k_cache,
                                                                const uint16_t *v_cache, int64_t block_size,
                                                                int64_t hkv, const int32_t *table, int64_t begin,
-                                                               int64_t end, float scale, next_rows *next,
+                                                               int64_t end, float scale, context_walk *next,
                                                                float *part) {
     const int64_t group = hq / hkv, span = end - begin, chunks = d / 32, pairs = (span + 1) / 2;
     const int64_t slot_bytes = hkv * d * (int64_t)sizeof(uint16_t);
@@ -374,10 +382,8 @@ static inline __attribute__((always_inline)) int partial_bf16(const void *q, int
     float *scores = (float *)(rows + span);
     uint32_t *weights = (uint32_t *)(scores + hq * span);
     uint16_t *query = (uint16_t *)(weights + group * pairs);
-    for (int64_t j = 0, block = begin / block_size, offset = begin % block_size; j < span; ++j) {
-        starts[j] = ((int64_t)table[block] * block_size + offset) * hkv * d; /* no division a position */
-        if (++offset == block_size) offset = 0, ++block;
-    }
+    context_walk walk = context_walk_at(table, begin, end, block_size);
+    for (int64_t j = 0; j < span; ++j) starts[j] = walk_slot(&walk, block_size) * hkv * d;
     for (int64_t kv = 0; kv < hkv; ++kv) {
         for (int64_t j = 0; j < span; ++j) rows[j] = starts[j] + kv * d;
         for (int64_t head = kv * group; head < (kv + 1) * group; ++head) {
@@ -429,7 +435,7 @@ static inline __attribute__((always_inline)) int partial_bf16(const void *q, int
 
 static int partial_any(const void *q, int q_dtype, int64_t row, int64_t hq, int64_t d, const void *k_cache,
                        const void *v_cache, int cache_dtype, int64_t block_size, int64_t hkv, const int32_t *table,
-                       int64_t begin, int64_t end, float scale, next_rows *next, float *part) {
+                       int64_t begin, int64_t end, float scale, context_walk *next, float *part) {
 #if defined(__AVX2__)
 #define PARTIAL(QT, CT, D) partial_simd(q, QT, row, hq, D, k_cache, v_cache, CT, block_size, hkv, table, begin, end, \
                                         scale, next, part)
@@ -493,6 +499,20 @@ static void combine(const float *parts, int64_t count, int64_t apart, int64_t hq
  * still keeps every thread busy), each leaving a partial softmax per query head that a second pass
  * merges. */
 #define PARTITION 64
+
+/* The first position a row attends to: the last `window` of its context, or all of it */
+static inline int64_t context_start(int64_t length, int64_t window) {
+    return window > 0 && length > window ? length - window : 0;
+}
+
+/* Task `index`'s positions [*begin, *end) of its row, found from *row on (first: each row's first task) */
+static inline void task_at(const int64_t *first, const int32_t *lengths, int64_t window, int64_t index,
+                           int64_t *row, int64_t *begin, int64_t *end) {
+    while (first[*row + 1] <= index) ++*row;
+    *begin = context_start(lengths[*row], window) + (index - first[*row]) * PARTITION;
+    *end = *begin + PARTITION < lengths[*row] ? *begin + PARTITION : lengths[*row];
+}
+
 int core_decode_attention(const void *q, int q_dtype, int64_t rows, int64_t hq, int64_t d, const void *k_cache,
                           const void *v_cache, int cache_dtype, int64_t block_size, int64_t hkv,
                           const int32_t *tables, int64_t table_width, const int32_t *lengths, int64_t window,
@@ -508,8 +528,7 @@ int core_decode_attention(const void *q, int q_dtype, int64_t rows, int64_t hq, 
     int64_t work = 0;
     first[0] = 0;
     for (int64_t r = 0; r < rows; ++r) {
-        const int64_t start = window > 0 && lengths[r] > window ? lengths[r] - window : 0;
-        const int64_t span = lengths[r] - start;
+        const int64_t span = lengths[r] - context_start(lengths[r], window);
         first[r + 1] = first[r] + (span > 0 ? (span + PARTITION - 1) / PARTITION : 0);
         work += span;
     }
@@ -522,23 +541,17 @@ int core_decode_attention(const void *q, int q_dtype, int64_t rows, int64_t hq, 
     int status = OK;
 #pragma omp parallel if (work * hq * d > 50000)
     {
-        /* each thread its contiguous share of the tasks, so that it knows its next one (next_rows) */
+        /* each thread its contiguous share of the tasks, so that it knows its next one (fetch_next_position) */
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t last = partitions * (t + 1) / threads;
-        int64_t r = 0;
+        int64_t r = 0, begin, end;
         for (int64_t index = partitions * t / threads; index < last; ++index) {
-            while (first[r + 1] <= index) ++r;
-            const int64_t start = window > 0 && lengths[r] > window ? lengths[r] - window : 0;
-            const int64_t begin = start + (index - first[r]) * PARTITION;
-            const int64_t end = begin + PARTITION < lengths[r] ? begin + PARTITION : lengths[r];
-            next_rows next = next_rows_at(NULL, 0, 0, block_size);
+            task_at(first, lengths, window, index, &r, &begin, &end);
+            context_walk next = {NULL, 0, 0, 0}; /* none: this thread's last task */
             if (index + 1 < last) {
-                int64_t rn = r;
-                while (first[rn + 1] <= index + 1) ++rn;
-                const int64_t start2 = window > 0 && lengths[rn] > window ? lengths[rn] - window : 0;
-                const int64_t begin2 = start2 + (index + 1 - first[rn]) * PARTITION;
-                const int64_t end2 = begin2 + PARTITION < lengths[rn] ? begin2 + PARTITION : lengths[rn];
-                next = next_rows_at(tables + rn * table_width, begin2, end2, block_size);
+                int64_t next_row = r, next_begin, next_end;
+                task_at(first, lengths, window, index + 1, &next_row, &next_begin, &next_end);
+                next = context_walk_at(tables + next_row * table_width, next_begin, next_end, block_size);
             }
             int s = partial_any(q, q_dtype, r, hq, d, k_cache, v_cache, cache_dtype, block_size, hkv,
                                 tables + r * table_width, begin, end, scale, &next, parts + index * stride);
