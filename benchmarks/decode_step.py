@@ -13,6 +13,7 @@ the ops by self time.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -63,6 +64,14 @@ def _zeros_like_output_of(matmul):
     return stub
 
 
+@functools.cache
+def _argmax():
+    """The CPU op set's argmax of the greedy rows, as the backend hands it to EngineLoop."""
+    from core_pytorch_backend.kernels import select_ops
+
+    return getattr(select_ops("cpu"), "argmax_rows", None)
+
+
 def step(runner, scheduler, times: dict[str, list[float]] | None = None) -> None:
     """One engine step, as EngineLoop._step runs it (greedy rows, no logprobs, no penalties)."""
     from core_pytorch_backend.sampling import SamplingBatch, SamplingParams, SamplingRow, sample
@@ -76,7 +85,7 @@ def step(runner, scheduler, times: dict[str, list[float]] | None = None) -> None
     marks.append(time.perf_counter())
     greedy = SamplingParams(temperature=0.0)
     rows = [SamplingRow(greedy, s.seq.prompt_token_ids, s.seq.output_token_ids) for s in inputs.sampling]
-    result = sample(logits, SamplingBatch.from_rows(rows, device=logits.device))
+    result = sample(logits, SamplingBatch.from_rows(rows, device=logits.device), argmax=_argmax())
     marks.append(time.perf_counter())
     scheduler.update(out, {s.seq.seq_id: t for s, t in zip(inputs.sampling, result.token_ids, strict=True)})
     marks.append(time.perf_counter())

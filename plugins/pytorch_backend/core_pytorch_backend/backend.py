@@ -137,7 +137,8 @@ class PytorchBackend(Backend):
         self.loop = EngineLoop(runner, max_model_len=max_len, max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=max(config.max_num_batched_tokens, 1),
                                enable_prefix_caching=config.enable_prefix_caching,
-                               sample_kernel=getattr(self.ops, "sample_tokens", None), adapters=self.lora,
+                               sample_kernel=getattr(self.ops, "sample_tokens", None),
+                               argmax_kernel=getattr(self.ops, "argmax_rows", None), adapters=self.lora,
                                speculative=speculative)
         log.info("KV cache: %d blocks of %d tokens (%d tokens) on %s, %s", num_blocks, config.block_size,
                  num_blocks * config.block_size, self.device, str(kv_dtype).replace("torch.", ""))

@@ -29,7 +29,7 @@ from core_pytorch_backend.multimodal_inputs import SequenceImages, cache_keys
 from core_pytorch_backend.pooled_prompt import PooledPrompt
 from core_pytorch_backend.prompt_logprobs import score_tokens
 from core_pytorch_backend.request_state import RequestState
-from core_pytorch_backend.sampling import SampleKernel, SamplingBatch, SamplingRow, sample
+from core_pytorch_backend.sampling import ArgmaxKernel, SampleKernel, SamplingBatch, SamplingRow, sample
 from core_pytorch_backend.speculative import SpeculativeDecoder
 from core_pytorch_backend.step_inputs import PromptRows
 
@@ -44,8 +44,8 @@ class EngineLoop:
 
     def __init__(self, runner: ModelRunner, *, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_prefix_caching: bool,
-                 sample_kernel: SampleKernel | None = None, adapters: AdapterManager | None = None,
-                 speculative: SpeculativeDecoder | None = None) -> None:
+                 sample_kernel: SampleKernel | None = None, argmax_kernel: ArgmaxKernel | None = None,
+                 adapters: AdapterManager | None = None, speculative: SpeculativeDecoder | None = None) -> None:
         self.runner = runner
         self.speculative = speculative  # proposals verified each step (speculative/); None: off
         self.adapters = adapters  # LoRA slots (lora/manager.py); None: adapters are off
@@ -53,6 +53,7 @@ class EngineLoop:
         # in flight but not scheduled yet: their adapter has no slot (all held); arrival order
         self._waiting_for_slot: dict[str, RequestState] = {}
         self.sample_kernel = sample_kernel  # the op set's fused sampler, if it has one
+        self.argmax_kernel = argmax_kernel  # and its argmax of the greedy rows
         self.max_model_len = max_model_len
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching,
                                           lazy_memory=runner.kv_memory_is_lazy)
@@ -331,7 +332,7 @@ class EngineLoop:
         if owners != list(range(len(owners))):  # a first sample of an n > 1 request reads its logits n times
             logits = logits.index_select(0, torch.tensor(owners, device=logits.device))
         return sampling, groups, sample(logits, SamplingBatch.from_rows(rows, device=logits.device),
-                                        self.sample_kernel), scored, pooled
+                                        self.sample_kernel, self.argmax_kernel), scored, pooled
 
     # -- speculative decoding (speculative/) -----------------------------------------------------------
 

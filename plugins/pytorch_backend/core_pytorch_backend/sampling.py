@@ -215,6 +215,11 @@ def sample_tokens(
 
 
 SampleKernel = Callable[..., torch.Tensor]  # sample_tokens' signature
+ArgmaxKernel = Callable[[torch.Tensor], torch.Tensor]  # an op set's argmax_rows: [B, V] -> [B] int64
+
+
+def _argmax(logits: torch.Tensor, argmax: ArgmaxKernel | None) -> torch.Tensor:
+    return argmax(logits) if argmax is not None else logits.argmax(dim=-1)
 
 
 def _sample_rows(logits: torch.Tensor, batch: SamplingBatch, kernel: SampleKernel | None) -> torch.Tensor:
@@ -228,13 +233,14 @@ def _sample_rows(logits: torch.Tensor, batch: SamplingBatch, kernel: SampleKerne
                                      batch.sample_one_minus_top_p, batch.sample_min_p, noise)
 
 
-def _choose_tokens(logits: torch.Tensor, batch: SamplingBatch, kernel: SampleKernel | None) -> torch.Tensor:
+def _choose_tokens(logits: torch.Tensor, batch: SamplingBatch, kernel: SampleKernel | None,
+                   argmax: ArgmaxKernel | None) -> torch.Tensor:
     """Token per row from processed logits: argmax for greedy rows, a draw for the others."""
     if batch.sample_index is None:
-        return logits.argmax(dim=-1)
+        return _argmax(logits, argmax)
     if len(batch.sample_rows) == batch.size:
         return _sample_rows(logits, batch, kernel)
-    tokens = logits.argmax(dim=-1)
+    tokens = _argmax(logits, argmax)
     sampled = _sample_rows(logits.index_select(0, batch.sample_index), batch, kernel)
     return tokens.index_copy_(0, batch.sample_index, sampled)
 
@@ -273,14 +279,16 @@ def _check_inputs(logits: torch.Tensor, batch: SamplingBatch) -> None:
 
 
 @torch.no_grad()
-def sample(logits: torch.Tensor, batch: SamplingBatch, kernel: SampleKernel | None = None) -> SamplerOutput:
+def sample(logits: torch.Tensor, batch: SamplingBatch, kernel: SampleKernel | None = None,
+           argmax: ArgmaxKernel | None = None) -> SamplerOutput:
     """Sample one token per row of ``logits`` ``[B, V]`` with the per-row parameters of ``batch``.
 
-    ``kernel`` is an op set's fused ``sample_tokens`` (None: the plain-torch one). ``logits`` is not
-    modified. An all-greedy batch without processors costs a single argmax."""
+    ``kernel`` is an op set's fused ``sample_tokens`` and ``argmax`` its ``argmax_rows`` (None: the
+    plain-torch ones). ``logits`` is not modified. An all-greedy batch without processors costs a
+    single argmax."""
     _check_inputs(logits, batch)
     # Returns ``logits`` itself (no copy) when no row uses penalties, bias or banned tokens.
     processed = apply_constraints(apply_logits_processors(logits, batch), batch)
-    tokens = _choose_tokens(processed, batch, kernel)
+    tokens = _choose_tokens(processed, batch, kernel, argmax)
     token_ids = tokens.tolist()
     return SamplerOutput(token_ids, _compute_logprobs(logits, tokens, token_ids, batch), tokens)

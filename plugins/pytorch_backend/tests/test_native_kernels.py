@@ -202,6 +202,56 @@ def test_silu_and_mul_matches_the_reference(ops, dtype):
     torch.testing.assert_close(ops.silu_and_mul(x), reference.silu_and_mul(x), **tol)
 
 
+def _argmax_cases() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    ties = torch.randn(6, 4097, generator=generator)
+    ties[:, [9, 300, 4096]] = ties.max() + 1  # equal largest values: the first one wins
+    special = torch.randn(7, 100, generator=generator)
+    special[0] = float("-inf")  # every token masked: index 0, as torch
+    special[1, 50] = float("inf")
+    special[2, 70] = special[2, 3] = float("nan")  # a NaN counts as larger than any number: the first NaN
+    special[3] = float("nan")
+    special[4, :] = -1.0  # all equal
+    special[5, 99] = 1e30
+    special[6, 0] = float("nan")
+    return {"vocabulary rows": torch.randn(33, 49152, generator=generator) * 5, "ties": ties,
+            "masked, infinite and NaN rows": special, "one token": torch.randn(5, 1, generator=generator),
+            "short rows": torch.randn(3, 7, generator=generator)}
+
+
+ARGMAX_CASES = _argmax_cases()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ARGMAX_CASES)
+def test_argmax_rows_follows_torch(ops, dtype, case):
+    logits = ARGMAX_CASES[case].to(dtype)  # bf16 rounding makes more ties: still the first one
+    assert torch.equal(ops.argmax_rows(logits), logits.argmax(dim=-1))
+    assert torch.equal(ops.argmax_rows(logits.T.contiguous().T), logits.argmax(dim=-1))  # strided rows
+
+
+def test_argmax_rows_leaves_other_inputs_to_torch(ops):
+    assert torch.equal(ops.argmax_rows(torch.tensor([[1.0, 3.0]], dtype=torch.float16)), torch.tensor([1]))
+    assert ops.argmax_rows(torch.randn(0, 10)).shape == (0,)
+    with pytest.raises(CpuKernelError, match="core_argmax_rows: bad arguments"):
+        ops.kernels().call("core_argmax_rows", 0, 0, 1, 0, 0)
+
+
+def test_greedy_sampling_takes_the_op_sets_argmax(ops):
+    from core_pytorch_backend.sampling import SamplingBatch, SamplingParams, SamplingRow, sample
+
+    logits = ARGMAX_CASES["vocabulary rows"][:4]
+    rows = [SamplingRow(SamplingParams(temperature=0.0))] * 4
+    calls = []
+
+    def counted(x):
+        calls.append(x.shape)
+        return ops.argmax_rows(x)
+
+    chosen = sample(logits, SamplingBatch.from_rows(rows, device=logits.device), argmax=counted)
+    assert calls == [(4, 49152)] and chosen.token_ids == logits.argmax(dim=-1).tolist()
+
+
 ATTENTION_CASES = {
     "one decode row": ([100], [1]),
     "decode rows of many lengths": ([5, 40, 0, 77], [1, 1, 1, 1]),

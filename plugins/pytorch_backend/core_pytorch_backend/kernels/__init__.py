@@ -21,13 +21,17 @@ from . import reference
 
 OP_NAMES = ("store_kv_cache", "paged_attention", "rms_norm", "apply_rotary", "silu_and_mul",
             "gelu_tanh_and_mul")
+# what a set may add (sampling.py falls back to torch without them): the greedy rows' argmax, a fused sampler
+OPTIONAL_OP_NAMES = ("argmax_rows", "sample_tokens")
 KINDS = ("reference", "native", "triton")
 KERNELS_ENV = "CORE_KERNELS"
 
 
 def _namespace(module: ModuleType) -> SimpleNamespace:
-    """The ops of ``module`` plus its ``name`` and ``graph_safe`` (no op syncs with the host in decode)."""
+    """The ops of ``module`` (the optional ones it has) plus its ``name`` and ``graph_safe`` (no op syncs
+    with the host in decode)."""
     ops = {name: getattr(module, name) for name in OP_NAMES}
+    ops.update({name: getattr(module, name) for name in OPTIONAL_OP_NAMES if hasattr(module, name)})
     return SimpleNamespace(name=module.NAME, graph_safe=getattr(module, "GRAPH_SAFE", False), **ops)
 
 

@@ -165,6 +165,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of [B, V] float32 or bfloat16 logits (the first of equal values; a NaN
+    above any number), in one ``core_argmax_rows`` call: torch's CPU argmax reads ~3 GB/s, 4% of a
+    32-row decode step of SmolLM2 (csrc/argmax.c). Other shapes and dtypes take torch's."""
+    if (logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16) or logits.device.type != "cpu"
+            or logits.shape[1] == 0):
+        return logits.argmax(dim=-1)
+    logits = logits.contiguous()  # named: a temporary would free its memory mid-call
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    kernels().call("core_argmax_rows", logits.data_ptr(), _code(logits), logits.shape[0], logits.shape[1],
+                   out.data_ptr())
+    return out
+
+
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``x`` [T, H, D] with contiguous heads (a view into a fused projection's rows is fine) and the
     elements from one row to the next."""

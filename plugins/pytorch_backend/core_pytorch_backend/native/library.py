@@ -15,7 +15,7 @@ from pathlib import Path
 from .build import CpuBuildError, build_library, chosen_variant
 
 log = logging.getLogger(__name__)
-ABI_VERSION = 7  # csrc/packed_linear.c CORE_PACKED_ABI
+ABI_VERSION = 8  # csrc/packed_linear.c CORE_PACKED_ABI
 STATUS = {1: "bad arguments", 2: "out of memory"}
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -45,6 +45,8 @@ SIGNATURES: dict[str, list] = {
     # decoder, layers, layer count, rows, hidden, residual, residual given, positions, slots, tables,
     # table width, lengths (csrc/decoder_stack.c)
     "core_decoder_layers": [_P, _P, _L, _L, _P, _P, _I, _P, _P, _P, _L, _P],
+    # logits, dtype, rows, vocabulary, out int64 [rows] (csrc/argmax.c)
+    "core_argmax_rows": [_P, _I, _L, _L, _P],
 }
 
 

@@ -39,7 +39,7 @@
 #include <immintrin.h>
 #endif
 
-#define CORE_PACKED_ABI 7
+#define CORE_PACKED_ABI 8
 #define GROUP 32
 #define PAIR 64
 #define BLOCK 16 /* weight rows per block */
