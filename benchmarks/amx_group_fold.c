@@ -18,7 +18,7 @@
  * ns), tdpbsud 5.6-6.4 ns, tiles 32-33 ns and fold 27-28 ns, 67-71 ns together (they do not overlap,
  * also with the next group's tiles issued before this one's fold, or two blocks a group: 65-68 ns),
  * against ~97 ns a group tile for the VNNI kernel inside core_packed_linear (M = 32-64, 4-bit codes):
- * at best 1.4x here, and no faster once built into the kernel (0.9-1.0x its time at M = 16-256; served at
+ * at best 1.4x here, and no faster once built into the kernel (0.98-1.3x its time at M = 16-256; served at
  * 32 streams, 329 / 329 against 429 / 394 out tok/s). */
 #define _DEFAULT_SOURCE
 #include <immintrin.h>

@@ -158,6 +158,7 @@ async def test_the_engine_serves_decode_steps_through_the_stack_unless_eager(tin
     from core.response import collect
     from core.scheduling import Scheduler
     from core_pytorch_backend.backend import PytorchBackend
+    from core_pytorch_backend.kernels import native
 
     preempted = []
     preempt = Scheduler._preempt
@@ -171,6 +172,7 @@ async def test_the_engine_serves_decode_steps_through_the_stack_unless_eager(tin
         backend = PytorchBackend(EngineConfig(model=str(path), quantization="int4", kv_cache_memory_gib=0.0001,
                                               max_num_batched_tokens=64, backend_options={"enforce_eager": eager}))
         assert (backend.loop.runner.decode_path is None) == eager
+        assert backend.loop.argmax_kernel is native.argmax_rows  # the greedy rows' argmax in C
         engine = AsyncEngine(backend)
         try:
             responses = await asyncio.gather(*(collect(engine.generate(p, greedy)) for p in prompts))

@@ -237,6 +237,13 @@ def test_argmax_rows_leaves_other_inputs_to_torch(ops):
         ops.kernels().call("core_argmax_rows", 0, 0, 1, 0, 0)
 
 
+def test_only_the_native_set_brings_its_argmax():
+    from core_pytorch_backend.kernels import select_ops
+
+    assert select_ops("cpu", kind="native").argmax_rows is native.argmax_rows
+    assert not hasattr(select_ops("cpu", kind="reference"), "argmax_rows")  # the sampler takes torch's
+
+
 def test_greedy_sampling_takes_the_op_sets_argmax(ops):
     from core_pytorch_backend.sampling import SamplingBatch, SamplingParams, SamplingRow, sample
 
