@@ -29,6 +29,7 @@ from core_pytorch_backend.layers.attention import (
 )
 from core_pytorch_backend.lora.layers import LoraStep
 from core_pytorch_backend.multimodal_inputs import with_images
+from core_pytorch_backend.native import tile_rows
 from core_pytorch_backend.step_inputs import PromptRows, StepInputs, StepLogits, prompt_rows_of, rows_in
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,10 @@ class ModelRunner:
     :param kv_cache_dtype: the KV cache's dtype (None: ``dtype``, the model's).
     :param decode_path: builds the model's ``DecodePath`` (its KV cache bound), or None where none applies
         (cuda_graphs.make_decode_graphs, native_decode.make_native_decode); None: always the modules.
+
+    Where the model has packed weights whose kernels have AMX tiles, each forward pass marks its
+    prompt-token rows for their tile loop (native/tile_rows.py), and a step with such rows never takes
+    the decode path, whose native stack multiplies every row by the VNNI loop.
     """
 
     def __init__(self, model: torch.nn.Module, *, block_size: int, num_blocks: int, device: torch.device,
@@ -86,6 +91,7 @@ class ModelRunner:
                  decode_path: Callable[[torch.nn.Module], DecodePath | None] | None = None,
                  lora_step: LoraStep | None = None) -> None:
         self.model = model
+        self.marks_prompt_rows = tile_rows.has_tiled_weights(model)
         self.lora_step = lora_step  # the row-to-adapter map of the model's LoRA layers (lora/layers.py)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -203,7 +209,9 @@ class ModelRunner:
         sampling: list[ScheduledSequence] = []
         prompt_rows: list[PromptRows] = []
         pooling_rows: list[PromptRows] = []
+        prompt_tokens: list[tuple[int, int]] = []
         for s in scheduled:
+            prompt_tokens.append((len(tokens), max(0, min(s.num_new_tokens, s.seq.num_prompt_tokens - s.start))))
             if s.seq.seq_id in scores_prompt and (rows := prompt_rows_of(s, len(tokens))) is not None:
                 prompt_rows.append(rows)
             if s.seq.seq_id in pools and (rows := rows_in(s, len(tokens), pools[s.seq.seq_id])) is not None:
@@ -222,6 +230,7 @@ class ModelRunner:
             prompt_rows=tuple(prompt_rows),
             pooling_rows=tuple(pooling_rows),
             lora_rows=_lora_rows(scheduled, adapter_slots),
+            prompt_token_spans=tuple(prompt_tokens),
         )
         has_images = any(s.seq.multimodal is not None for s in scheduled)
         return with_images(inputs, scheduled, self.device) if has_images else inputs
@@ -242,13 +251,17 @@ class ModelRunner:
         if self.kv_caches is None:
             raise RuntimeError("the KV cache is released (the backend is asleep)")
         extra = {} if inputs.embed_overrides is None else {"embed_overrides": inputs.embed_overrides}
-        if inputs.lora_rows is not None and self.lora_step is not None:
-            hidden = self._forward_with_adapters(inputs, extra)
-        else:
-            # the decode path (CUDA graphs, the native stack) when the step fits it; None -> the modules
-            hidden = self.decode_path.run(self.model, inputs) if self.decode_path is not None else None
-            if hidden is None:
-                hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, **extra)
+        tiled = (tile_rows.rows_of(inputs.prompt_token_spans, inputs.input_ids.shape[0])
+                 if self.marks_prompt_rows else None)
+        with tile_rows.prompt_token_rows(tiled):
+            if inputs.lora_rows is not None and self.lora_step is not None:
+                hidden = self._forward_with_adapters(inputs, extra)
+            else:
+                # the decode path (CUDA graphs, the native stack) when the step fits it; None -> the modules
+                decode = self.decode_path if tiled is None else None
+                hidden = decode.run(self.model, inputs) if decode is not None else None
+                if hidden is None:
+                    hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, **extra)
         prompt, pooling = _rows_of(hidden, inputs.prompt_rows), _rows_of(hidden, inputs.pooling_rows)
         if not inputs.sampling:
             return StepLogits(hidden.new_empty((0, 0), dtype=torch.float32), prompt, pooling)

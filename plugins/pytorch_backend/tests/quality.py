@@ -27,6 +27,7 @@ import torch
 
 from core_pytorch_backend.attention_metadata import AttentionMetadata
 from core_pytorch_backend.layers.attention import allocate_kv_caches, unbind_kv_caches
+from core_pytorch_backend.native import tile_rows
 
 DEFAULT_TOKENS = 2000  # positions scored (the text has one more token: the last one is only a target)
 CHUNK = 256  # prefill chunk (tokens per forward)
@@ -75,12 +76,14 @@ class TeacherForced:
 
 @torch.inference_mode()
 def teacher_forced(loaded: Any, tokens: Sequence[int], chunk: int = CHUNK,
-                   block_size: int = BLOCK_SIZE) -> TeacherForced:
+                   block_size: int = BLOCK_SIZE, prompt: bool = True) -> TeacherForced:
     """Score ``tokens`` with a ``LoadedModel`` (from ``load_checkpoint``) through its paged KV cache.
 
     One sequence, prefilled ``chunk`` tokens at a time; before each chunk the block table grows to the
     blocks the sequence then needs (block ids handed out in reverse, so they are not the identity map).
-    Logits are computed for every row of every chunk, in float32 (``compute_logits``).
+    Logits are computed for every row of every chunk, in float32 (``compute_logits``). ``prompt``: the
+    rows are a prompt's tokens, as the model runner marks a prefill's (``native/tile_rows.py``: where the
+    packed weights have AMX tiles, they take them); False: as generated tokens (the VNNI loop).
     """
     model, device = loaded.model, _device_of(loaded.model)
     tokens = list(tokens)
@@ -100,7 +103,8 @@ def teacher_forced(loaded: Any, tokens: Sequence[int], chunk: int = CHUNK,
             while len(table) * block_size < begin + len(ids):
                 table.append(free_blocks.pop())
             meta = AttentionMetadata.build([begin], [len(ids)], [table], block_size, device)
-            hidden = model(torch.tensor(ids, dtype=torch.int64, device=device), meta.positions(), meta)
+            with tile_rows.prompt_token_rows(tile_rows.rows_of([(0, len(ids))], len(ids)) if prompt else None):
+                hidden = model(torch.tensor(ids, dtype=torch.int64, device=device), meta.positions(), meta)
             logits = model.compute_logits(hidden).float()
             targets = torch.tensor(tokens[begin + 1 : begin + 1 + len(ids)], dtype=torch.int64, device=device)
             logprobs.append(logits.log_softmax(-1).gather(1, targets[:, None])[:, 0].cpu())

@@ -17,7 +17,7 @@ SLOTS, MAX_RANK, IN = 3, 8, 40
 OUTPUTS = [24, 8, 8]  # a fused q/k/v-like layer
 RANKS = [8, 3, 5]
 NATIVE = available()
-# every variant this CPU runs (generic, avx2, avx512-vnni, avx512-bf16): an AVX2-only machine runs the avx2 one
+# every variant this CPU runs (generic, avx2, avx512-vnni, avx512-bf16, amx-bf16): an AVX2-only machine runs the avx2 one
 VARIANTS = [v for v, needed in build.VARIANT_CPU_FLAGS.items() if needed <= build.cpu_flags()] if NATIVE else []
 
 

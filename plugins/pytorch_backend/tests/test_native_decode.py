@@ -13,10 +13,13 @@ import logging
 import pytest
 import torch
 
+from core.scheduling.scheduler import ScheduledSequence
+from core.scheduling.sequence import Sequence
 from core_pytorch_backend.attention_metadata import AttentionMetadata
 from core_pytorch_backend.kernels import select_ops
 from core_pytorch_backend.loader import load_checkpoint
 from core_pytorch_backend.model_runner import ModelRunner, StepInputs
+from core_pytorch_backend.native import tile_rows
 from core_pytorch_backend.native.library import available
 from core_pytorch_backend.native_decode import DoesNotFit, NativeDecodeStack, describe, make_native_decode
 from core_pytorch_backend.quant.kernel_choice import PackedKernel
@@ -117,6 +120,43 @@ def test_rows_that_are_not_plain_decode_rows_take_the_modules(tiny_checkpoint_fa
                        decode.sampling)
     assert stack.run(model, mixed) is None
     assert stack.run(model, mrope) is None
+
+
+def _sequence(seq_id: str, prompt: list[int], generated: list[int], computed: int, table: list[int]):
+    seq = Sequence(seq_id, prompt)
+    for token in generated:
+        seq.append_token(token)
+    seq.num_computed_tokens, seq.block_table = computed, table
+    return seq
+
+
+def test_a_step_marks_its_prompt_tokens_rows_and_then_never_takes_the_stack(tiny_checkpoint_factory, native_packed):
+    """native/tile_rows.py: prepare() spans each chunk's prompt tokens (positions below its prompt's
+    length), whatever the chunk's size; a runner that marks them hands the forward pass those rows, and
+    a step that has any (here a prompt's last token beside decode rows: the stack's shape) takes the modules,
+    whose packed weights put those rows on the AMX tiles where the kernels have them."""
+    model = _load(tiny_checkpoint_factory("llama"), "int8")
+    runner = _runner(model)
+    assert runner.marks_prompt_rows == available().uses_amx  # tile_rows.has_tiled_weights
+    runner.marks_prompt_rows = True  # as on a CPU with AMX tiles (has_tiled_weights), whatever this one has
+    runner.zero_blocks(range(50))
+    decoding = _sequence("decoding", [5, 6, 7], [8, 9], computed=4, table=TABLES[0])  # its last generated token
+    last_prompt_token = _sequence("last", [1, 2, 3, 4, 5, 6], [], computed=5, table=TABLES[1])  # a cache hit to 5
+    generated_then = _sequence("preempted", [3, 4], [5, 6], computed=0, table=TABLES[2])  # recomputed whole
+    inputs = runner.prepare([ScheduledSequence(decoding, 1), ScheduledSequence(last_prompt_token, 1),
+                             ScheduledSequence(generated_then, 4)])
+    assert inputs.prompt_token_spans == ((0, 0), (1, 1), (2, 2))  # rows 1, 2 and 3 are prompt tokens
+    seen, stack_calls = [], []
+    original = runner.decode_path.run
+    runner.decode_path.run = lambda model, step: stack_calls.append(step) or original(model, step)
+    model.register_forward_pre_hook(lambda *_: seen.append(tile_rows.current()))
+    runner.execute(inputs)
+    assert stack_calls == [] and seen[0].tiled.tolist() == [1, 2, 3] and seen[0].other.tolist() == [0, 4, 5]
+    assert tile_rows.current() is None  # only during the pass
+    decode_only = runner.prepare([ScheduledSequence(_sequence("d", [5, 6, 7], [8], computed=3, table=TABLES[0]), 1)])
+    assert decode_only.prompt_token_spans == ((0, 0),)
+    runner.execute(decode_only)
+    assert len(stack_calls) == 1 and len(seen) == 1  # no prompt tokens: the stack (not the modules) ran it
 
 
 def test_models_it_does_not_take_are_refused_at_start_with_the_reason(tiny_checkpoint_factory, native_packed,

@@ -15,7 +15,7 @@ import torch
 
 from core_pytorch_backend.attention_metadata import AttentionMetadata
 from core_pytorch_backend.kernels import native, reference, select_ops
-from core_pytorch_backend.native import build
+from core_pytorch_backend.native import build, tile_rows
 from core_pytorch_backend.native.library import CpuKernelError, load
 from core_pytorch_backend.native.packed_weight import NativeWeight
 from core_pytorch_backend.quant.affine import AffineWeight, quantize_int4, quantize_int8
@@ -37,7 +37,9 @@ def test_the_best_variant_follows_the_cpu_flags():
     assert build.best_variant(frozenset({"avx2", "fma", "f16c"})) == "avx2"
     vnni = build.VARIANT_CPU_FLAGS["avx512-vnni"]
     assert build.best_variant(frozenset(vnni)) == "avx512-vnni"  # Ice Lake: AVX-512 VNNI without BF16
-    assert build.best_variant(frozenset(vnni | {"avx512_bf16"})) == "avx512-bf16"  # Zen 4/5, Sapphire Rapids
+    assert build.best_variant(frozenset(vnni | {"avx512_bf16"})) == "avx512-bf16"  # Zen 4/5
+    assert build.best_variant(frozenset(build.VARIANT_CPU_FLAGS["amx-bf16"])) == "amx-bf16"  # Sapphire Rapids on
+    assert build.best_variant(frozenset(vnni | {"avx512_bf16", "amx_tile", "amx_bf16"})) == "avx512-bf16"  # no VBMI
     assert build.best_variant(frozenset(vnni - {"avx512_vnni"})) == "avx2"  # AVX-512 without VNNI
 
 
@@ -51,7 +53,7 @@ def test_core_cpu_kernels_overrides_the_variant_within_what_the_cpu_runs(monkeyp
     with pytest.raises(ValueError, match="CORE_CPU_KERNELS=avx512-vnni needs CPU flags .*avx512_vnni"):
         build.chosen_variant(frozenset({"avx2", "fma", "f16c"}))
     monkeypatch.setenv("CORE_CPU_KERNELS", "sse9")
-    with pytest.raises(ValueError, match="CORE_CPU_KERNELS must be one of avx512-bf16, avx512-vnni, avx2, generic, got 'sse9'"):
+    with pytest.raises(ValueError, match="CORE_CPU_KERNELS must be one of amx-bf16, avx512-bf16, avx512-vnni, avx2, generic, got 'sse9'"):
         build.chosen_variant(vnni)
 
 
@@ -150,20 +152,100 @@ def test_scales_that_halves_hold_exactly_are_kept_as_halves(kernels, bits):
 # (K, rows, slices): one chunk of rows; and K = 1536, whose chunks of activation codes (csrc
 # ACTS_CHUNK_BYTES) hold 32 rows, so 101 rows take four chunks and a tile left over
 BATCH_CASES = {"one chunk": (96, 11, [(0, 1), (3, 5), (2, 9), (5, 11)]),
-               "several chunks": (1536, 101, [(0, 1), (30, 35), (2, 99), (64, 101)])}
+               "several chunks": (1536, 101, [(0, 1), (30, 35), (2, 99), (64, 101)]),
+               # the tile loop's chunks (AMX_ACTS_BYTES) hold 160 rows of K = 1536
+               "several tile chunks": (1536, 400, [(0, 1), (150, 170), (3, 399)])}
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("case", BATCH_CASES)
-def test_a_rows_result_does_not_depend_on_its_batch(kernels, bits, case):
+@pytest.mark.parametrize("tiles", [False, True], ids=["vnni", "tiles"])
+def test_a_rows_result_does_not_depend_on_its_batch(kernels, bits, case, tiles):
     """Each activation row is quantized and summed the same way whatever M is: a prompt's KV cache is
-    the same whether its prefix was prefilled alone, in a batch or read from the prefix cache."""
+    the same whether its prefix was prefilled alone, in a batch or read from the prefix cache. The tile
+    loop too: a row is the same sequence of tile products over K in any tile, pair or chunk of rows."""
+    if tiles and not kernels.uses_amx:
+        pytest.skip(f"the {kernels.variant} variant has no AMX tile loop")
     k, rows, slices = BATCH_CASES[case]
     weight = NativeWeight.from_affine(_weight(40, k, bits), kernels)
     x = torch.randn(rows, k)
-    batched = weight.linear(x, None)
+    batched = weight.linear(x, None, tiles=tiles)
     for start, stop in slices:
-        assert torch.equal(weight.linear(x[start:stop], None), batched[start:stop])
+        assert torch.equal(weight.linear(x[start:stop], None, tiles=tiles), batched[start:stop])
+
+
+def _bf16_oracle(codes: AffineWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The tile loop's arithmetic in torch: each weight q * s + o rounded once to float32 (the kernel's fma)
+    and then to bfloat16, the activations rounded to bfloat16, products summed in float32."""
+    scale = np.repeat(codes.scale.astype(np.float64), codes.group_size, axis=1)[:, : codes.q.shape[1]]
+    offset = np.repeat(codes.offset.astype(np.float64), codes.group_size, axis=1)[:, : codes.q.shape[1]]
+    dense = torch.from_numpy((codes.q.astype(np.float64) * scale + offset).astype(np.float32))
+    out = x.bfloat16().float() @ dense.bfloat16().float().T
+    return out if bias is None else out + bias
+
+
+TILES = pytest.mark.skipif(not any(load(v).uses_amx for v in RUNNABLE), reason="no AMX tiles on this machine")
+
+
+@pytest.fixture
+def tile_kernels(kernels):
+    if not kernels.uses_amx:
+        pytest.skip(f"the {kernels.variant} variant has no AMX tile loop")
+    return kernels
+
+
+@TILES
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(48, 256), (40, 96), (16, 32), (72, 128), (576, 1536)])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 33, 70])  # one tile of rows, a pair, a pair and more
+def test_the_tile_loop_multiplies_in_bfloat16(tile_kernels, bits, shape, rows):
+    codes = _weight(*shape, bits)
+    weight = NativeWeight.from_affine(codes, tile_kernels)
+    x = torch.randn(rows, shape[1])
+    bias = torch.randn(shape[0])
+    tiles = weight.linear(x, bias, tiles=True)
+    torch.testing.assert_close(tiles, _bf16_oracle(codes, x, bias), rtol=1e-5, atol=2e-5)  # other sum order
+    expected = x @ torch.from_numpy(codes.dequantize()).T + bias  # bf16 rounding: ~2e-3 relative
+    assert ((tiles - expected).norm() / expected.norm()) < 5e-3
+    out = weight.linear(x.bfloat16(), None, tiles=True)  # bfloat16 in and out
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), (tiles - bias).bfloat16().float(), rtol=1e-2, atol=1e-2)
+
+
+def test_the_tile_loop_is_refused_without_tiles(kernels):
+    if kernels.uses_amx:
+        pytest.skip("this variant has the tiles")
+    weight = NativeWeight.from_affine(_weight(16, 64, 4), kernels)
+    with pytest.raises(CpuKernelError, match="core_packed_linear_tiles: no AMX tiles"):
+        weight.linear(torch.randn(2, 64), None, tiles=True)
+
+
+@TILES
+def test_marked_rows_take_the_tiles_and_the_others_the_vnni_loop(tile_kernels):
+    """tile_rows: a step's prompt-token rows (marked) on the tiles, its generated tokens' by the VNNI loop,
+    each row as it would be alone; unmarked passes, and a weight called with another row count, all VNNI."""
+    weight = NativeWeight.from_affine(_weight(40, 96, 4), tile_kernels)
+    x = torch.randn(9, 96)
+    tiles, vnni = weight.linear(x, None, tiles=True), weight.linear(x, None, tiles=False)
+    assert not torch.equal(tiles, vnni)
+    marked = tile_rows.rows_of([(0, 0), (1, 3), (6, 2)], 9)  # rows 1-3 and 6-7 are prompt tokens
+    with tile_rows.prompt_token_rows(marked):
+        mixed = weight.linear(x, None)
+        other_count = weight.linear(x[:5], None)
+    prompt = torch.tensor([False, True, True, True, False, False, True, True, False])
+    assert torch.equal(mixed[prompt], tiles[prompt]) and torch.equal(mixed[~prompt], vnni[~prompt])
+    assert torch.equal(other_count, vnni[:5])
+    with tile_rows.prompt_token_rows(tile_rows.rows_of([(0, 9)], 9)):
+        assert torch.equal(weight.linear(x, None), tiles)
+    assert torch.equal(weight.linear(x, None), vnni) and tile_rows.current() is None
+
+
+def test_prompt_token_rows_of_a_step():
+    assert tile_rows.rows_of([], 4) is None and tile_rows.rows_of([(0, 0), (2, 0)], 4) is None
+    every = tile_rows.rows_of([(0, 3), (3, 1)], 4)
+    assert every.total == 4 and every.tiled is None and every.other is None
+    some = tile_rows.rows_of([(0, 2), (3, 1)], 5)
+    assert some.tiled.tolist() == [0, 1, 3] and some.other.tolist() == [2, 4]
 
 
 def test_packed_linear_with_no_rows_and_bad_arguments(kernels):
@@ -300,9 +382,9 @@ def test_paged_attention_matches_the_reference(ops, dtypes, window, case, heads)
     mine = ops.paged_attention(query, k_cache, v_cache, meta, d**-0.5, window)
     meta.op_cache.clear()
     oracle = reference.paged_attention(query, k_cache, v_cache, meta, d**-0.5, window)
-    # the avx512-bf16 variant multiplies a bfloat16 cache in bfloat16 (csrc partial_bf16: heads of 64 or 128,
+    # the avx512-bf16 and amx-bf16 variants multiply a bfloat16 cache in bfloat16 (csrc partial_bf16: heads of 64 or 128,
     # the query and the softmax weights rounded to bfloat16): a float32 query over it is held to bf16's bar
-    bf16_math = cache_dtype == torch.bfloat16 and native.kernels().variant == "avx512-bf16" and d in (64, 128)
+    bf16_math = cache_dtype == torch.bfloat16 and native.kernels().variant in ("avx512-bf16", "amx-bf16") and d in (64, 128)
     exact = dtype == torch.float32 and not bf16_math
     tol = {"rtol": 1e-5, "atol": 1e-5} if exact else {"rtol": 0.016, "atol": 0.016}
     torch.testing.assert_close(mine, oracle, **tol)

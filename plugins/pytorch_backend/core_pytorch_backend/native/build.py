@@ -1,8 +1,10 @@
 """Compile the CPU kernels (csrc/*.c) with the system C compiler into a shared library, cached on disk.
 
 One variant per instruction set, picked from the flags the CPU reports (``/proc/cpuinfo``):
-``avx512-bf16`` (``avx512-vnni`` plus AVX512-BF16, whose dot products multiply a bfloat16 KV cache in
-decode attention: Zen 4/5, Sapphire Rapids and later Xeons), ``avx512-vnni`` (AVX-512 F/BW/VL + VNNI:
+``amx-bf16`` (``avx512-bf16`` plus AVX512-VBMI and AMX-TILE/AMX-BF16, whose tiles multiply a prompt's rows
+by the packed weights: Sapphire Rapids and later Xeons; native/tile_rows.py), ``avx512-bf16``
+(``avx512-vnni`` plus AVX512-BF16, whose dot products multiply a bfloat16 KV cache in decode attention:
+Zen 4/5), ``avx512-vnni`` (AVX-512 F/BW/VL + VNNI:
 Ice Lake), ``avx2`` (AVX2 + FMA: every x86 server CPU of the last decade) and ``generic`` (plain C, any
 CPU; also the tests' reference). Each
 variant is built only with the flags its instructions need (never ``-march=native``, which would use
@@ -34,6 +36,8 @@ LIBRARY_STEM = "core_cpu_kernels"
 # -fno-math-errno: expf in a loop may use glibc's vector versions (libmvec); nothing reads errno
 COMMON_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wall")
 VARIANT_FLAGS = {
+    "amx-bf16": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mavx2", "-mfma",
+                 "-mf16c", "-mavx512vbmi", "-mamx-tile", "-mamx-bf16"),
     "avx512-bf16": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mavx2", "-mfma",
                     "-mf16c"),
     "avx512-vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"),
@@ -41,6 +45,8 @@ VARIANT_FLAGS = {
     "generic": (),
 }
 VARIANT_CPU_FLAGS = {  # what /proc/cpuinfo must list for a variant to run
+    "amx-bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx2", "fma", "f16c", "avx512vbmi",
+                 "amx_tile", "amx_bf16"},
     "avx512-bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx2", "fma", "f16c"},
     "avx512-vnni": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"},
     "avx2": {"avx2", "fma", "f16c"},

@@ -15,14 +15,15 @@ from pathlib import Path
 from .build import CpuBuildError, build_library, chosen_variant
 
 log = logging.getLogger(__name__)
-ABI_VERSION = 8  # csrc/packed_linear.c CORE_PACKED_ABI
-STATUS = {1: "bad arguments", 2: "out of memory"}
+ABI_VERSION = 9  # csrc/packed_linear.c CORE_PACKED_ABI
+STATUS = {1: "bad arguments", 2: "out of memory", 3: "no AMX tiles (not an amx-bf16 build, or Linux refused them)"}
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES: dict[str, list] = {
     # x, x dtype, M, K, codes, bits, N, Kp, scale, offset, their dtype, bias, y, y dtype
     "core_packed_linear": [_P, _I, _L, _L, _P, _I, _L, _L, _P, _P, _I, _P, _P, _I],
     "core_packed_linear_reference": [_P, _I, _L, _L, _P, _I, _L, _L, _P, _P, _I, _P, _P, _I],
+    "core_packed_linear_tiles": [_P, _I, _L, _L, _P, _I, _L, _L, _P, _P, _I, _P, _P, _I],
     # q, q dtype, rows, Hq, D, k cache, v cache, cache dtype, block size, Hkv, tables, table width,
     # lengths, window, scale, out
     "core_decode_attention": [_P, _I, _L, _L, _L, _P, _P, _I, _L, _L, _P, _L, _P, _L, _F, _P],
@@ -67,6 +68,9 @@ class CpuKernels:
         if version != ABI_VERSION:
             raise CpuKernelError(f"{self.path} has C ABI version {version}, expected {ABI_VERSION}; rebuild it")
         self.variant = self._lib.core_packed_variant().decode()
+        self._lib.core_packed_uses_amx.restype = ctypes.c_int
+        # whether core_packed_linear_tiles runs (native/tile_rows.py: a prompt's rows take it)
+        self.uses_amx = bool(self._lib.core_packed_uses_amx())
         self._functions = {}
         for name, argtypes in SIGNATURES.items():
             function = getattr(self._lib, name)
@@ -108,5 +112,8 @@ def available() -> CpuKernels | None:
         log.warning("the native CPU kernels are unavailable (%s); the plain-torch ops and torch's packed "
                     "kernels run instead", exc)
         return None
-    log.info("native CPU kernels: the %s variant (%s), %s", kernels.variant, why, kernels.path)
+    tiles = "; prompt tokens' packed matmuls on the AMX tiles (bfloat16)" if kernels.uses_amx else ""
+    if kernels.variant == "amx-bf16" and not kernels.uses_amx:
+        tiles = "; Linux refused the AMX tiles: every packed matmul takes the AVX-512 VNNI loop"
+    log.info("native CPU kernels: the %s variant (%s)%s, %s", kernels.variant, why, tiles, kernels.path)
     return kernels

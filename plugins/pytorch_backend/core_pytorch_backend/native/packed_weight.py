@@ -5,7 +5,9 @@ and offset each) in blocks of 16 rows side by side: N is padded to a multiple of
 of 64 with zero codes, scales and offsets; within a block, each step of 4 inputs holds the 16 rows' 4
 codes in turn, and 4-bit codes of groups 2p and 2p+1 share a byte (low and high nibble). A symmetric
 code's offset (``o = -2^(bits-1) * s``: GGUF Q4_0 and Q8_0, int8) is stored like any other. ``linear``
-takes float32 or bfloat16 activations and returns the same dtype.
+takes float32 or bfloat16 activations and returns the same dtype. Where the kernels have AMX tiles, the
+rows that ``tile_rows.current()`` marks (a prompt's tokens) take the tile loop and the others the VNNI loop
+(see tile_rows.py for the rule and why it is a property of the token).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 
 from ..quant.affine import AffineWeight
+from . import tile_rows
 from .library import CpuKernels
 
 GROUP, PAIR, BLOCK, STEP = 32, 64, 16, 4
@@ -97,7 +100,11 @@ class NativeWeight(nn.Module):
         """What the start-up line calls this layer's weights."""
         return f"int{self.bits}-native"
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None, *, reference: bool = False) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None, *, reference: bool = False,
+               tiles: bool | None = None) -> torch.Tensor:
+        """x @ W^T + bias. ``tiles``: True / False forces the tile / VNNI loop for every row (True raises
+        CpuKernelError where the kernels have no tiles); None (the default) follows ``tile_rows.current()``
+        where the kernels have tiles. ``reference``: the plain-C loop (the VNNI loop's oracle)."""
         # A decode step calls this ~120 times, so it does no more than it must: buffers read from
         # _buffers (an nn.Module attribute lookup is a slow __getattr__), the ctypes function called
         # directly (4 us of the 11 us a call took on a 2-core EPYC was Python around the kernel).
@@ -108,20 +115,41 @@ class NativeWeight(nn.Module):
             flat, code = flat.float(), 0
         elif not flat.is_contiguous():
             flat = flat.contiguous()
-        m = flat.shape[0]
-        out = torch.empty((m, n), dtype=flat.dtype)
         if bias is not None:
             bias = bias.to(torch.float32).contiguous()  # named: alive during the call
-        buffers = self._buffers
-        status = self.kernels.function("core_packed_linear_reference" if reference else "core_packed_linear")(
-            flat.data_ptr(), code, m, k, buffers["codes"].data_ptr(), self.bits, n, self.padded_k,
-            buffers["scale"].data_ptr(), buffers["offset"].data_ptr(), DTYPE_CODES[buffers["scale"].dtype],
-            None if bias is None else bias.data_ptr(), out.data_ptr(), code)
-        if status:
-            self.kernels.raise_for("core_packed_linear", status)
+        if reference:
+            out = self._call("core_packed_linear_reference", flat, code, bias)
+        elif tiles is not None:
+            out = self._call("core_packed_linear_tiles" if tiles else "core_packed_linear", flat, code, bias)
+        else:
+            out = self._by_rows(flat, code, bias)
         if out.dtype != x.dtype:
             out = out.to(x.dtype)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+    def _by_rows(self, flat: torch.Tensor, code: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """The step's prompt-token rows on the tiles, the others by the VNNI loop (tile_rows.py)."""
+        rows = tile_rows.current() if self.kernels.uses_amx else None
+        if rows is None or rows.total != flat.shape[0]:
+            return self._call("core_packed_linear", flat, code, bias)
+        if rows.tiled is None:
+            return self._call("core_packed_linear_tiles", flat, code, bias)
+        out = torch.empty((flat.shape[0], self.shape[0]), dtype=flat.dtype)
+        out.index_copy_(0, rows.tiled, self._call("core_packed_linear_tiles", flat.index_select(0, rows.tiled), code, bias))
+        out.index_copy_(0, rows.other, self._call("core_packed_linear", flat.index_select(0, rows.other), code, bias))
+        return out
+
+    def _call(self, kernel: str, flat: torch.Tensor, code: int, bias: torch.Tensor | None) -> torch.Tensor:
+        m = flat.shape[0]
+        out = torch.empty((m, self.shape[0]), dtype=flat.dtype)
+        buffers = self._buffers
+        status = self.kernels.function(kernel)(
+            flat.data_ptr(), code, m, self.shape[1], buffers["codes"].data_ptr(), self.bits, self.shape[0],
+            self.padded_k, buffers["scale"].data_ptr(), buffers["offset"].data_ptr(),
+            DTYPE_CODES[buffers["scale"].dtype], None if bias is None else bias.data_ptr(), out.data_ptr(), code)
+        if status:
+            self.kernels.raise_for(kernel, status)
+        return out
 
     def extra_repr(self) -> str:
         scales = str(self.scale.dtype).replace("torch.", "")

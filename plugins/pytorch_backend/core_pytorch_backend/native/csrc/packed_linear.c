@@ -28,6 +28,9 @@
  * unpacked weight vector serves them all, and on AVX-512 two blocks at a time (TILE_BLOCKS), so that
  * each broadcast of a row's activation codes serves both.
  */
+#if defined(__AMX_TILE__)
+#define _DEFAULT_SOURCE /* syscall (arch_prctl) */
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,7 +42,8 @@
 #include <immintrin.h>
 #endif
 
-#define CORE_PACKED_ABI 8
+#define CORE_PACKED_ABI 9
+#define ERR_NO_TILES 3
 #define GROUP 32
 #define PAIR 64
 #define BLOCK 16 /* weight rows per block */
@@ -58,7 +62,9 @@
 int core_packed_abi_version(void) { return CORE_PACKED_ABI; }
 
 const char *core_packed_variant(void) {
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    return "amx-bf16";
+#elif defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
     return "avx512-bf16";
 #elif defined(__AVX512VNNI__) && defined(__AVX512BW__)
     return "avx512-vnni";
@@ -415,6 +421,218 @@ static inline __attribute__((always_inline)) void block_dots_simd(const uint8_t 
 #define block_dots_simd block_dots_generic
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* The AMX loop (Sapphire Rapids and later Xeons): each block's codes dequantized, a group at a time, to
+ * bfloat16 weights (w = q * s + o in float32, rounded once) in the tiles' pair layout, the activations
+ * rounded to bfloat16, and `tdpbf16ps` summing 16 activation rows x 16 weight rows x 32 inputs into
+ * float32 tiles that hold a row's sum over all of K: nothing leaves the tiles before the end of the row,
+ * where the VNNI loop's int32 dots must be folded with each group's scales. Not the VNNI loop's
+ * arithmetic (bfloat16 products instead of exact integer dots of two int8 steps), so which rows come here
+ * is a property of the token that owns a row, never of the batch (native/tile_rows.py: a prompt token's
+ * rows); within this loop a row's result does not depend on the other rows of the call (a row is always
+ * the same sequence of tile products over K in order). Several times slower than the VNNI loop at one row
+ * (the weights dequantized for a single row), 2-2.6x faster from 64 rows on. */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ROWS 16 /* activation rows a tile */
+#define AMX_ACTS_BYTES (512 * 1024) /* bfloat16 activation rows that the threads' blocks pass over at a time */
+
+static int amx_state; /* 0: not asked yet; 1: granted; -1: refused (the VNNI loop runs) */
+
+/* Linux hands a process the tiles' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM, 5.16+). */
+static int amx_granted(void) {
+    int state = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (!state) {
+        state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) ? -1 : 1;
+        __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
+    }
+    return state > 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_t;
+
+/* every tile 16 rows of 64 bytes: C 16 x 16 float32, A 16 rows x 32 bfloat16, B 16 input pairs x 16 x 2 */
+static void amx_configure(void) {
+    tile_config_t config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        config.colsb[t] = 64;
+        config.rows[t] = AMX_ROWS;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* the activations as bfloat16 rows of Kp (zero beyond K), Mp rows (zero beyond M) */
+static uint16_t *amx_acts(const void *x, int dtype, int64_t m, int64_t k, int64_t kp, int64_t mp) {
+    uint16_t *a = aligned_alloc(64, (size_t)(mp * kp) * 2);
+    if (!a) return NULL;
+#pragma omp parallel for schedule(static) if (m * k > PARALLEL_MIN_WORK)
+    for (int64_t row = 0; row < mp; ++row) {
+        uint16_t *out = a + row * kp;
+        int64_t col = 0;
+        if (row < m) {
+            if (dtype == DT_BF16) {
+                memcpy(out, (const uint16_t *)x + row * k, (size_t)k * 2);
+                col = k;
+            } else {
+                const float *in = (const float *)x + row * k;
+                for (; col + 16 <= k; col += 16)
+                    _mm256_storeu_si256((__m256i *)(out + col), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + col)));
+                for (; col < k; ++col) out[col] = f32_to_bf16(in[col]);
+            }
+        }
+        memset(out + col, 0, (size_t)(kp - col) * 2);
+    }
+    return a;
+}
+
+/* Byte shuffles that put a step's codes (16 weight rows x 4 inputs, a byte each) into int32 lanes: pick[h][p]
+ * takes, to lane l, the code of weight row 8h + l / 2 at input 2p + l % 2 (made once a call, per thread). */
+typedef struct {
+    __m512i pick[2][2];
+} amx_picks_t;
+
+static amx_picks_t amx_picks(void) {
+    amx_picks_t picks;
+    for (int h = 0; h < 2; ++h)
+        for (int p = 0; p < 2; ++p) {
+            int8_t index[64];
+            for (int byte = 0; byte < 64; ++byte) /* only each lane's first byte is kept (first_byte below) */
+                index[byte] = (int8_t)(4 * (8 * h + byte / 8) + 2 * p + (byte / 4) % 2);
+            picks.pick[h][p] = _mm512_loadu_si512((const void *)index);
+        }
+    return picks;
+}
+
+/* Group g of one block as a B tile: 16 input pairs x 16 weight rows x 2 bfloat16 (row 2j + p holds inputs
+ * 4j + 2p and 4j + 2p + 1 of the group for each weight row). */
+static inline __attribute__((always_inline)) void amx_dequantize_group(const uint8_t *block, int bits, scales_t w,
+                                                                        int64_t at, int64_t g,
+                                                                        const amx_picks_t *picks, uint16_t *tile) {
+    const __m512 s = load16(w.s, w.dtype, at), o = load16(w.o, w.dtype, at);
+    const __m512i first_rows = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i last_rows = _mm512_add_epi32(first_rows, _mm512_set1_epi32(8));
+    const __m512 s_half[2] = {_mm512_permutexvar_ps(first_rows, s), _mm512_permutexvar_ps(last_rows, s)};
+    const __m512 o_half[2] = {_mm512_permutexvar_ps(first_rows, o), _mm512_permutexvar_ps(last_rows, o)};
+    const __mmask64 first_byte = 0x1111111111111111ull;
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+        const __m512i codes = step_codes(block, bits, g, j);
+        for (int p = 0; p < 2; ++p) {
+            __m512 half[2];
+            for (int h = 0; h < 2; ++h) {
+                const __m512i q = _mm512_maskz_permutexvar_epi8(first_byte, picks->pick[h][p], codes);
+                half[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s_half[h], o_half[h]);
+            }
+            _mm512_store_si512((void *)(tile + (2 * j + p) * 32), (__m512i)_mm512_cvtne2ps_pbh(half[1], half[0]));
+        }
+    }
+}
+
+/* rows [row, row + rows) of a float32 tile's 16 x 16 sums (plus bias) into y's columns [col0, col0 + cols) */
+static inline void amx_store(const float sums[AMX_ROWS][BLOCK], int64_t row, int64_t rows, int64_t col0,
+                             int64_t cols, const float *bias, void *y, int y_dtype, int64_t n) {
+    const __mmask16 keep = (__mmask16)((1u << cols) - 1u);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + col0) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < rows; ++i) {
+        const __m512 v = _mm512_add_ps(_mm512_loadu_ps(sums[i]), b);
+        if (y_dtype == DT_BF16)
+            _mm256_mask_storeu_epi16((uint16_t *)y + (row + i) * n + col0, keep, (__m256i)_mm512_cvtneps_pbh(v));
+        else
+            _mm512_mask_storeu_ps((float *)y + (row + i) * n + col0, keep, v);
+    }
+}
+
+/* Outputs of `blocks` (1 or 2) weight blocks whose B tiles are in `tiles` ([blocks][G][16 x 32]) for the
+ * activation rows [m0, m1): two row tiles at a time (four float32 tiles of sums), each over all groups. */
+static void amx_block_outputs(const uint16_t *tiles, int blocks, int64_t groups, const uint16_t *acts,
+                              int64_t kp, int64_t m0, int64_t m1, int64_t m, int64_t col0, int64_t n,
+                              const float *bias, void *y, int y_dtype) {
+    const int64_t tile_elements = 16 * 32, stride = kp * 2;
+    const uint16_t *second = tiles + groups * tile_elements;
+    float sums[AMX_ROWS][BLOCK] __attribute__((aligned(64)));
+    for (int64_t row = m0; row < m1; row += 2 * AMX_ROWS) {
+        const int two_rows = m1 - row > AMX_ROWS;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t g = 0; g < groups; ++g) {
+            _tile_loadd(4, acts + row * kp + g * 32, stride);
+            _tile_loadd(6, tiles + g * tile_elements, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            if (blocks == 2) {
+                _tile_loadd(7, second + g * tile_elements, 64);
+                _tile_dpbf16ps(1, 4, 7);
+            }
+            if (two_rows) {
+                _tile_loadd(5, acts + (row + AMX_ROWS) * kp + g * 32, stride);
+                _tile_dpbf16ps(2, 5, 6);
+                if (blocks == 2) _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        for (int half = 0; half <= two_rows; ++half) {
+            const int64_t first = row + half * AMX_ROWS, rows = m - first < AMX_ROWS ? m - first : AMX_ROWS;
+            for (int b = 0; b < blocks; ++b) {
+                const int64_t c0 = col0 + b * BLOCK;
+                if (c0 >= n || rows <= 0) continue;
+                if (half == 0 && b == 0) _tile_stored(0, sums, 64);
+                if (half == 0 && b == 1) _tile_stored(1, sums, 64);
+                if (half == 1 && b == 0) _tile_stored(2, sums, 64);
+                if (half == 1 && b == 1) _tile_stored(3, sums, 64);
+                amx_store((const float (*)[BLOCK])sums, first, rows, c0, n - c0 < BLOCK ? n - c0 : BLOCK, bias, y,
+                          y_dtype, n);
+            }
+        }
+    }
+}
+
+static int packed_linear_amx(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
+                             int64_t n, int64_t kp, scales_t w, const float *bias, void *y, int y_dtype) {
+    const int64_t mp = (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS, groups = kp / GROUP;
+    uint16_t *acts = amx_acts(x, x_dtype, m, k, kp, mp);
+    if (!acts) return ERR_MEMORY;
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK, block_bytes = (bits == 4 ? kp / 2 : kp) * BLOCK;
+    int64_t chunk = AMX_ACTS_BYTES / (2 * kp);
+    chunk = chunk < 2 * AMX_ROWS ? 2 * AMX_ROWS : chunk / (2 * AMX_ROWS) * (2 * AMX_ROWS);
+    int status = OK;
+#pragma omp parallel
+    {
+        uint16_t *tiles = aligned_alloc(64, (size_t)(2 * groups * 16 * 32) * 2);
+        if (!tiles) {
+#pragma omp atomic write
+            status = ERR_MEMORY;
+        } else {
+            amx_configure();
+            const amx_picks_t picks = amx_picks();
+            const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+            const int64_t b0 = blocks * t / threads, b1 = blocks * (t + 1) / threads;
+            for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+                const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+                for (int64_t b = b0; b < b1; b += 2) {
+                    const int together = b1 - b < 2 ? 1 : 2;
+                    for (int bb = 0; bb < together; ++bb)
+                        for (int64_t g = 0; g < groups; ++g)
+                            amx_dequantize_group(codes + (b + bb) * block_bytes, bits, w, (b + bb) * groups * BLOCK + g * BLOCK,
+                                                 g, &picks, tiles + (bb * groups + g) * 16 * 32);
+                    amx_block_outputs(tiles, together, groups, acts, kp, m0, m1, m, b * BLOCK, n, bias, y, y_dtype);
+                }
+            }
+            _tile_release();
+            free(tiles);
+        }
+    }
+    free(acts);
+    return status;
+}
+#endif
+
 static inline void store_y(void *y, int dtype, int64_t index, float v) {
     if (dtype == DT_BF16)
         ((uint16_t *)y)[index] = f32_to_bf16(v);
@@ -463,13 +681,18 @@ static void block_outputs(const uint8_t *codes, int bits, scales_t w, const floa
     }
 }
 
+static int arguments_valid(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
+                           int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
+                           const void *y, int y_dtype) {
+    return !((m > 0 && (!x || !y)) || !codes || !scale || !offset || m < 0 || k <= 0 || n <= 0 || kp < k ||
+             kp % PAIR || (bits != 4 && bits != 8) || (x_dtype != DT_F32 && x_dtype != DT_BF16) ||
+             (y_dtype != DT_F32 && y_dtype != DT_BF16) || (scale_dtype != DT_F32 && scale_dtype != DT_F16));
+}
+
 static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
                          int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
                          const float *bias, void *y, int y_dtype, int reference) {
-    if ((m > 0 && (!x || !y)) || !codes || !scale || !offset || m < 0 || k <= 0 || n <= 0 || kp < k ||
-        kp % PAIR || (bits != 4 && bits != 8) || (x_dtype != DT_F32 && x_dtype != DT_BF16) ||
-        (y_dtype != DT_F32 && y_dtype != DT_BF16) || (scale_dtype != DT_F32 && scale_dtype != DT_F16))
-        return ERR_ARGS;
+    if (!arguments_valid(x, x_dtype, m, k, codes, bits, n, kp, scale, offset, scale_dtype, y, y_dtype)) return ERR_ARGS;
     const scales_t w = {scale, offset, scale_dtype};
     if (m == 0) return OK;
     acts_t a;
@@ -515,4 +738,30 @@ int core_packed_linear_reference(const void *x, int x_dtype, int64_t m, int64_t 
                                  int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
                                  const float *bias, void *y, int y_dtype) {
     return packed_linear(x, x_dtype, m, k, codes, bits, n, kp, scale, offset, scale_dtype, bias, y, y_dtype, 1);
+}
+
+/* 1 where core_packed_linear_tiles runs (an amx-bf16 build whose process Linux grants the tiles), else 0.
+ * Asks for the tiles, once. */
+int core_packed_uses_amx(void) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    return amx_granted();
+#else
+    return 0;
+#endif
+}
+
+/* y = x @ W^T + bias on the AMX tiles (bfloat16 products, float32 sums over all of K; see the AMX loop);
+ * returns 0, 1 (bad arguments), 2 (memory) or 3 (no tiles: not an amx-bf16 build, or Linux refused them). */
+int core_packed_linear_tiles(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
+                             int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
+                             const float *bias, void *y, int y_dtype) {
+    if (!arguments_valid(x, x_dtype, m, k, codes, bits, n, kp, scale, offset, scale_dtype, y, y_dtype)) return ERR_ARGS;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (!amx_granted()) return ERR_NO_TILES;
+    if (m == 0) return OK;
+    const scales_t w = {scale, offset, scale_dtype};
+    return packed_linear_amx(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype);
+#else
+    return ERR_NO_TILES;
+#endif
 }

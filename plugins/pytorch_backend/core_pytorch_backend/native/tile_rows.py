@@ -1,0 +1,77 @@
+"""Which rows of the forward pass in progress the packed weights multiply on the AMX tiles.
+
+On a CPU with AMX (an ``amx-bf16`` build whose process Linux grants the tiles), ``NativeWeight`` has two
+loops: the VNNI loop (exact integer dots of the 4/8-bit codes with activations in two int8 steps) and the
+tile loop (the codes dequantized to bfloat16, float32 sums over all of K: 2-2.6x faster from 64 rows on,
+several times slower at one). They round differently, so the rule that picks one must not depend on the
+batch a row is in, or a request's greedy output would depend on whether its prompt's prefix was cached
+or which requests shared its steps (DESIGN.md: the packed kernel). The rule here is a property of the
+token: **a prompt token's row takes the tiles, a generated token's row the VNNI loop**, whatever the
+step holds. Prompt tokens come many to a step (prefill chunks: the tiles' strength), generated tokens a
+few to a sequence (decode steps, speculative verification, a preempted sequence's recomputed output),
+and the LM head, outside the decoder, always takes the VNNI loop.
+
+The model runner (where ``has_tiled_weights``) marks the step (``prompt_token_rows``: the rows' spans) around its forward pass; each
+``NativeWeight.linear`` of the pass reads ``current()``. Nothing is marked outside a pass, and a weight
+called with another number of rows than the step's (none in the decoders this backend runs) takes the
+VNNI loop for all of them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TileRows:
+    """The current step's rows: ``tiled`` take the tile loop, ``other`` the VNNI loop (None: all rows one way)."""
+
+    total: int
+    tiled: torch.Tensor | None = None  # int64 row indices; None with other None: every row is tiled
+    other: torch.Tensor | None = None
+
+
+_local = threading.local()
+
+
+def current() -> TileRows | None:
+    """The marked step of this thread's forward pass, or None (every row takes the VNNI loop)."""
+    return getattr(_local, "rows", None)
+
+
+def rows_of(spans: Sequence[tuple[int, int]], total: int) -> TileRows | None:
+    """The TileRows of a step of `total` rows whose prompt-token rows are `spans` ((first row, count), in
+    order); None when there are none."""
+    spans = [(first, count) for first, count in spans if count > 0]
+    tiled_count = sum(count for _, count in spans)
+    if tiled_count == 0:
+        return None
+    if tiled_count == total:
+        return TileRows(total)
+    flags = torch.zeros(total, dtype=torch.bool)
+    for first, count in spans:
+        flags[first : first + count] = True
+    return TileRows(total, flags.nonzero().flatten(), (~flags).nonzero().flatten())
+
+
+def has_tiled_weights(model: torch.nn.Module) -> bool:
+    """Whether `model` has packed weights whose kernels have AMX tiles (the runner then marks its steps)."""
+    from .packed_weight import NativeWeight  # it imports this module
+
+    return any(isinstance(m, NativeWeight) and m.kernels.uses_amx for m in model.modules())
+
+
+@contextmanager
+def prompt_token_rows(rows: TileRows | None) -> Iterator[None]:
+    """Mark this thread's forward pass (None: nothing to mark)."""
+    previous = current()
+    _local.rows = rows
+    try:
+        yield
+    finally:
+        _local.rows = previous
