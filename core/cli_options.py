@@ -43,6 +43,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    help="run every step through the model's modules: no CUDA graphs, no native CPU decode "
                         "stack (the backend option enforce_eager)")
+    g.add_argument("--amx-rows", choices=["prompt", "all"],
+                   help="on a CPU with AMX, which rows the packed weights multiply on the tiles: prompt (prompt "
+                        "tokens: the default) or all (generated tokens too: faster at many streams, several "
+                        "times slower for one; the backend option amx_rows)")
     g.add_argument("--chat-template", help="a registered template name or a Jinja file")
     g.add_argument("--chat-template-content-format", choices=list(CONTENT_FORMATS),
                    help="how message content reaches the template: string (text parts joined with a newline), "
@@ -159,7 +163,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     options = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name, None) is not None}
     media = MediaPolicy(**{name: getattr(args, name) for name in MEDIA_FLAGS if hasattr(args, name)})
     adapters = AdapterPolicy(**{name: getattr(args, name) for name in ADAPTER_FLAGS if hasattr(args, name)})
-    backend_options = {"enforce_eager": True} if args.enforce_eager else {}
+    backend_options: dict[str, object] = {"enforce_eager": True} if args.enforce_eager else {}
+    if getattr(args, "amx_rows", None) is not None:
+        backend_options["amx_rows"] = args.amx_rows
     return EngineConfig(model=getattr(args, "model", None), enable_prefix_caching=not args.no_prefix_caching,
                         backend_options=backend_options, media=media, adapters=adapters,
                         speculative=speculative_config(args), **options)

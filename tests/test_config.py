@@ -74,6 +74,20 @@ def test_quantization_flag_reaches_the_engine_config():
         parser.parse_args(["--quantization", "int3"])
 
 
+def test_backend_flags_become_backend_options():
+    import argparse
+
+    from core.cli import add_engine_arguments, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_config(parser.parse_args([])).backend_options == {}
+    both = engine_config(parser.parse_args(["--enforce-eager", "--amx-rows", "all"])).backend_options
+    assert both == {"enforce_eager": True, "amx_rows": "all"}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--amx-rows", "decode"])
+
+
 def test_served_model_names_split_into_the_reported_name_and_aliases():
     config = EngineConfig(served_model_name=["main", "other", "main", "third"])
     assert config.model_name == config.served_model_name == "main"

@@ -35,6 +35,7 @@ from core_pytorch_backend.kernels import select_ops
 from core_pytorch_backend.loader import LoadedModel, default_model_path, load_checkpoint
 from core_pytorch_backend.lora.manager import AdapterManager
 from core_pytorch_backend.model_runner import ModelRunner, kv_cache_blocks
+from core_pytorch_backend.native import tile_rows
 from core_pytorch_backend.native_decode import make_native_decode
 from core_pytorch_backend.pooled_prompt import PooledPrompt
 from core_pytorch_backend.request_state import RequestState
@@ -53,10 +54,14 @@ class PytorchOptions:
         `EngineConfig.kv_cache_memory_gib` is not given.
     :param enforce_eager: run every step through the model's modules: no CUDA graphs on a GPU, no native
         decode stack on the CPU (``--enforce-eager``).
+    :param amx_rows: on a CPU with AMX tiles, which rows the packed weights multiply on them
+        (native/tile_rows.py, ``--amx-rows``): ``prompt`` (prompt tokens) or ``all`` (every decoder row,
+        generated tokens too, in the native decode stack as well).
     """
 
     kv_cache_memory_fraction: float = 0.85
     enforce_eager: bool = False
+    amx_rows: str = "prompt"
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> PytorchOptions:
@@ -74,6 +79,9 @@ class PytorchOptions:
         if not isinstance(chosen.enforce_eager, bool):
             raise InvalidRequestError(f"enforce_eager must be true or false, got {chosen.enforce_eager!r}",
                                       param="backend_options.enforce_eager")
+        if chosen.amx_rows not in tile_rows.RULES:
+            raise InvalidRequestError(f"amx_rows must be one of {', '.join(tile_rows.RULES)}, got {chosen.amx_rows!r}",
+                                      param="backend_options.amx_rows")
         return chosen
 
 
@@ -130,7 +138,10 @@ class PytorchBackend(Backend):
                        if config.speculative is not None else None)
         runner = ModelRunner(loaded.model, block_size=config.block_size, num_blocks=num_blocks,
                              device=self.device, dtype=loaded.dtype, kv_cache_dtype=kv_dtype,
-                             decode_path=decode_path, lora_step=self.lora.step if self.lora else None)
+                             decode_path=decode_path, lora_step=self.lora.step if self.lora else None,
+                             tile_rule=self.options.amx_rows)
+        if runner.marks_prompt_rows:
+            log.info("AMX tiles: %s", tile_rows.RULES[self.options.amx_rows])
         if self.tp is not None:  # ranks 1..N-1 start now; the engine loop drives them through rank 0's runner
             runner = self.tp.start(runner, config=config, source=self.source,
                                    architectures=self._architectures, ops_kind=self.ops.name)

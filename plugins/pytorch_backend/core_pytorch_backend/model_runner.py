@@ -81,17 +81,20 @@ class ModelRunner:
     :param decode_path: builds the model's ``DecodePath`` (its KV cache bound), or None where none applies
         (cuda_graphs.make_decode_graphs, native_decode.make_native_decode); None: always the modules.
 
-    Where the model has packed weights whose kernels have AMX tiles, each forward pass marks its
-    prompt-token rows for their tile loop (native/tile_rows.py), and a step with such rows never takes
-    the decode path, whose native stack multiplies every row by the VNNI loop.
+    :param tile_rule: where the model has packed weights whose kernels have AMX tiles, which rows of each
+        forward pass are marked for their tile loop (native/tile_rows.py: ``prompt``, a step's prompt-token
+        rows; ``all``, every row); the native decode stack takes a step whose rows are all marked or none.
     """
 
     def __init__(self, model: torch.nn.Module, *, block_size: int, num_blocks: int, device: torch.device,
                  dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None,
                  decode_path: Callable[[torch.nn.Module], DecodePath | None] | None = None,
-                 lora_step: LoraStep | None = None) -> None:
+                 lora_step: LoraStep | None = None, tile_rule: str = "prompt") -> None:
         self.model = model
+        if tile_rule not in tile_rows.RULES:
+            raise ValueError(f"tile_rule must be one of {', '.join(tile_rows.RULES)}, got {tile_rule!r}")
         self.marks_prompt_rows = tile_rows.has_tiled_weights(model)
+        self.tile_rule = tile_rule
         self.lora_step = lora_step  # the row-to-adapter map of the model's LoRA layers (lora/layers.py)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -251,15 +254,14 @@ class ModelRunner:
         if self.kv_caches is None:
             raise RuntimeError("the KV cache is released (the backend is asleep)")
         extra = {} if inputs.embed_overrides is None else {"embed_overrides": inputs.embed_overrides}
-        tiled = (tile_rows.rows_of(inputs.prompt_token_spans, inputs.input_ids.shape[0])
+        tiled = (tile_rows.marked(self.tile_rule, inputs.prompt_token_spans, inputs.input_ids.shape[0])
                  if self.marks_prompt_rows else None)
         with tile_rows.prompt_token_rows(tiled):
             if inputs.lora_rows is not None and self.lora_step is not None:
                 hidden = self._forward_with_adapters(inputs, extra)
             else:
                 # the decode path (CUDA graphs, the native stack) when the step fits it; None -> the modules
-                decode = self.decode_path if tiled is None else None
-                hidden = decode.run(self.model, inputs) if decode is not None else None
+                hidden = self.decode_path.run(self.model, inputs) if self.decode_path is not None else None
                 if hidden is None:
                     hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, **extra)
         prompt, pooling = _rows_of(hidden, inputs.prompt_rows), _rows_of(hidden, inputs.pooling_rows)

@@ -35,6 +35,7 @@ from core_pytorch_backend.layers.norm import RMSNorm
 from core_pytorch_backend.layers.quantized import packed_linear
 from core_pytorch_backend.layers.rotary import RotaryEmbedding
 from core_pytorch_backend.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+from core_pytorch_backend.native import tile_rows
 from core_pytorch_backend.native.library import CpuKernels, available
 from core_pytorch_backend.native.packed_weight import DTYPE_CODES, NativeWeight
 from core_pytorch_backend.step_inputs import StepInputs
@@ -59,7 +60,7 @@ class _Layer(ctypes.Structure):  # core_layer
 class _Decoder(ctypes.Structure):  # core_decoder
     _fields_ = [("hidden", _L), ("heads", _L), ("kv_heads", _L), ("head_dim", _L), ("inter", _L),
                 ("dtype", _I), ("cache_dtype", _I), ("table_dtype", _I), ("eps", _F),
-                ("block_size", _L), ("num_slots", _L), ("max_position", _L), ("cos", _P), ("sin", _P)]
+                ("block_size", _L), ("num_slots", _L), ("max_position", _L), ("cos", _P), ("sin", _P), ("tiles", _I)]
 
 
 class DoesNotFit(ValueError):
@@ -97,9 +98,13 @@ class NativeDecodeStack:
         meta = inputs.meta
         if not meta.is_decode or inputs.positions.dim() != 1 or meta.bidirectional_spans:
             return None
+        marked = tile_rows.current()  # the rows the packed weights multiply on the AMX tiles: all or none here
+        if marked is not None and marked.tiled is not None:
+            return None  # some rows on the tiles and others not: the modules' NativeWeight splits them
         if (self.plan is None or not self.plan.matches(model)) and not self.try_capture(model):
             return None
         plan, decoder = self.plan, model.model
+        plan.decoder.tiles = marked is not None
         hidden = decoder.embed_inputs(inputs.input_ids, inputs.embed_overrides)
         if hidden.dtype != plan.dtype:
             return None

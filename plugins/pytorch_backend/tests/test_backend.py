@@ -236,6 +236,9 @@ def test_backend_options_are_validated():
         PytorchOptions.from_mapping({"kv_cache_memory_fraction": 1.5})
     with pytest.raises(InvalidRequestError, match="'eager'"):
         PytorchOptions.from_mapping({"eager": True})
+    assert PytorchOptions().amx_rows == "prompt" and PytorchOptions.from_mapping({"amx_rows": "all"}).amx_rows == "all"
+    with pytest.raises(InvalidRequestError, match="amx_rows must be one of prompt, all, got 'decode'"):
+        PytorchOptions.from_mapping({"amx_rows": "decode"})
 
 
 def test_a_checkpoint_setting_no_layer_implements_is_a_clear_start_up_error(tiny_checkpoint_factory):

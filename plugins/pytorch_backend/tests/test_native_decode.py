@@ -146,17 +146,37 @@ def test_a_step_marks_its_prompt_tokens_rows_and_then_never_takes_the_stack(tiny
     inputs = runner.prepare([ScheduledSequence(decoding, 1), ScheduledSequence(last_prompt_token, 1),
                              ScheduledSequence(generated_then, 4)])
     assert inputs.prompt_token_spans == ((0, 0), (1, 1), (2, 2))  # rows 1, 2 and 3 are prompt tokens
-    seen, stack_calls = [], []
+    seen, stack_results = [], []
     original = runner.decode_path.run
-    runner.decode_path.run = lambda model, step: stack_calls.append(step) or original(model, step)
+    runner.decode_path.run = lambda model, step: stack_results.append(out := original(model, step)) or out
     model.register_forward_pre_hook(lambda *_: seen.append(tile_rows.current()))
     runner.execute(inputs)
-    assert stack_calls == [] and seen[0].tiled.tolist() == [1, 2, 3] and seen[0].other.tolist() == [0, 4, 5]
+    assert stack_results == [None] and seen[0].tiled.tolist() == [1, 2, 3] and seen[0].other.tolist() == [0, 4, 5]
     assert tile_rows.current() is None  # only during the pass
     decode_only = runner.prepare([ScheduledSequence(_sequence("d", [5, 6, 7], [8], computed=3, table=TABLES[0]), 1)])
     assert decode_only.prompt_token_spans == ((0, 0),)
     runner.execute(decode_only)
-    assert len(stack_calls) == 1 and len(seen) == 1  # no prompt tokens: the stack (not the modules) ran it
+    assert stack_results[-1] is not None and len(seen) == 1  # no prompt tokens: the stack (not the modules) ran it
+    runner.tile_rule = "all"  # --amx-rows all: every row, generated tokens' too, the stack's on the tiles
+    runner.execute(runner.prepare([ScheduledSequence(_sequence("e", [5, 6, 7], [8], computed=3, table=TABLES[0]), 1)]))
+    assert stack_results[-1] is not None and len(seen) == 1
+    with pytest.raises(ValueError, match="tile_rule must be one of prompt, all, got 'decode'"):
+        ModelRunner(model, block_size=BLOCK, num_blocks=8, device=CPU, dtype=torch.float32, tile_rule="decode")
+
+
+@pytest.mark.skipif(available() is None or not available().uses_amx, reason="no AMX tiles here")
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_with_every_row_marked_the_stack_multiplies_on_the_tiles_as_the_modules_do(tiny_checkpoint_factory,
+                                                                                  native_packed, quantization):
+    """--amx-rows all: the stack's packed matmuls take the tile loop (decoder.tiles), bit for bit the modules'
+    NativeWeight on the tiles, and not the VNNI loop's results."""
+    runner = _runner(_load(tiny_checkpoint_factory("llama"), quantization))
+    with tile_rows.prompt_token_rows(tile_rows.TileRows(3)):
+        _decode_both_ways(runner, steps=3)
+    step = _step([n + 3 for n in PROMPT_LENS], [1, 1, 1], seed=9)
+    with tile_rows.prompt_token_rows(tile_rows.TileRows(3)):
+        tiled = runner.decode_path.run(runner.model, step)
+    assert not torch.equal(tiled, runner.decode_path.run(runner.model, step))
 
 
 def test_models_it_does_not_take_are_refused_at_start_with_the_reason(tiny_checkpoint_factory, native_packed,

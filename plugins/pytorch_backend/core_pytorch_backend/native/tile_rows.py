@@ -9,7 +9,10 @@ or which requests shared its steps (DESIGN.md: the packed kernel). The rule here
 token: **a prompt token's row takes the tiles, a generated token's row the VNNI loop**, whatever the
 step holds. Prompt tokens come many to a step (prefill chunks: the tiles' strength), generated tokens a
 few to a sequence (decode steps, speculative verification, a preempted sequence's recomputed output),
-and the LM head, outside the decoder, always takes the VNNI loop.
+and the LM head, outside the decoder, always takes the VNNI loop. That is the ``prompt`` rule, the
+default. The ``all`` rule (``--amx-rows all``) puts every decoder row on the tiles, generated tokens'
+too: as batch-independent (one loop for every row), faster from ~32 rows a step, several times slower
+for a lone stream's one-row steps; a choice of the server, not of the batch.
 
 The model runner (where ``has_tiled_weights``) marks the step (``prompt_token_rows``: the rows' spans) around its forward pass; each
 ``NativeWeight.linear`` of the pass reads ``current()``. Nothing is marked outside a pass, and a weight
@@ -37,6 +40,8 @@ class TileRows:
 
 
 _local = threading.local()
+RULES = {"prompt": "prompt tokens' rows of the packed matmuls on the tiles, generated tokens' by the VNNI loop",
+         "all": "every decoder row of the packed matmuls on the tiles (--amx-rows all)"}
 
 
 def current() -> TileRows | None:
@@ -64,6 +69,11 @@ def has_tiled_weights(model: torch.nn.Module) -> bool:
     from .packed_weight import NativeWeight  # it imports this module
 
     return any(isinstance(m, NativeWeight) and m.kernels.uses_amx for m in model.modules())
+
+
+def marked(rule: str, spans: Sequence[tuple[int, int]], total: int) -> TileRows | None:
+    """The rows of a step of `total` rows that `rule` (one of RULES) puts on the tiles."""
+    return TileRows(total) if rule == "all" and total else rows_of(spans, total)
 
 
 @contextmanager

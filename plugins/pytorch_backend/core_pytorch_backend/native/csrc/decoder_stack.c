@@ -41,13 +41,15 @@ typedef struct {
     float eps;
     int64_t block_size, num_slots, max_position;
     const void *cos, *sin; /* [max_position, D / 2] of table_dtype */
+    int32_t tiles;         /* 1: the packed weights multiply on the AMX tiles (core_packed_linear_tiles) */
 } core_decoder;
 
 static inline int64_t elem_size(int dtype) { return dtype == DT_F32 ? 4 : 2; }
 
-static int linear(const core_packed *w, const void *x, int dtype, int64_t rows, int64_t k, void *y) {
-    return core_packed_linear(x, dtype, rows, k, w->codes, w->bits, w->n, w->kp, w->scale, w->offset,
-                              w->scale_dtype, w->bias, y, dtype);
+static int linear(const core_decoder *m, const core_packed *w, const void *x, int64_t rows, int64_t k, void *y) {
+    return (m->tiles ? core_packed_linear_tiles : core_packed_linear)(x, m->dtype, rows, k, w->codes, w->bits, w->n,
+                                                                      w->kp, w->scale, w->offset, w->scale_dtype,
+                                                                      w->bias, y, m->dtype);
 }
 
 /* rows [T, width] `stride` elements apart from src into contiguous dst */
@@ -91,7 +93,7 @@ int core_decoder_layers(const core_decoder *m, const core_layer *layers, int64_t
             CHECK(core_rms_norm(hidden, m->dtype, tokens, h, residual, L->input_norm, m->dtype, m->eps, normed,
                                 residual));
         }
-        CHECK(linear(&L->qkv, normed, m->dtype, tokens, h, qkv));
+        CHECK(linear(m, &L->qkv, normed, tokens, h, qkv));
         const char *q = qkv, *k = qkv + q_width * size, *v = qkv + (q_width + kv_width) * size;
         int64_t q_stride = qkv_width, k_stride = qkv_width;
         if (L->q_norm) { /* per-head RMSNorm of contiguous copies of q and k */
@@ -108,12 +110,12 @@ int core_decoder_layers(const core_decoder *m, const core_layer *layers, int64_t
                             m->cache_dtype, m->num_slots));
         CHECK(core_decode_attention(q_rot, m->dtype, tokens, hq, d, L->k_cache, L->v_cache, m->cache_dtype,
                                     m->block_size, hkv, tables, table_width, lengths, L->window, L->scale, attn));
-        CHECK(linear(&L->o, attn, m->dtype, tokens, q_width, hidden));
+        CHECK(linear(m, &L->o, attn, tokens, q_width, hidden));
         CHECK(core_rms_norm(hidden, m->dtype, tokens, h, residual, L->post_norm, m->dtype, m->eps, normed,
                             residual));
-        CHECK(linear(&L->gate_up, normed, m->dtype, tokens, h, gate_up));
+        CHECK(linear(m, &L->gate_up, normed, tokens, h, gate_up));
         CHECK(core_silu_and_mul(gate_up, m->dtype, tokens, m->inter, act));
-        CHECK(linear(&L->down, act, m->dtype, tokens, m->inter, hidden));
+        CHECK(linear(m, &L->down, act, tokens, m->inter, hidden));
     }
 done:
     free(arena);

@@ -42,7 +42,7 @@
 #include <immintrin.h>
 #endif
 
-#define CORE_PACKED_ABI 9
+#define CORE_PACKED_ABI 10
 #define ERR_NO_TILES 3
 #define GROUP 32
 #define PAIR 64
