@@ -5,7 +5,8 @@
 SmolLM2-135M's matmul shapes (the fused q/k/v, o, gate/up and down projections as 4-bit codes, the
 LM head as 8-bit codes), random weights quantized per 32 inputs. Per shape and number of activation rows
 it prints the best-of-trials microseconds of a call and, for the native kernel, the int8 multiply-adds
-per second it reaches (two per weight and row: the activations' two int8 steps). torch's kernel runs on
+per second it reaches (two per weight and row: the activations' two int8 steps); where the kernels have
+AMX tiles, also their tile loop's time and bfloat16 FLOP/s (two a weight and row). torch's kernel runs on
 bfloat16 activations with its own dispatch (set ATEN_CPU_CAPABILITY=avx2 to see its AVX2 path). The
 weights stay hot in the caches between calls, unlike in a decode step, where the 4-bit layers stream
 from memory: this measures the arithmetic, `decode_step.py` the step.
@@ -67,6 +68,9 @@ def main() -> None:
             for variant, weight in natives.items():
                 us = best_us(lambda w=weight, x=x: w.linear(x, None))
                 cells.append(f"{variant} {us:8.1f} us ({2 * n * k * m / us / 1e3:6.1f} G int8-MAC/s)")
+                if weight.kernels.uses_amx:  # the AMX tile loop (a prompt's rows: native/tile_rows.py)
+                    us = best_us(lambda w=weight, x=x: w.linear(x, None, tiles=True))
+                    cells.append(f"{variant} tiles {us:8.1f} us ({2 * n * k * m / us / 1e3:6.1f} G bf16-FLOP/s)")
             print(f"{n:>5}x{k:<5} {bits}-bit rows {m:>3}: " + ", ".join(cells), flush=True)
 
 
