@@ -1,12 +1,16 @@
 """Where one decode step of the pytorch backend goes: its phases timed, and its torch ops counted.
 
     python benchmarks/decode_step.py [--batch 1 64] [--dtype auto] [--steps 40] [--profile] [--eager]
+        [--amx-rows prompt all] [--repeats 1]
 
 Runs the engine loop's step by hand (scheduler -> ModelRunner.prepare -> execute -> SamplingBatch +
 sample -> scheduler.update) on the default model, greedy, after a 128-token prompt per sequence, on the
 calling thread, through the runner's decode path as the server takes it (the native decode stack on
 the CPU; ``--eager``: the model's modules, as ``--enforce-eager``). Per batch size it prints the median milliseconds of each phase over --steps decode
-steps. ``--profile`` adds a torch.profiler table of a few decode steps: ops per step and per layer, and
+steps, and the time the prefill of the batch's prompts took (one step of B x 128 tokens: the packed
+matmuls' AMX tile loop where this CPU has it). ``--amx-rows prompt all`` builds a runner per rule of
+native/tile_rows.py and alternates them ``--repeats`` times per batch size (a ratio taken on a VM whose
+speed drifts needs them side by side). ``--profile`` adds a torch.profiler table of a few decode steps: ops per step and per layer, and
 the ops by self time.
 """
 
@@ -24,7 +28,7 @@ import core_pytorch_backend  # noqa: F401  (before torch: large tensors on huge 
 PROMPT_LEN = 128
 
 
-def build(dtype: str, max_seqs: int, eager: bool = False):
+def build(dtype: str, max_seqs: int, eager: bool = False, amx_rows: str = "prompt"):
     from core.scheduling import BlockManager, Scheduler
     from core_pytorch_backend.kernels import select_ops
     from core_pytorch_backend.loader import default_model_path, load_checkpoint
@@ -39,7 +43,8 @@ def build(dtype: str, max_seqs: int, eager: bool = False):
     runner = ModelRunner(loaded.model, block_size=block_size, num_blocks=blocks, device=torch.device("cpu"),
                          dtype=loaded.dtype, kv_cache_dtype=kv_dtype,
                          decode_path=lambda model: make_native_decode(model, device=torch.device("cpu"),
-                                                                      enabled=not eager))
+                                                                      enabled=not eager),
+                         tile_rule=amx_rows)
     scheduler = Scheduler(BlockManager(blocks, block_size, False), max_num_seqs=max_seqs,
                           max_num_batched_tokens=8192)
     return runner, scheduler
@@ -145,29 +150,45 @@ def main() -> None:
     parser.add_argument("--stub-matmuls", action="store_true", help="time all but the matmuls")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     parser.add_argument("--eager", action="store_true", help="every layer through its modules (no native stack)")
+    parser.add_argument("--amx-rows", nargs="+", default=["prompt"], choices=["prompt", "all"],
+                        help="the rules of native/tile_rows.py to run side by side (on a CPU with AMX tiles)")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of every rule per batch size")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    runner, scheduler = build(args.dtype, max(args.batch), args.eager)
+    built = {rule: build(args.dtype, max(args.batch), args.eager, rule) for rule in args.amx_rows}
+    for runner, _ in built.values():
+        if args.stub_matmuls:
+            stub_matmuls(runner.model)
+    runner = next(iter(built.values()))[0]
     vocab = runner.model.config.vocab_size
-    if args.stub_matmuls:
-        stub_matmuls(runner.model)
     path = "modules" if runner.decode_path is None else type(runner.decode_path).__name__
+    tiles = f"AMX tiles for rows: {', '.join(args.amx_rows)}" if runner.marks_prompt_rows else "no AMX tiles"
     print(f"# decode step, {runner.dtype} (KV cache {runner.kv_cache_dtype}), {path}"
           f"{', matmuls stubbed' if args.stub_matmuls else ''}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {tiles}")
     for batch in args.batch:
-        start(runner, scheduler, batch, vocab)
-        for _ in range(5):
-            step(runner, scheduler)  # warm-up
-        times: dict[str, list[float]] = {}
-        for _ in range(args.steps):
-            step(runner, scheduler, times)
-        medians = " ".join(f"{name} {statistics.median(v):.2f}" for name, v in times.items())
-        print(f"B={batch:<3} median ms: {medians}")
-        if args.profile:
-            profile(runner, scheduler, 5, runner.model.num_layers)
-        finish(scheduler)
+        for _ in range(args.repeats):
+            for rule, (runner, scheduler) in built.items():
+                measure(runner, scheduler, batch, vocab, args, label=f"B={batch:<3}" + (
+                    f" amx-rows {rule:<6}" if len(built) > 1 else ""))
+
+
+def measure(runner, scheduler, batch: int, vocab: int, args, label: str) -> None:
+    """Prefill `batch` prompts, then time --steps decode steps (after 5 of warm-up)."""
+    began = time.perf_counter()
+    start(runner, scheduler, batch, vocab)
+    prefill = time.perf_counter() - began
+    for _ in range(5):
+        step(runner, scheduler)  # warm-up
+    times: dict[str, list[float]] = {}
+    for _ in range(args.steps):
+        step(runner, scheduler, times)
+    medians = " ".join(f"{name} {statistics.median(v):.2f}" for name, v in times.items())
+    print(f"{label} prefill {prefill:.2f} s; decode median ms: {medians}", flush=True)
+    if args.profile:
+        profile(runner, scheduler, 5, runner.model.num_layers)
+    finish(scheduler)
 
 
 if __name__ == "__main__":
