@@ -106,7 +106,7 @@ class TensorParallel:
                           ops_kind=ops_kind if ops_kind in KINDS else None,
                           architectures=dict(architectures), block_size=local.block_size,
                           num_blocks=local.num_blocks, kv_cache_dtype=local.kv_cache_dtype,
-                          threads=self.threads,
+                          tile_rule=local.tile_rule, threads=self.threads,
                           log_level=logging.getLogger().getEffectiveLevel(), parent_pid=os.getpid())
 
 

@@ -48,6 +48,7 @@ class WorkerSpec:
     block_size: int
     num_blocks: int
     kv_cache_dtype: torch.dtype
+    tile_rule: str  # rank 0's rule for the AMX tiles (native/tile_rows.py): every rank multiplies alike
     threads: int
     log_level: int
     parent_pid: int
@@ -63,7 +64,8 @@ class RankWorker:
         self.device = torch.device(spec.device)
         loaded = self.load()
         self.runner = ModelRunner(loaded.model, block_size=spec.block_size, num_blocks=spec.num_blocks,
-                                  device=self.device, dtype=loaded.dtype, kv_cache_dtype=spec.kv_cache_dtype)
+                                  device=self.device, dtype=loaded.dtype, kv_cache_dtype=spec.kv_cache_dtype,
+                                  tile_rule=spec.tile_rule)
 
     def load(self) -> Any:
         from ..kernels import select_ops
