@@ -163,7 +163,7 @@ def main() -> None:
     runner = next(iter(built.values()))[0]
     vocab = runner.model.config.vocab_size
     path = "modules" if runner.decode_path is None else type(runner.decode_path).__name__
-    tiles = f"AMX tiles for rows: {', '.join(args.amx_rows)}" if runner.marks_prompt_rows else "no AMX tiles"
+    tiles = f"AMX tiles for rows: {', '.join(args.amx_rows)}" if runner.marks_tile_rows else "no AMX tiles"
     print(f"# decode step, {runner.dtype} (KV cache {runner.kv_cache_dtype}), {path}"
           f"{', matmuls stubbed' if args.stub_matmuls else ''}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {tiles}")

@@ -140,7 +140,7 @@ class PytorchBackend(Backend):
                              device=self.device, dtype=loaded.dtype, kv_cache_dtype=kv_dtype,
                              decode_path=decode_path, lora_step=self.lora.step if self.lora else None,
                              tile_rule=self.options.amx_rows)
-        if runner.marks_prompt_rows:
+        if runner.marks_tile_rows:
             log.info("AMX tiles: %s", tile_rows.RULES[self.options.amx_rows])
         if self.tp is not None:  # ranks 1..N-1 start now; the engine loop drives them through rank 0's runner
             runner = self.tp.start(runner, config=config, source=self.source,

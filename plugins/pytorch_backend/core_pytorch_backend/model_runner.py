@@ -80,7 +80,6 @@ class ModelRunner:
     :param kv_cache_dtype: the KV cache's dtype (None: ``dtype``, the model's).
     :param decode_path: builds the model's ``DecodePath`` (its KV cache bound), or None where none applies
         (cuda_graphs.make_decode_graphs, native_decode.make_native_decode); None: always the modules.
-
     :param tile_rule: where the model has packed weights whose kernels have AMX tiles, which rows of each
         forward pass are marked for their tile loop (native/tile_rows.py: ``prompt``, a step's prompt-token
         rows; ``all``, every row); the native decode stack takes a step whose rows are all marked or none.
@@ -93,7 +92,7 @@ class ModelRunner:
         self.model = model
         if tile_rule not in tile_rows.RULES:
             raise ValueError(f"tile_rule must be one of {', '.join(tile_rows.RULES)}, got {tile_rule!r}")
-        self.marks_prompt_rows = tile_rows.has_tiled_weights(model)
+        self.marks_tile_rows = tile_rows.has_tiled_weights(model)
         self.tile_rule = tile_rule
         self.lora_step = lora_step  # the row-to-adapter map of the model's LoRA layers (lora/layers.py)
         self.block_size = block_size
@@ -255,7 +254,7 @@ class ModelRunner:
             raise RuntimeError("the KV cache is released (the backend is asleep)")
         extra = {} if inputs.embed_overrides is None else {"embed_overrides": inputs.embed_overrides}
         tiled = (tile_rows.marked(self.tile_rule, inputs.prompt_token_spans, inputs.input_ids.shape[0])
-                 if self.marks_prompt_rows else None)
+                 if self.marks_tile_rows else None)
         with tile_rows.prompt_token_rows(tiled):
             if inputs.lora_rows is not None and self.lora_step is not None:
                 hidden = self._forward_with_adapters(inputs, extra)

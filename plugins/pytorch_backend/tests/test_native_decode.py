@@ -137,8 +137,8 @@ def test_a_step_marks_its_prompt_tokens_rows_and_then_never_takes_the_stack(tiny
     whose packed weights put those rows on the AMX tiles where the kernels have them."""
     model = _load(tiny_checkpoint_factory("llama"), "int8")
     runner = _runner(model)
-    assert runner.marks_prompt_rows == available().uses_amx  # tile_rows.has_tiled_weights
-    runner.marks_prompt_rows = True  # as on a CPU with AMX tiles (has_tiled_weights), whatever this one has
+    assert runner.marks_tile_rows == available().uses_amx  # tile_rows.has_tiled_weights
+    runner.marks_tile_rows = True  # as on a CPU with AMX tiles (has_tiled_weights), whatever this one has
     runner.zero_blocks(range(50))
     decoding = _sequence("decoding", [5, 6, 7], [8, 9], computed=4, table=TABLES[0])  # its last generated token
     last_prompt_token = _sequence("last", [1, 2, 3, 4, 5, 6], [], computed=5, table=TABLES[1])  # a cache hit to 5
