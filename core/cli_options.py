@@ -164,7 +164,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     media = MediaPolicy(**{name: getattr(args, name) for name in MEDIA_FLAGS if hasattr(args, name)})
     adapters = AdapterPolicy(**{name: getattr(args, name) for name in ADAPTER_FLAGS if hasattr(args, name)})
     backend_options: dict[str, object] = {"enforce_eager": True} if args.enforce_eager else {}
-    if getattr(args, "amx_rows", None) is not None:
+    if args.amx_rows is not None:
         backend_options["amx_rows"] = args.amx_rows
     return EngineConfig(model=getattr(args, "model", None), enable_prefix_caching=not args.no_prefix_caching,
                         backend_options=backend_options, media=media, adapters=adapters,

@@ -176,6 +176,7 @@ class ModelRunner:
         if "weights" in tags and "weights" in self.asleep:
             if self._weights_dropped:
                 self.model = load_model()
+                self.marks_tile_rows = tile_rows.has_tiled_weights(self.model)
                 if self.kv_caches is not None:
                     bind_kv_caches(self.model, self.kv_caches)
             else:
@@ -213,7 +214,8 @@ class ModelRunner:
         pooling_rows: list[PromptRows] = []
         prompt_tokens: list[tuple[int, int]] = []
         for s in scheduled:
-            prompt_tokens.append((len(tokens), max(0, min(s.num_new_tokens, s.seq.num_prompt_tokens - s.start))))
+            if (rows := rows_in(s, len(tokens), range(s.seq.num_prompt_tokens))) is not None:
+                prompt_tokens.append((rows.first_row, rows.count))
             if s.seq.seq_id in scores_prompt and (rows := prompt_rows_of(s, len(tokens))) is not None:
                 prompt_rows.append(rows)
             if s.seq.seq_id in pools and (rows := rows_in(s, len(tokens), pools[s.seq.seq_id])) is not None:

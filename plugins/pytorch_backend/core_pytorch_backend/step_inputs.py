@@ -56,7 +56,8 @@ class StepInputs:
     prompt_rows: tuple[PromptRows, ...] = ()  # in row order
     lora_rows: tuple[int, ...] | None = None  # each row's LoRA slot (-1: the base), None: no adapter this step
     pooling_rows: tuple[PromptRows, ...] = ()  # in row order; their sequences do not sample
-    # (first row, count) of each chunk's prompt-token rows (positions < its prompt's length): native/tile_rows.py
+    # (first row, count) of each chunk's prompt-token rows (positions < its prompt's length), chunks without
+    # any left out: native/tile_rows.py
     prompt_token_spans: tuple[tuple[int, int], ...] = ()
 
 

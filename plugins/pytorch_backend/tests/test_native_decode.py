@@ -145,7 +145,7 @@ def test_a_step_marks_its_prompt_tokens_rows_and_then_never_takes_the_stack(tiny
     generated_then = _sequence("preempted", [3, 4], [5, 6], computed=0, table=TABLES[2])  # recomputed whole
     inputs = runner.prepare([ScheduledSequence(decoding, 1), ScheduledSequence(last_prompt_token, 1),
                              ScheduledSequence(generated_then, 4)])
-    assert inputs.prompt_token_spans == ((0, 0), (1, 1), (2, 2))  # rows 1, 2 and 3 are prompt tokens
+    assert inputs.prompt_token_spans == ((1, 1), (2, 2))  # rows 1, 2 and 3 are prompt tokens
     seen, stack_results = [], []
     original = runner.decode_path.run
     runner.decode_path.run = lambda model, step: stack_results.append(out := original(model, step)) or out
@@ -154,7 +154,7 @@ def test_a_step_marks_its_prompt_tokens_rows_and_then_never_takes_the_stack(tiny
     assert stack_results == [None] and seen[0].tiled.tolist() == [1, 2, 3] and seen[0].other.tolist() == [0, 4, 5]
     assert tile_rows.current() is None  # only during the pass
     decode_only = runner.prepare([ScheduledSequence(_sequence("d", [5, 6, 7], [8], computed=3, table=TABLES[0]), 1)])
-    assert decode_only.prompt_token_spans == ((0, 0),)
+    assert decode_only.prompt_token_spans == ()
     runner.execute(decode_only)
     assert stack_results[-1] is not None and len(seen) == 1  # no prompt tokens: the stack (not the modules) ran it
     runner.tile_rule = "all"  # --amx-rows all: every row, generated tokens' too, the stack's on the tiles

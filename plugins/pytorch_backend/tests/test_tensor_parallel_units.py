@@ -179,3 +179,17 @@ def test_each_rank_needs_a_gpu_of_its_own():
         _rank_devices(torch.device("cuda"), visible + 1)
     with pytest.raises(InvalidRequestError, match="CPU or on CUDA GPUs, not on meta"):
         _rank_devices(torch.device("meta"), 2)
+
+
+@pytest.mark.parametrize("rule", ["prompt", "all"])
+def test_the_other_ranks_take_rank_0s_amx_rule(rule):
+    """--amx-rows reaches every rank (WorkerSpec.tile_rule), so each multiplies its shard as rank 0 does."""
+    from types import SimpleNamespace
+
+    from core_pytorch_backend.distributed.launch import TensorParallel
+
+    config = EngineConfig(tensor_parallel_size=2)
+    local = SimpleNamespace(dtype=torch.float32, model=torch.nn.Linear(2, 2), block_size=16, num_blocks=8,
+                            kv_cache_dtype=torch.bfloat16, tile_rule=rule)  # rank 0's runner, as _spec reads it
+    spec = TensorParallel(config, torch.device("cpu"))._spec(1, 0, local, config, "model", {}, None)
+    assert spec.tile_rule == rule and spec.rank == 1

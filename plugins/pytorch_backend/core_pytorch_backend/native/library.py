@@ -69,7 +69,7 @@ class CpuKernels:
             raise CpuKernelError(f"{self.path} has C ABI version {version}, expected {ABI_VERSION}; rebuild it")
         self.variant = self._lib.core_packed_variant().decode()
         self._lib.core_packed_uses_amx.restype = ctypes.c_int
-        # whether core_packed_linear_tiles runs (native/tile_rows.py: a prompt's rows take it)
+        # whether core_packed_linear_tiles runs (native/tile_rows.py: which rows take it)
         self.uses_amx = bool(self._lib.core_packed_uses_amx())
         self._functions = {}
         for name, argtypes in SIGNATURES.items():
@@ -112,7 +112,7 @@ def available() -> CpuKernels | None:
         log.warning("the native CPU kernels are unavailable (%s); the plain-torch ops and torch's packed "
                     "kernels run instead", exc)
         return None
-    tiles = "; prompt tokens' packed matmuls on the AMX tiles (bfloat16)" if kernels.uses_amx else ""
+    tiles = "; AMX tiles granted (the packed matmuls' bfloat16 tile loop)" if kernels.uses_amx else ""
     if kernels.variant == "amx-bf16" and not kernels.uses_amx:
         tiles = "; Linux refused the AMX tiles: every packed matmul takes the AVX-512 VNNI loop"
     log.info("native CPU kernels: the %s variant (%s)%s, %s", kernels.variant, why, tiles, kernels.path)
