@@ -11,8 +11,8 @@ and TTFT at concurrency 1, output tokens/s at each concurrency (2 x C requests, 
 the peak resident memory of the server's process tree. Each peer is installed or built once into a cache
 (see peers/common.py) and runs in its own virtualenv. A peer that cannot be installed, started or
 measured becomes a "failed: reason" row; the run goes on. Writes
-benchmarks/results/side_by_side-DATE.{md,png,json}, which name the CPU (model, cores, instruction sets:
-peers/cpu.py).
+benchmarks/results/side_by_side-DATE-COMMIT-VENDOR[-TAG].{md,png,json} (never over an earlier run's),
+which name the CPU (model, cores, instruction sets: peers/cpu.py).
 
 core has two rows: `core serve GGUF` with no flags (what a user gets), and with `--core-best-args` (its
 fastest configuration; empty, the default until there is one: no such row).
@@ -31,6 +31,7 @@ import datetime
 import json
 import os
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -267,11 +268,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def checkout_commit() -> str:
+    """The short commit of the checkout being measured ('' outside a git checkout)."""
+    try:
+        done = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def result_stem(out: Path, date: str, commit: str, vendor: str, tag: str) -> str:
+    """``side_by_side-DATE-COMMIT-VENDOR[-TAG]``, with ``-2``, ``-3``... added rather than overwrite an
+    earlier run's files (runs on one day on several machines, or twice on one, each keep theirs)."""
+    vendor = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(vendor, vendor.lower())
+    stem = "-".join(filter(None, ["side_by_side", date, commit, vendor, tag]))
+    taken = {path.stem for path in out.glob("side_by_side-*")}
+    unique, n = stem, 1
+    while unique in taken:
+        n += 1
+        unique = f"{stem}-{n}"
+    return unique
+
+
 def write_results(rows: list[Row], plan: Plan, args: argparse.Namespace) -> None:
-    date = datetime.date.today().isoformat()
-    stem = f"side_by_side-{date}{'-' + args.tag if args.tag else ''}"
+    date, cpu = datetime.date.today().isoformat(), this_cpu()
     args.out.mkdir(parents=True, exist_ok=True)
-    png, cpu = args.out / f"{stem}.png", this_cpu()
+    stem = result_stem(args.out, date, checkout_commit(), cpu.vendor, args.tag)
+    png = args.out / f"{stem}.png"
     problem = plot(rows, plan.levels, png, f"SmolLM2-135M on {cpu.model}, {cpu.cores} cores, {date}")
     page = markdown(rows, plan.levels, plan.settings(), date, png.name, cpu)
     (args.out / f"{stem}.md").write_text(page + (f"\n{problem}\n" if problem else ""))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -75,3 +76,24 @@ def test_a_peer_that_cannot_be_set_up_is_a_failed_row(tmp_path):
     ctx = Context(tmp_path / "model.gguf", convert=lambda: tmp_path, port=1)
     row = side_by_side.run_peer(Peer("broken", "Broken", broken), ctx, plan())
     assert row.status == "failed: cmake exited 1: no compiler" and not row.ok
+
+
+def test_result_names_carry_commit_and_vendor_and_never_overwrite_an_earlier_run(tmp_path):
+    stem = side_by_side.result_stem(tmp_path, "2026-12-03", "993febd", "AuthenticAMD", "")
+    assert stem == "side_by_side-2026-12-03-993febd-amd"
+    for suffix in (".md", ".json", ".png"):
+        (tmp_path / f"{stem}{suffix}").write_text("earlier run")
+    assert side_by_side.result_stem(tmp_path, "2026-12-03", "993febd", "AuthenticAMD", "") == f"{stem}-2"
+    (tmp_path / f"{stem}-2.md").write_text("second run")
+    assert side_by_side.result_stem(tmp_path, "2026-12-03", "993febd", "AuthenticAMD", "") == f"{stem}-3"
+    tagged = side_by_side.result_stem(tmp_path, "2026-12-03", "", "GenuineIntel", "avx2-ceiling")
+    assert tagged == "side_by_side-2026-12-03-intel-avx2-ceiling"
+
+
+def test_checkout_commit_names_this_checkout():
+    root = Path(side_by_side.__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    commit = side_by_side.checkout_commit()
+    assert commit and head.startswith(commit)
