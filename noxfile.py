@@ -131,8 +131,8 @@ def bench(session: nox.Session) -> None:
     """core vs vLLM, llama.cpp and transformers, side by side on this machine (opt-in, slow).
 
     ~45 min the first time, which installs each peer into its own virtualenv and builds llama.cpp (cached
-    under ~/.cache/core/bench); ~25 min after. Writes
-    benchmarks/results/side_by_side-DATE-COMMIT-VENDOR.{md,png,json} and the README's table; arguments pass through to benchmarks/side_by_side.py.
+    under ~/.cache/core/bench); ~25 min after. Writes benchmarks/results/side_by_side-DATE-COMMIT-VENDOR.*
+    and the README's table; arguments pass through to benchmarks/side_by_side.py.
     """
     install_everything(session)
     session.install("matplotlib==3.11.2", "py-spy==0.4.3")  # the plot; benchmarks/profile_core.py

@@ -283,9 +283,8 @@ def result_stem(out: Path, date: str, commit: str, vendor: str, tag: str) -> str
     earlier run's files (runs on one day on several machines, or twice on one, each keep theirs)."""
     vendor = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(vendor, vendor.lower())
     stem = "-".join(filter(None, ["side_by_side", date, commit, vendor, tag]))
-    taken = {path.stem for path in out.glob("side_by_side-*")}
     unique, n = stem, 1
-    while unique in taken:
+    while (out / f"{unique}.md").exists():  # every run writes its .md
         n += 1
         unique = f"{stem}-{n}"
     return unique
