@@ -310,24 +310,99 @@ def test_the_kernel_choice_is_native_wherever_it_builds():
         assert packed_kernel() == PackedKernel(available(), torch.float32)
 
 
-def test_the_gguf_name_map_is_cached_and_rebuilt_when_unreadable(default_gguf_path, tmp_path):
-    """The GGUF -> HF name map (a transformers skeleton: 1.7 s of a start) is written once to the cache and
-    read back the same; an unreadable cache file is rebuilt, not fatal."""
+def test_the_gguf_load_plan_is_cached_and_rebuilt_when_unreadable(default_gguf_path, tmp_path):
+    """The GGUF -> HF name map (a transformers skeleton: 1.7 s of a start) and each tensor's row order
+    (transformers' tensor processor, run on probes) are written once to the cache and read back the
+    same; an unreadable file, or one without a step for some tensor of the file, is rebuilt, not fatal."""
     from transformers import AutoConfig
 
     from core_pytorch_backend.loader import cached_gguf_folder
-    from core_pytorch_backend.quant.gguf_file import _processor_and_names
+    from core_pytorch_backend.quant.gguf_file import LoadPlan, load_plan
     from core_pytorch_backend.quant.gguf_index import read_gguf_index
 
-    architecture = read_gguf_index(default_gguf_path).architecture
+    index = read_gguf_index(default_gguf_path)
     config = AutoConfig.from_pretrained(cached_gguf_folder(default_gguf_path, with_weights=False))
-    _, built = _processor_and_names(architecture, config)
-    _, first = _processor_and_names(architecture, config, tmp_path)
-    (cached,) = tmp_path.glob("gguf-names-*.json")
-    assert built == first and "token_embd.weight" in built and json.loads(cached.read_text()) == built
-    cached.write_text(json.dumps({"token_embd.weight": "read.from.the.cache"}))
-    _, second = _processor_and_names(architecture, config, tmp_path)
-    assert second == {"token_embd.weight": "read.from.the.cache"}  # read back, not built again
+    built = load_plan(index.architecture, config, index.tensors)
+    first = load_plan(index.architecture, config, index.tensors, tmp_path)
+    (cached,) = tmp_path.glob("gguf-plan-*.json")
+    assert _same_plans(first, built) and _same_plans(LoadPlan.from_json(cached.read_text()), built)
+    assert "token_embd.weight" in built.names and set(built.steps) == {t.name for t in index.tensors}
+    reordered = {name for name, step in built.steps.items() if step.order is not None}
+    assert reordered == {f"blk.{i}.attn_{p}.weight" for i in range(config.num_hidden_layers) for p in "qk"}
+    assert not any(step.processed for step in built.steps.values())  # Llama's processor only reorders rows
+    tampered = json.loads(cached.read_text())
+    tampered["steps"]["output_norm.weight"]["name"] = "read.from.the.cache"
+    cached.write_text(json.dumps(tampered))
+    assert load_plan(index.architecture, config, index.tensors, tmp_path).steps["output_norm.weight"].name == (
+        "read.from.the.cache")  # read back, not built again
+    del tampered["steps"]["output_norm.weight"]
+    cached.write_text(json.dumps(tampered))
+    assert _same_plans(load_plan(index.architecture, config, index.tensors, tmp_path), built)  # a step missing
     cached.write_text("{not json")
-    _, rebuilt = _processor_and_names(architecture, config, tmp_path)
-    assert rebuilt == built and cached.read_text().startswith("{\"")
+    assert _same_plans(load_plan(index.architecture, config, index.tensors, tmp_path), built)
+    assert _same_plans(LoadPlan.from_json(cached.read_text()), built)
+
+
+def _same_plans(a, b) -> bool:
+    def steps(plan):
+        return {name: (s.name, None if s.order is None else s.order.tolist(), s.processed)
+                for name, s in plan.steps.items()}
+
+    return a.names == b.names and steps(a) == steps(b)
+
+
+class _Processor:
+    """A stand-in for transformers' tensor processors: ``change`` applied to the weights of ``name``."""
+
+    def __init__(self, name: str, change) -> None:
+        self.name, self.change = name, change
+
+    def process(self, weights, name, **_):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(weights=self.change(weights) if name == self.name else weights, name=name)
+
+
+@pytest.mark.parametrize(("change", "on_matrix", "on_vector"), [
+    (lambda w: w, "as stored", "as stored"),
+    (lambda w: w[::-1], "reordered", "processed"),  # a vector's values reversed: not a row order
+    (lambda w: w - 1.0, "processed", "processed"),
+    (np.abs, "processed", "processed"),  # the row indices alone (all >= 0) would take it for no change
+    (lambda w: w[..., ::-1], "processed", "processed"),  # columns reversed: the rows stay, their values do not
+    (lambda w: w.reshape(-1), "processed", "as stored"),
+    (lambda w: 1 / 0, "processed", "processed"),
+], ids=["identity", "rows-reversed", "minus-one", "abs", "columns-reversed", "flattened", "raises"])
+def test_a_tensor_step_follows_what_the_processor_does_to_probes(change, on_matrix, on_vector):
+    from core_pytorch_backend.quant.gguf_file import TensorStep, _step
+    from core_pytorch_backend.quant.gguf_index import TensorEntry
+
+    names = {"w": "model.w", "v": "model.v"}
+    expected = {"as stored": TensorStep("model.w"), "processed": TensorStep(processed=True)}
+    step = _step(_Processor("w", change), TensorEntry("w", "Q4_1", (6, 64), np.zeros((6, 40), np.uint8)), names)
+    if on_matrix == "reordered":
+        assert step.name == "model.w" and step.order.tolist() == [5, 4, 3, 2, 1, 0] and not step.processed
+    else:
+        assert step == expected[on_matrix]
+    vector = TensorEntry("w", "F32", (6,), np.zeros(6, np.float32))
+    assert _step(_Processor("w", change), vector, names) == expected[on_vector]
+    unused = TensorEntry("u", "F32", (6, 64), np.zeros((6, 64), np.float32))
+    assert _step(_Processor("w", change), unused, names) == TensorStep()  # not changed, and not the model's
+
+
+def test_a_start_with_the_load_plan_cached_does_not_import_the_tensor_processors(default_gguf_path, tmp_path):
+    """transformers' GGUF module (its processors) cost 0.23 s of a 2.4 s start on a Zen 5 EPYC: a start
+    that finds the plan in the cache runs without it, and loads the same weights."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+from core_pytorch_backend.loader import load_checkpoint
+model = load_checkpoint({str(default_gguf_path)!r}, cache_dir={str(tmp_path)!r}).model
+print("imported" if "transformers.modeling_gguf_pytorch_utils" in sys.modules else "not-imported")
+print(repr(sum(float(t.double().sum()) for t in model.state_dict().values() if t.is_floating_point())))
+"""
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split()
+            for _ in range(2)]
+    assert runs[0][0] == "imported" and runs[1][0] == "not-imported", runs
+    assert runs[0][-1] == runs[1][-1]

@@ -1,22 +1,30 @@
 """A GGUF file's tensors under Hugging Face names, quantized ones kept as ``AffineWeight`` codes.
 
 Names come from the gguf package's tensor-name map applied to the HF names of a meta-device skeleton of
-the model (what transformers' ``get_gguf_hf_weights_map`` does) and each tensor goes through transformers' per-architecture tensor processor, as its GGUF
-loader does (Llama's q/k projections, for one, are stored with their rows permuted). A quantized tensor
-cannot go through the processor as numbers, so the processor is run on its row indices instead, and the
-codes are reordered the same way; a processor that does more than reorder rows gets the tensor
-dequantized. Types without a packed form (``gguf_blocks``) are dequantized with the gguf package.
+the model (what transformers' ``get_gguf_hf_weights_map`` does) and each tensor goes through transformers'
+per-architecture tensor processor, as its GGUF loader does (Llama's q/k projections, for one, are stored
+with their rows permuted). A quantized tensor cannot go through the processor as numbers, so the
+processor is run on probes instead: its row indices, which give the order it puts the rows in, and random
+values of the tensor's rows, which must come back as those rows in that order. A tensor the processor
+does more to than reorder its rows is dequantized and processed. Types without a packed form
+(``gguf_blocks``) are dequantized with the gguf package.
 
-Building the skeleton imports transformers' modeling module for the architecture (1.7 s of a 5 s start
-for SmolLM2 on a 2-core EPYC), so the name map is kept in a small JSON file under ``names_cache`` keyed
-by everything it depends on (the architecture, the config, the transformers and gguf versions).
+What the processor does to each tensor depends only on the architecture and the config, so the outcome
+(the name map and each tensor's row order: a ``LoadPlan``) is kept in a small JSON file under
+``names_cache``, keyed by everything it depends on (the architecture, the config, the transformers and
+gguf versions). Building it imports transformers' modeling module for the architecture (the skeleton:
+1.7 s of a 5 s start for SmolLM2 on a 2-core EPYC) and its GGUF module (the processors: 0.23 s of a
+2.4 s start on a Zen 5 EPYC); a start that finds the plan imports neither, unless a tensor needs the
+processor on its values.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,24 +37,85 @@ from .affine import AffineWeight
 from .gguf_blocks import unpack
 from .gguf_index import TensorEntry, read_gguf_index
 
+PLAN_FORMAT = 1
+PROBE_COLUMNS = 8  # the random probe's columns: a row reordering moves whole rows, whatever their width
+
+
+@dataclass(frozen=True)
+class TensorStep:
+    """What loading does with one GGUF tensor: yield it under ``name`` with its rows in ``order`` (None:
+    as stored; no name: the model does not use it), or, ``processed``, run transformers' processor on its
+    dequantized values."""
+
+    name: str = ""
+    order: np.ndarray | None = None
+    processed: bool = False
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """GGUF name -> HF name, and the step of every tensor of the file."""
+
+    names: dict[str, str]
+    steps: dict[str, TensorStep]
+
+    def to_json(self) -> str:
+        orders: list[list[int]] = []  # each distinct order once: a model's layers share a few
+        steps = {}
+        for gguf_name, step in self.steps.items():
+            if step.processed:
+                steps[gguf_name] = {"processed": True}
+                continue
+            entry: dict[str, Any] = {"name": step.name}
+            if step.order is not None:
+                order = step.order.tolist()
+                if order not in orders:
+                    orders.append(order)
+                entry["order"] = orders.index(order)
+            steps[gguf_name] = entry
+        return json.dumps({"format": PLAN_FORMAT, "names": self.names, "orders": orders, "steps": steps})
+
+    @classmethod
+    def from_json(cls, text: str) -> LoadPlan:
+        """The plan ``to_json`` wrote; ValueError (KeyError, TypeError, IndexError...) where it is not one."""
+        data = json.loads(text)
+        if data["format"] != PLAN_FORMAT:
+            raise ValueError(f"plan format {data['format']}, expected {PLAN_FORMAT}")
+        orders = [np.asarray(order, dtype=np.int64) for order in data["orders"]]
+        steps = {}
+        for gguf_name, entry in data["steps"].items():
+            if entry.get("processed"):
+                steps[gguf_name] = TensorStep(processed=True)
+            else:
+                order = entry.get("order")
+                steps[gguf_name] = TensorStep(str(entry["name"]), None if order is None else orders[order])
+        return cls({str(k): str(v) for k, v in data["names"].items()}, steps)
+
 
 def gguf_weights(gguf: Path, config: Any, names_cache: Path | None = None
                  ) -> Iterator[tuple[str, torch.Tensor | AffineWeight]]:
-    """(HF name, dense float32 tensor or quantized codes) for every tensor the model uses; the GGUF ->
-    HF name map is read from (or written to) the folder ``names_cache`` where one is given."""
+    """(HF name, dense float32 tensor or quantized codes) for every tensor the model uses; the load plan
+    is read from (or written to) the folder ``names_cache`` where one is given."""
     index = read_gguf_index(gguf)
-    processor, names = _processor_and_names(index.architecture, config, names_cache)
+    plan = load_plan(index.architecture, config, index.tensors, names_cache)
+    processor = None
     for tensor in index.tensors:
-        codes = unpack(tensor.type_name, tensor.data) if len(tensor.shape) == 2 else None
-        order, name = _row_order(processor, tensor.name, codes.shape[0], names) if codes is not None else (None, "")
-        if order is not None:
-            if name in names:  # most tensors' order is the identity: no copy for them
-                yield names[name], codes if np.array_equal(order, np.arange(len(order))) else codes.rows(order)
+        step = plan.steps[tensor.name]
+        if step.processed:
+            processor = processor or _processor(index.architecture, config)
+            result = processor.process(weights=_dequantized(tensor), name=tensor.name, tensor_key_mapping=plan.names,
+                                       parsed_parameters={"tensors": {}})
+            if result.name in plan.names:
+                yield plan.names[result.name], torch.from_numpy(np.array(result.weights, dtype=np.float32))
             continue
-        result = processor.process(weights=_dequantized(tensor), name=tensor.name, tensor_key_mapping=names,
-                                   parsed_parameters={"tensors": {}})
-        if result.name in names:
-            yield names[result.name], torch.from_numpy(np.array(result.weights, dtype=np.float32))
+        if not step.name:
+            continue
+        codes = unpack(tensor.type_name, tensor.data) if len(tensor.shape) == 2 else None
+        if codes is not None:
+            yield step.name, codes if step.order is None else codes.rows(step.order)
+        else:
+            values = np.array(_dequantized(tensor), dtype=np.float32)
+            yield step.name, torch.from_numpy(values if step.order is None else values[step.order])
 
 
 def _dequantized(tensor: TensorEntry) -> np.ndarray:
@@ -58,32 +127,45 @@ def _dequantized(tensor: TensorEntry) -> np.ndarray:
     return dequantize(np.asarray(tensor.data), GGMLQuantizationType[tensor.type_name]).reshape(tensor.shape)
 
 
-def _processor_and_names(architecture: str, config: Any, names_cache: Path | None = None
-                          ) -> tuple[Any, dict[str, str]]:
-    """transformers' tensor processor for the file's architecture, and GGUF name -> HF name (from
-    ``names_cache`` when it holds them)."""
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
-    cached = None if names_cache is None else Path(names_cache) / f"gguf-names-{_names_key(architecture, config)}.json"
+def load_plan(architecture: str, config: Any, tensors: list[TensorEntry], names_cache: Path | None = None
+              ) -> LoadPlan:
+    """The plan for ``tensors`` of a file of ``architecture`` and ``config`` (from ``names_cache`` when it
+    holds one with a step for each of them; else built and written there)."""
+    cached = None if names_cache is None else Path(names_cache) / f"gguf-plan-{_plan_key(architecture, config)}.json"
     if cached is not None and cached.is_file():
         try:
-            return processor, json.loads(cached.read_text())
-        except (OSError, ValueError):
+            plan = LoadPlan.from_json(cached.read_text())
+            if all(t.name in plan.steps for t in tensors):
+                return plan
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
             pass  # unreadable: built again and rewritten
+    processor = _processor(architecture, config)
     names = _names(architecture, config, processor)
+    # a fresh processor for each tensor's probes: some keep state between calls (MoE experts)
+    plan = LoadPlan(names, {t.name: _step(_processor(architecture, config), t, names) for t in tensors})
     if cached is not None:
-        write_text_atomically(cached, json.dumps(names))
-    return processor, names
+        write_text_atomically(cached, plan.to_json())
+    return plan
 
 
-def _names_key(architecture: str, config: Any) -> str:
-    import gguf
-    import transformers
+def _processor(architecture: str, config: Any) -> Any:
+    """transformers' tensor processor for the file's architecture."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    parts = (architecture, config.to_json_string(use_diff=False), transformers.__version__,
-             getattr(gguf, "__version__", ""))
+    return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+
+
+def _plan_key(architecture: str, config: Any) -> str:
+    parts = (str(PLAN_FORMAT), architecture, config.to_json_string(use_diff=False),
+             importlib.metadata.version("transformers"), _version("gguf"))
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
 
 
 def _names(architecture: str, config: Any, processor: Any) -> dict[str, str]:
@@ -112,13 +194,35 @@ def _names(architecture: str, config: Any, processor: Any) -> dict[str, str]:
     return names
 
 
-def _row_order(processor: Any, name: str, rows: int, names: dict[str, str]) -> tuple[np.ndarray | None, str]:
-    """The processor's effect on a tensor's rows as an index array (None if it is not a reordering),
-    and the tensor's processed GGUF name."""
-    index = np.arange(rows, dtype=np.float64)[:, None]
-    result = processor.process(weights=index, name=name, tensor_key_mapping=names,
-                               parsed_parameters={"tensors": {}})
-    order = np.asarray(result.weights)
-    if order.shape != (rows, 1) or not np.array_equal(np.sort(order[:, 0]), index[:, 0]):
-        return None, result.name
-    return order[:, 0].astype(np.int64), result.name
+def _step(processor: Any, tensor: TensorEntry, names: dict[str, str]) -> TensorStep:
+    """What the processor does to ``tensor``, from probes (see the module docstring)."""
+    if len(tensor.shape) not in (1, 2):
+        return TensorStep(processed=True)  # expert stacks and the like: too large to probe, and not reordered
+    rows = tensor.shape[0]
+    probe = np.random.default_rng(0).standard_normal(
+        (rows, min(tensor.shape[1], PROBE_COLUMNS)) if len(tensor.shape) == 2 else tensor.shape)
+    try:
+        moved = _processed(processor, probe, tensor.name, names)
+        indices = _processed(processor, np.arange(rows, dtype=np.float64)[:, None], tensor.name, names)
+    except Exception:  # noqa: BLE001 (a processor that cannot take a probe is run on the values)
+        return TensorStep(processed=True)
+    if moved.name not in names:
+        return TensorStep()  # not used
+    name, result = names[moved.name], np.asarray(moved.weights)
+    if len(tensor.shape) == 1:
+        return TensorStep(name) if result.shape == probe.shape and np.array_equal(result, probe) else TensorStep(processed=True)
+    order = _row_order(np.asarray(indices.weights), rows)
+    if order is None or result.shape != probe.shape or not np.array_equal(result, probe[order]):
+        return TensorStep(processed=True)
+    return TensorStep(name, None if np.array_equal(order, np.arange(rows)) else order)
+
+
+def _row_order(indices: np.ndarray, rows: int) -> np.ndarray | None:
+    """The row order a processor's output of the row indices [rows, 1] shows (None: not a reordering)."""
+    if indices.shape != (rows, 1) or not np.array_equal(np.sort(indices[:, 0]), np.arange(rows)):
+        return None
+    return indices[:, 0].astype(np.int64)
+
+
+def _processed(processor: Any, weights: np.ndarray, name: str, names: dict[str, str]) -> Any:
+    return processor.process(weights=weights, name=name, tensor_key_mapping=names, parsed_parameters={"tensors": {}})
