@@ -103,8 +103,7 @@ def gguf_weights(gguf: Path, config: Any, names_cache: Path | None = None
         step = plan.steps[tensor.name]
         if step.processed:
             processor = processor or _processor(index.architecture, config)
-            result = processor.process(weights=_dequantized(tensor), name=tensor.name, tensor_key_mapping=plan.names,
-                                       parsed_parameters={"tensors": {}})
+            result = _processed(processor, _dequantized(tensor), tensor.name, plan.names)
             if result.name in plan.names:
                 yield plan.names[result.name], torch.from_numpy(np.array(result.weights, dtype=np.float32))
             continue
@@ -203,14 +202,16 @@ def _step(processor: Any, tensor: TensorEntry, names: dict[str, str]) -> TensorS
         (rows, min(tensor.shape[1], PROBE_COLUMNS)) if len(tensor.shape) == 2 else tensor.shape)
     try:
         moved = _processed(processor, probe, tensor.name, names)
-        indices = _processed(processor, np.arange(rows, dtype=np.float64)[:, None], tensor.name, names)
+        indices = None if len(tensor.shape) == 1 else _processed(
+            processor, np.arange(rows, dtype=np.float64)[:, None], tensor.name, names)
     except Exception:  # noqa: BLE001 (a processor that cannot take a probe is run on the values)
         return TensorStep(processed=True)
     if moved.name not in names:
         return TensorStep()  # not used
     name, result = names[moved.name], np.asarray(moved.weights)
-    if len(tensor.shape) == 1:
-        return TensorStep(name) if result.shape == probe.shape and np.array_equal(result, probe) else TensorStep(processed=True)
+    if indices is None:  # a vector: kept only where the processor leaves it as it is
+        unchanged = result.shape == probe.shape and np.array_equal(result, probe)
+        return TensorStep(name) if unchanged else TensorStep(processed=True)
     order = _row_order(np.asarray(indices.weights), rows)
     if order is None or result.shape != probe.shape or not np.array_equal(result, probe[order]):
         return TensorStep(processed=True)
