@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from core.cache_folder import cache_folder
 from core_cuda_backend.availability import find_nvcc
 
 CSRC = Path(__file__).parent / "csrc"
@@ -34,8 +35,7 @@ class CudaBuildError(RuntimeError):
 
 def cache_dir() -> Path:
     """Where built libraries live: ``$CORE_CACHE_DIR/cuda`` or ``~/.cache/core/cuda``."""
-    root = os.environ.get("CORE_CACHE_DIR")
-    return Path(root) / "cuda" if root else Path.home() / ".cache" / "core" / "cuda"
+    return cache_folder("cuda")
 
 
 def sources() -> list[Path]:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from core.cache_folder import cache_folder
 from core.memory import trim_heap
 
 from .default_model import default_model_path, generation_defaults  # noqa: F401 (default_model_path: re-exported)
@@ -329,8 +330,7 @@ def _open_gguf(gguf: Path):
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("CORE_CACHE_DIR") or Path.home() / ".cache" / "core"
-    return Path(root) / "gguf"
+    return cache_folder("gguf")
 
 
 def cached_gguf_folder(gguf: Path, cache_root: Path | None = None, with_weights: bool = True) -> Path:

@@ -29,6 +29,7 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
+from core.cache_folder import cache_folder
 from core.errors import InvalidRequestError
 
 CSRC = Path(__file__).parent / "csrc"
@@ -60,8 +61,7 @@ class CpuBuildError(RuntimeError):
 
 def cache_dir() -> Path:
     """Where built libraries live: ``$CORE_CACHE_DIR/cpu`` or ``~/.cache/core/cpu``."""
-    root = os.environ.get("CORE_CACHE_DIR")
-    return Path(root) / "cpu" if root else Path.home() / ".cache" / "core" / "cpu"
+    return cache_folder("cpu")
 
 
 @cache
