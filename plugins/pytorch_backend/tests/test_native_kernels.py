@@ -382,8 +382,9 @@ def test_paged_attention_matches_the_reference(ops, dtypes, window, case, heads)
     mine = ops.paged_attention(query, k_cache, v_cache, meta, d**-0.5, window)
     meta.op_cache.clear()
     oracle = reference.paged_attention(query, k_cache, v_cache, meta, d**-0.5, window)
-    # the avx512-bf16 and amx-bf16 variants multiply a bfloat16 cache in bfloat16 (csrc partial_bf16: heads of 64 or 128,
-    # the query and the softmax weights rounded to bfloat16): a float32 query over it is held to bf16's bar
+    # the avx512-bf16 and amx-bf16 variants multiply a bfloat16 cache in bfloat16 (heads of 64 or 128; decode rows in
+    # csrc partial_bf16, the query and the softmax weights rounded to bfloat16; prefill chunks in chunk_attention.c's
+    # run_task_bf16, the weights rounded): a float32 query over it is held to bf16's bar
     bf16_math = cache_dtype == torch.bfloat16 and native.kernels().variant in ("avx512-bf16", "amx-bf16") and d in (64, 128)
     exact = dtype == torch.float32 and not bf16_math
     tol = {"rtol": 1e-5, "atol": 1e-5} if exact else {"rtol": 0.016, "atol": 0.016}

@@ -9,7 +9,9 @@ The bar holds for the native kernel (``quant.kernel_choice``: chosen where it bu
 AVX2 CPUs alike), whose model runs in float32 with activations rounded per 32 inputs in two int8 steps
 and a bfloat16 KV cache. Measured on an AMD EPYC (Zen 4 Genoa, AVX-512, no AMX), prefill chunks of 256:
 packed GGUF 99.90%, int8 99.75%, int4 99.90%; perplexity ratio 1.0003-1.0006 (``benchmarks/quant_accuracy.py``);
-one token a step (decode attention, the last candidate) 99.55%. On a Xeon with AMX the prefill chunks'
+one token a step (decode attention, the last candidate) 99.55%. Since prefill chunks' attention multiplies
+the bfloat16 cache in bfloat16 dot products too (csrc/chunk_attention.c's run_task_bf16, in the avx512-bf16
+and amx-bf16 builds), on a Zen 5 EPYC: packed GGUF, int8 and int4 99.70% each, perplexity ratio 1.0004. On a Xeon with AMX the prefill chunks'
 rows take the tile loop (native/tile_rows.py: weights and activations rounded to bfloat16): packed GGUF
 99.40%, int8 99.25%, int4 99.40%, perplexity ratio 1.0007-1.0010. Where only
 torch's int4 kernel runs (no C compiler), the model runs in bfloat16 and no bf16 arithmetic reaches 99%
@@ -79,8 +81,8 @@ def test_oracle_reads_the_text_as_text(oracle):
 
 # name -> (load of the candidate from the default model's GGUF file, tokens a forward). "one token a step"
 # makes every position a decode step: each token attends to its context through decode attention over
-# the bfloat16 KV cache (bfloat16 dot products in the avx512-bf16 and amx-bf16 builds), which prefill chunks of 256
-# never reach. Measured on a Zen 4 EPYC: 99.55% (the avx512-vnni build's float32 attention: 99.65%),
+# the bfloat16 KV cache (bfloat16 dot products in the avx512-bf16 and amx-bf16 builds; prefill chunks of 256 take
+# chunk attention instead). Measured on a Zen 4 EPYC: 99.55% (the avx512-vnni build's float32 attention: 99.65%),
 # perplexity ratio 1.0004.
 CANDIDATES = {
     "gguf-packed": (lambda gguf: load_checkpoint(gguf), quality.CHUNK),  # the default: the file's tensors packed
