@@ -7,6 +7,7 @@ reference ops (the oracle) in float32 and bfloat16.
 
 from __future__ import annotations
 
+import ctypes
 import random
 
 import numpy as np
@@ -85,6 +86,20 @@ def test_an_edit_to_the_sources_changes_the_cache_key(tmp_path, monkeypatch):
     (tmp_path / "a.c").write_text("int x;")
     monkeypatch.setattr(build, "CSRC", tmp_path)
     assert build.build_key("generic", cc) != before
+
+
+def test_a_copy_of_the_sources_elsewhere_builds_the_same_library(tmp_path, monkeypatch):
+    """build_library(sources=...) (benchmarks/kernel_ab.py's earlier revision): the same files elsewhere
+    are the same library; an edited copy is another one, built from that folder."""
+    import shutil
+
+    monkeypatch.setenv("CORE_CACHE_DIR", str(tmp_path / "cache"))
+    copy = tmp_path / "csrc"
+    shutil.copytree(build.CSRC, copy)
+    assert build.build_key("generic", build.compiler(), copy) == build.build_key("generic", build.compiler())
+    (copy / "argmax.c").write_text((copy / "argmax.c").read_text() + "\nint core_ab_marker(void) { return 7; }\n")
+    edited = build.build_library("generic", sources=copy)
+    assert edited != build.build_library("generic") and ctypes.CDLL(str(edited)).core_ab_marker() == 7
 
 
 def test_the_library_names_its_variant(kernels):

@@ -117,30 +117,33 @@ def _flags(variant: str) -> list[str]:
     return [*COMMON_FLAGS, *VARIANT_FLAGS[variant]]
 
 
-def build_key(variant: str, cc: str) -> str:
-    """Hash of everything that changes the library: sources, flags, the compiler's version."""
+def build_key(variant: str, cc: str, sources: Path | None = None) -> str:
+    """Hash of everything that changes the library: sources (default csrc/), flags, the compiler's version."""
+    sources = sources or CSRC
     digest = hashlib.sha256()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     for part in (version, *_flags(variant)):
         digest.update(part.encode() + b"\0")
-    for path in sorted(CSRC.glob("*.[ch]")):
+    for path in sorted(sources.glob("*.[ch]")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
 
 
-def build_library(variant: str | None = None, *, force: bool = False) -> Path:
-    """The shared library of ``variant`` (default: ``chosen_variant()``), from the cache or compiled now."""
-    variant = variant or chosen_variant()[0]
+def build_library(variant: str | None = None, *, force: bool = False, sources: Path | None = None) -> Path:
+    """The shared library of ``variant`` (default: ``chosen_variant()``), from the cache or compiled now.
+    ``sources``: another folder of the kernels' C files (benchmarks/kernel_ab.py builds an earlier
+    revision's beside this one's)."""
+    variant, sources = variant or chosen_variant()[0], sources or CSRC
     cc = compiler()
     if cc is None:
         raise CpuBuildError("no C compiler found (set CC, or install gcc) to build the CPU kernels")
-    target = cache_dir() / f"{LIBRARY_STEM}-{variant}-{build_key(variant, cc)}.so"
+    target = cache_dir() / f"{LIBRARY_STEM}-{variant}-{build_key(variant, cc, sources)}.so"
     if target.exists() and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix="build-") as tmp:
         built = Path(tmp) / target.name
-        command = [cc, *_flags(variant), *map(str, sorted(CSRC.glob("*.c"))), "-o", str(built), "-lm"]
+        command = [cc, *_flags(variant), *map(str, sorted(sources.glob("*.c"))), "-o", str(built), "-lm"]
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise CpuBuildError(f"the C compiler failed (exit {result.returncode}):\n  {' '.join(command)}\n"
