@@ -18,16 +18,15 @@ import argparse
 import statistics
 import time
 
-import torch
+import core_pytorch_backend  # noqa: F401  (before torch: large tensors on huge pages, as the server has them)
 
-import core_pytorch_backend  # noqa: F401  (before torch's first allocation: large tensors on huge pages)
+# isort: split
+import torch
+from attention_context import DTYPES, HEAD_DIM, HEADS, KV_HEADS  # the same shapes, one sequence at a time
+
 from core.config import EngineConfig
 from core_pytorch_backend.attention_metadata import AttentionMetadata
 from core_pytorch_backend.kernels import select_ops
-
-HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
-DTYPES = {"bfloat16": (torch.bfloat16, torch.bfloat16), "float32": (torch.float32, torch.float32),
-          "float32/bfloat16": (torch.float32, torch.bfloat16)}  # name -> (query dtype, cache dtype)
 
 
 def step_case(rows: int, context: int, layers: int, dtypes: tuple[torch.dtype, torch.dtype], block_size: int):
