@@ -46,7 +46,7 @@ def sources_at(revision: str, into: Path) -> Path:
 
 
 def decoder_functions(base: str):
-    """{"A (base)": ..., "B (tree)": ...}: each build's ``core_decoder_layers``."""
+    """{"A": the base revision's, "B": the working tree's} ``core_decoder_layers``."""
     from core_pytorch_backend.native.build import build_library
     from core_pytorch_backend.native.library import CpuKernels
 
@@ -72,9 +72,9 @@ def measure(runner, scheduler, functions: dict, batch: int, steps: int) -> None:
             times[name].append((time.perf_counter() - began) * 1e3)
     finish(scheduler)
     ratios = [b / a for a, b in zip(times["A"], times["B"], strict=True)]
+    low, middle, high = statistics.quantiles(ratios, n=4)
     print(f"B={batch:<3} A median {statistics.median(times['A']):.2f} ms, B median {statistics.median(times['B']):.2f}"
-          f" ms; B / A per pair: median {statistics.median(ratios):.3f} (quartiles "
-          f"{statistics.quantiles(ratios, n=4)[0]:.3f}-{statistics.quantiles(ratios, n=4)[2]:.3f})", flush=True)
+          f" ms; B / A per pair: median {middle:.3f} (quartiles {low:.3f}-{high:.3f})", flush=True)
 
 
 def main() -> None:

@@ -94,12 +94,13 @@ def test_a_copy_of_the_sources_elsewhere_builds_the_same_library(tmp_path, monke
     import shutil
 
     monkeypatch.setenv("CORE_CACHE_DIR", str(tmp_path / "cache"))
-    copy = tmp_path / "csrc"
+    copy, cc = tmp_path / "csrc", build.compiler()
     shutil.copytree(build.CSRC, copy)
-    assert build.build_key("generic", build.compiler(), copy) == build.build_key("generic", build.compiler())
+    assert build.build_key("generic", cc, copy) == build.build_key("generic", cc)
     (copy / "argmax.c").write_text((copy / "argmax.c").read_text() + "\nint core_ab_marker(void) { return 7; }\n")
+    assert build.build_key("generic", cc, copy) != build.build_key("generic", cc)
     edited = build.build_library("generic", sources=copy)
-    assert edited != build.build_library("generic") and ctypes.CDLL(str(edited)).core_ab_marker() == 7
+    assert build.build_key("generic", cc, copy) in edited.name and ctypes.CDLL(str(edited)).core_ab_marker() == 7
 
 
 def test_the_library_names_its_variant(kernels):
