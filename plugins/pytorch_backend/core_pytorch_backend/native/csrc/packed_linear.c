@@ -125,7 +125,39 @@ static void quantize_group_generic(const float *buf, int8_t *q1, int8_t *q2, flo
     *csum_out = codes;
 }
 
-#if defined(__AVX2__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+static inline __m512 load16x(const void *x, int dtype, int64_t index) {
+    if (dtype == DT_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + index))), 16));
+    return _mm512_loadu_ps((const float *)x + index);
+}
+
+/* The same as quantize_group_generic (the same rounding of the same products: codes equal), the group's 32
+ * inputs in two vectors; only the group's sum is added up in another order. No csum: the VNNI loops do not
+ * read it. Half the instructions of the 8-lane loop below: on a Zen 4 EPYC a call that is mostly
+ * quantization (64 rows of K = 1536, 16 outputs) 64 -> 56 us, a decode step ~1% faster. */
+static void quantize_group_simd(const void *x, int dtype, int64_t index, int8_t *q1, int8_t *q2, float *d_out,
+                                float *sum_out, int32_t *csum_out) {
+    const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
+    const __m512i rest_top = _mm512_set1_epi32(64), rest_bottom = _mm512_set1_epi32(-64);
+    const __m512 v[2] = {load16x(x, dtype, index), load16x(x, dtype, index + 16)};
+    const float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+    const float d = a / 127.f, inv_s = a > 0.f ? 127.f / a : 0.f;
+    const __m512 inv = _mm512_set1_ps(inv_s), dv = _mm512_set1_ps(d), k127 = _mm512_set1_ps(127.f);
+    for (int i = 0; i < 2; ++i) {
+        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv)); /* round to nearest even, as lrintf */
+        q = _mm512_max_epi32(_mm512_min_epi32(q, top), bottom);
+        __m512 rest = _mm512_mul_ps(_mm512_mul_ps(_mm512_sub_ps(v[i], _mm512_mul_ps(dv, _mm512_cvtepi32_ps(q))), inv), k127);
+        __m512i r = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(rest), rest_top), rest_bottom);
+        _mm_storeu_si128((__m128i *)(q1 + 16 * i), _mm512_cvtsepi32_epi8(q));
+        _mm_storeu_si128((__m128i *)(q2 + 16 * i), _mm512_cvtsepi32_epi8(r));
+    }
+    *csum_out = 0;
+    *d_out = d / 127.f;
+    *sum_out = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+}
+#elif defined(__AVX2__)
 static inline __m256 load8(const void *x, int dtype, int64_t index) {
     if (dtype == DT_BF16)
         return _mm256_castsi256_ps(_mm256_slli_epi32(
@@ -182,14 +214,10 @@ static void quantize_group_simd(const void *x, int dtype, int64_t index, int8_t 
     }
     store_codes(q1, c1);
     store_codes(q2, c2);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    *csum_out = 0; /* only the AVX2 loop's centred 8-bit codes read it */
-#else
     const __m256i k = _mm256_set1_epi32(127);
     __m256i codes = _mm256_setzero_si256();
     for (int i = 0; i < 4; ++i) codes = _mm256_add_epi32(codes, _mm256_mullo_epi32(c1[i], k));
-    *csum_out = hsum8_epi32(codes);
-#endif
+    *csum_out = hsum8_epi32(codes); /* the AVX2 loop's centred 8-bit codes leave it out */
     *d_out = d / 127.f;
     *sum_out = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
 }
@@ -216,26 +244,26 @@ static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, acts_
     }
 }
 
-static int quantize_acts(const void *x, int dtype, int64_t m, int64_t k, int64_t kp, acts_t *a, int reference) {
+/* room for m rows' activation codes, scales and sums, in one allocation */
+static int alloc_acts(int64_t m, int64_t kp, acts_t *a) {
     a->kp = kp;
     a->groups = kp / GROUP;
-    a->q1 = malloc((size_t)(m * kp));
-    a->q2 = malloc((size_t)(m * kp));
-    a->d = malloc((size_t)(m * a->groups) * sizeof(float));
-    a->sum = malloc((size_t)(m * a->groups) * sizeof(float));
-    a->csum = malloc((size_t)(m * a->groups) * sizeof(int32_t));
-    if (!a->q1 || !a->q2 || !a->d || !a->sum || !a->csum) return ERR_MEMORY;
-#pragma omp parallel for schedule(static) if (m * k > PARALLEL_MIN_WORK)
-    for (int64_t row = 0; row < m; ++row) quantize_row(x, dtype, row, k, a, reference);
+    const size_t per_group = (size_t)(m * a->groups);
+    char *block = malloc(per_group * (2 * sizeof(float) + sizeof(int32_t)) + (size_t)(2 * m * kp));
+    if (!block) return ERR_MEMORY;
+    a->d = (float *)block;
+    a->sum = a->d + per_group;
+    a->csum = (int32_t *)(a->sum + per_group);
+    a->q1 = (int8_t *)(a->csum + per_group);
+    a->q2 = a->q1 + m * kp;
     return OK;
 }
 
-static void free_acts(acts_t *a) {
-    free(a->q1);
-    free(a->q2);
-    free(a->d);
-    free(a->sum);
-    free(a->csum);
+static void free_acts(acts_t *a) { free(a->d); }
+
+/* rows [m0, m1) quantized (called by each thread of a team for its share) */
+static void quantize_rows(const void *x, int dtype, int64_t m0, int64_t m1, int64_t k, acts_t *a, int reference) {
+    for (int64_t row = m0; row < m1; ++row) quantize_row(x, dtype, row, k, a, reference);
 }
 
 /* the activation codes at input `at` of row `row`, 4 bytes as one int32 (read in place, so that the
@@ -696,7 +724,7 @@ static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const
     const scales_t w = {scale, offset, scale_dtype};
     if (m == 0) return OK;
     acts_t a;
-    int status = quantize_acts(x, x_dtype, m, k, kp, &a, reference);
+    int status = alloc_acts(m, kp, &a);
     if (status == OK) {
         const int64_t blocks = (n + BLOCK - 1) / BLOCK;
         /* each thread its contiguous share of the blocks (as schedule(static)), over the rows a chunk at a
@@ -712,6 +740,10 @@ static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const
 #pragma omp parallel
         {
             const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+            /* the activations quantized by the same team, each thread its share of the rows (one fork
+               a call where a region of their own took two) */
+            quantize_rows(x, x_dtype, m * t / threads, m * (t + 1) / threads, k, &a, reference);
+#pragma omp barrier
             const int64_t b0 = blocks * t / threads, b1 = blocks * (t + 1) / threads;
             for (int64_t m0 = 0; m0 < m; m0 += chunk) {
                 const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
@@ -721,8 +753,8 @@ static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const
                 }
             }
         }
+        free_acts(&a);
     }
-    free_acts(&a);
     return status;
 }
 
