@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from core.backend import BackendStats, EndResult, FinishReason, TokenLogprob
+from core.channel import batched_sends
 from core.errors import BackendError, ModelNotFoundError
 from core.scheduling import BlockManager, ScheduledSequence, Scheduler, SchedulerOutput, Sequence
 from core_pytorch_backend.lora.manager import AdapterManager
@@ -126,11 +127,12 @@ class EngineLoop:
             self._drain_commands(block=not self.scheduler.has_unfinished)
             if self._stopping or not self.scheduler.has_unfinished:
                 continue
-            try:
-                self._step()
-            except Exception as exc:  # outside the isolated part of a step: fail all; the loop keeps serving
-                log.exception("engine step failed")
-                self._fail_all(exc)
+            with batched_sends():  # the step's outputs reach the event loop in one wake-up
+                try:
+                    self._step()
+                except Exception as exc:  # outside the isolated part of a step: fail all; the loop keeps serving
+                    log.exception("engine step failed")
+                    self._fail_all(exc)
 
     def _drain_commands(self, block: bool) -> None:
         while True:
