@@ -34,8 +34,11 @@ from core.errors import InvalidRequestError
 
 CSRC = Path(__file__).parent / "csrc"
 LIBRARY_STEM = "core_cpu_kernels"
-# -fno-math-errno: expf in a loop may use glibc's vector versions (libmvec); nothing reads errno
-COMMON_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wall")
+# -fno-math-errno: expf in a loop may use glibc's vector versions (libmvec); nothing reads errno.
+# -fno-trapping-math: nothing reads the floating-point exception flags either, and without it GCC 12 cannot
+# if-convert a compare (fast_exp's clamp) into an AVX2 blend, so the exp loops (silu, the softmax of
+# attention) stayed scalar in the avx2 build (AVX-512's masks did not need it; values are unchanged)
+COMMON_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wall")
 VARIANT_FLAGS = {
     "amx-bf16": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mavx2", "-mfma",
                  "-mf16c", "-mavx512vbmi", "-mamx-tile", "-mamx-bf16"),
