@@ -7,7 +7,7 @@ Every system serves SmolLM2-135M-Instruct through its own OpenAI-compatible serv
 llama-cpp-python the Q4_1 GGUF; vLLM and transformers the same weights dequantized to bfloat16) and
 gets the same prompts (`fixed` dataset, ~128 tokens), streamed, greedy, ignore_eos with a fixed output
 length, driven by `core bench serve`'s client. Per system: single-stream decode tokens/s (1 / mean TPOT)
-and TTFT at concurrency 1, output tokens/s at each concurrency (2 x C requests, at most C in flight), and
+and TTFT at concurrency 1, output tokens/s at each concurrency (2 x C requests, at least 16, at most C in flight), and
 the peak resident memory of the server's process tree. Each peer is installed or built once into a cache
 (see peers/common.py) and runs in its own virtualenv. A peer that cannot be installed, started or
 measured becomes a "failed: reason" row; the run goes on. Writes
@@ -226,7 +226,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=128, help="prompt words (about one token each)")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prompts-per-stream", type=int, default=2, help="requests per level = this x C")
-    parser.add_argument("--min-prompts", type=int, default=4, help="at least this many requests per level")
+    # 16: one stream is then timed over ~2,000 tokens; over 4 requests (~3 s of decode) it moved 98 -> 148
+    # tok/s for the same core build between runs an hour apart on a 2-core EPYC, and two rows of the same
+    # code read 164 and 209 in one run (2026-12-04)
+    parser.add_argument("--min-prompts", type=int, default=16, help="at least this many requests per level")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads each system may use")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--tag", default="", help="appended to the result file names (e.g. smoke)")
