@@ -7,8 +7,8 @@ Every system serves SmolLM2-135M-Instruct through its own OpenAI-compatible serv
 llama-cpp-python the Q4_1 GGUF; vLLM and transformers the same weights dequantized to bfloat16) and
 gets the same prompts (`fixed` dataset, ~128 tokens), streamed, greedy, ignore_eos with a fixed output
 length, driven by `core bench serve`'s client. Per system: single-stream decode tokens/s (1 / mean TPOT)
-and TTFT at concurrency 1, output tokens/s at each concurrency (2 x C requests, at least 16, at most C in flight), and
-the peak resident memory of the server's process tree. Each peer is installed or built once into a cache
+and TTFT at concurrency 1, output tokens/s at each concurrency (2 x C requests, at least 16, at most C in
+flight), and the peak resident memory of the server's process tree. Each peer is installed or built once into a cache
 (see peers/common.py) and runs in its own virtualenv. A peer that cannot be installed, started or
 measured becomes a "failed: reason" row; the run goes on. Writes
 benchmarks/results/side_by_side-DATE-COMMIT-VENDOR[-TAG].{md,png,json} (never over an earlier run's),

@@ -141,6 +141,26 @@ def test_packed_linear_takes_and_returns_bfloat16(kernels):
     torch.testing.assert_close(out.float(), weight.linear(x.bfloat16().float(), None), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_simd_loops_quantize_activations_to_the_references_codes(kernels, dtype):
+    """An identity weight (code 1, scale 1, offset 0) returns each input as its two int8 codes give it back,
+    d * (127 q1 + q2), exactly: so SIMD and plain C agree bit for bit only where their codes and scales do
+    (the outputs' tolerance above would let a code off by one through)."""
+    k = 256
+    identity = AffineWeight(np.eye(k, dtype=np.uint8), np.ones((k, k // 32), np.float32),
+                            np.zeros((k, k // 32), np.float32), 8, 32)
+    weight = NativeWeight.from_affine(identity, kernels)
+    # groups of very different magnitudes
+    x = (torch.randn(5, k, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 2, k)).to(dtype)
+    simd, plain = weight.linear(x, None), weight.linear(x, None, reference=True)
+    assert torch.equal(simd, plain)
+    # and the codes are the two steps': within max|x| / 32258 of each input, its group's maximum, plus the
+    # output's own rounding (half a unit: 2^-8 of the value in bf16, float32's products a few 2^-24)
+    group_max = x.float().view(5, k // 32, 32).abs().amax(-1, keepdim=True).expand(5, k // 32, 32).reshape(5, k)
+    rounding = x.float().abs() * (2**-8 if dtype == torch.bfloat16 else 2**-22)
+    assert ((simd.float() - x.float()).abs() <= group_max / 32258 + rounding).all()
+
+
 def test_symmetric_codes_store_their_zero_point_as_offsets(kernels):
     rng = np.random.default_rng(0)
     scale = rng.random((16, 2)).astype(np.float32)

@@ -259,7 +259,7 @@ static int alloc_acts(int64_t m, int64_t kp, acts_t *a) {
     return OK;
 }
 
-static void free_acts(acts_t *a) { free(a->d); }
+static void free_acts(acts_t *a) { free(a->d); } /* the allocation starts at d */
 
 /* rows [m0, m1) quantized (called by each thread of a team for its share) */
 static void quantize_rows(const void *x, int dtype, int64_t m0, int64_t m1, int64_t k, acts_t *a, int reference) {
