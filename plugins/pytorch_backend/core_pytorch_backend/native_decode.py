@@ -42,6 +42,7 @@ from core_pytorch_backend.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
 MAX_HEAD_DIM, MAX_GROUP = 512, 64  # csrc/cpu_ops.c (decode attention)
+GROUP_ROWS = 4  # csrc/decoder_stack.c's row-group path: units of at least 4 rows, in steps of 2 units a thread
 _STEP_DTYPES = (torch.float32, torch.bfloat16)
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
@@ -60,7 +61,8 @@ class _Layer(ctypes.Structure):  # core_layer
 class _Decoder(ctypes.Structure):  # core_decoder
     _fields_ = [("hidden", _L), ("heads", _L), ("kv_heads", _L), ("head_dim", _L), ("inter", _L),
                 ("dtype", _I), ("cache_dtype", _I), ("table_dtype", _I), ("eps", _F),
-                ("block_size", _L), ("num_slots", _L), ("max_position", _L), ("cos", _P), ("sin", _P), ("tiles", _I)]
+                ("block_size", _L), ("num_slots", _L), ("max_position", _L), ("cos", _P), ("sin", _P), ("tiles", _I),
+                ("group_rows", _I), ("group_from", _I)]
 
 
 class DoesNotFit(ValueError):
@@ -189,11 +191,17 @@ def describe(model: nn.Module) -> _Plan:
                     table_dtype=DTYPE_CODES[rotary.cos_cache.dtype], eps=first.input_layernorm.eps,
                     block_size=cache.shape[1], num_slots=cache.shape[0] * cache.shape[1],
                     max_position=rotary.cos_cache.shape[0], cos=_ptr(rotary.cos_cache, keep),
-                    sin=_ptr(rotary.sin_cache, keep))
+                    sin=_ptr(rotary.sin_cache, keep), group_rows=GROUP_ROWS, group_from=row_group_from())
     described = (_Layer * len(layers))()
     for index, layer in enumerate(layers):
         described[index] = _describe_layer(layer, index, spec, rotary, cache, keep)
     return _Plan(model, attention.attn, cache.data_ptr(), dtype, spec, described, keep)
+
+
+def row_group_from() -> int:
+    """The fewest rows a step must have to take the row-group path: two units a thread (16 on 2 cores; a
+    step of 8 rows keeps the kernels' own splits, which read each weight once)."""
+    return 2 * GROUP_ROWS * torch.get_num_threads()
 
 
 def _describe_layer(layer: nn.Module, index: int, spec: _Decoder, rotary: RotaryEmbedding, cache: torch.Tensor,

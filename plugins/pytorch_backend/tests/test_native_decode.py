@@ -8,6 +8,7 @@ q/k norms, Mistral's sliding window past its width), int8 and int4 weights, floa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import pytest
@@ -81,6 +82,31 @@ def test_the_stack_gives_the_modules_hidden_states_bit_for_bit(tiny_checkpoint_f
     runner = _runner(_load(tiny_checkpoint_factory(arch), quantization, dtype))
     assert isinstance(runner.decode_path, NativeDecodeStack)
     _decode_both_ways(runner)
+
+
+@pytest.mark.parametrize("group_rows", [1, 2])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+def test_the_row_group_path_gives_the_modules_hidden_states_bit_for_bit(tiny_checkpoint_factory, native_packed,
+                                                                          monkeypatch, arch, dtype, group_rows):
+    """Steps of 3 rows cut into groups of 1 (three) or 2 (two, one short): each thread takes one layer of
+    one group at a time, its kernels on that thread alone, and the hidden states are the modules' still."""
+    monkeypatch.setattr("core_pytorch_backend.native_decode.GROUP_ROWS", group_rows)
+    monkeypatch.setattr("core_pytorch_backend.native_decode.row_group_from", lambda: 2)
+    runner = _runner(_load(tiny_checkpoint_factory(arch), "int4", dtype))
+    assert runner.decode_path.plan.decoder.group_rows == group_rows
+    with _threads(2):  # the path needs a team
+        _decode_both_ways(runner)
+
+
+@contextlib.contextmanager
+def _threads(count: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -5,6 +5,7 @@
 
 #include <stdint.h>
 #include <string.h>
+#include <omp.h>
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 }; /* library.py passes these */
 enum { OK = 0, ERR_ARGS = 1, ERR_MEMORY = 2 }; /* library.py STATUS */
@@ -16,6 +17,11 @@ enum { OK = 0, ERR_ARGS = 1, ERR_MEMORY = 2 }; /* library.py STATUS */
  * silu * up on one thread while the other spun (perf: a quarter of that thread's samples in libgomp),
  * and 8192 made the native decode stack ~4% faster at 32 and 64 rows on a 2-core Zen 4 EPYC (Genoa). */
 #define PARALLEL_MIN_WORK 8192
+
+/* Whether a kernel starts a team for its work: worth it (`wanted`) and not already on one thread of a
+ * team (decoder_stack.c's row-group path gives each thread a unit of its own: a nested team there would
+ * put more threads than cores on the CPU, where libgomp allows nesting). */
+static inline int core_team(int wanted) { return wanted && !omp_in_parallel(); }
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t bits = (uint32_t)v << 16;

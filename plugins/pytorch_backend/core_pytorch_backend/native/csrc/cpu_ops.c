@@ -544,7 +544,7 @@ int core_decode_attention(const void *q, int q_dtype, int64_t rows, int64_t hq, 
         return ERR_MEMORY;
     }
     int status = OK;
-#pragma omp parallel if (work * hq * d > 50000)
+#pragma omp parallel if (core_team(work * hq * d > 50000))
     {
         /* each thread its contiguous share of the tasks, so that it knows its next one (fetch_next_position) */
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
@@ -586,7 +586,7 @@ int core_rms_norm(const void *x, int x_dtype, int64_t tokens, int64_t hidden, co
     load_row(weight, w_dtype, 0, hidden, w);
     const int fused = x_dtype == DT_F32 && w_dtype == DT_F32;
     int status = OK;
-#pragma omp parallel if (tokens * hidden > PARALLEL_MIN_WORK)
+#pragma omp parallel if (core_team(tokens * hidden > PARALLEL_MIN_WORK))
     {
         float *row = malloc((size_t)hidden * sizeof(float)), *other = malloc((size_t)hidden * sizeof(float));
         if (!row || !other) {
@@ -620,7 +620,7 @@ int core_rms_norm(const void *x, int x_dtype, int64_t tokens, int64_t hidden, co
 int core_silu_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, void *out) {
     if ((tokens > 0 && (!x || !out)) || tokens < 0 || inner <= 0 || (dtype != DT_F32 && dtype != DT_BF16)) return ERR_ARGS;
     int status = OK;
-#pragma omp parallel if (tokens * inner > PARALLEL_MIN_WORK)
+#pragma omp parallel if (core_team(tokens * inner > PARALLEL_MIN_WORK))
     {
         float *gate = malloc((size_t)inner * sizeof(float)), *up = malloc((size_t)inner * sizeof(float));
         if (!gate || !up) {
@@ -661,7 +661,7 @@ int core_rotary(const void *q, const void *k, int dtype, int64_t tokens, int64_t
     for (int64_t t = 0; t < tokens; ++t)
         if (positions[t] < 0 || positions[t] >= max_position) return ERR_ARGS;
     const int64_t half = d / 2;
-#pragma omp parallel for schedule(static) if (tokens * (hq + hkv) * d > PARALLEL_MIN_WORK)
+#pragma omp parallel for schedule(static) if (core_team(tokens * (hq + hkv) * d > PARALLEL_MIN_WORK))
     for (int64_t t = 0; t < tokens; ++t) {
         float c[MAX_HEAD_DIM / 2], s[MAX_HEAD_DIM / 2], x[MAX_HEAD_DIM], y[MAX_HEAD_DIM];
         load_row(cos_table, table_dtype, positions[t] * half, half, c);
