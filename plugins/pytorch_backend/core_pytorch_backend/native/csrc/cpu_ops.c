@@ -518,6 +518,52 @@ static inline void task_at(const int64_t *first, const int32_t *lengths, int64_t
     *end = *begin + PARTITION < lengths[*row] ? *begin + PARTITION : lengths[*row];
 }
 
+typedef struct {
+    const void *q;
+    int q_dtype;
+    int64_t rows, hq, d;
+    const void *k_cache, *v_cache;
+    int cache_dtype;
+    int64_t block_size, hkv;
+    const int32_t *tables;
+    int64_t table_width;
+    const int32_t *lengths;
+    int64_t window;
+    float scale;
+    void *out;
+    const int64_t *first; /* each row's first partition */
+    float *parts;
+    int64_t stride, partitions;
+    int status;
+} attention_team;
+
+static void attention_work(void *context, int64_t thread, int64_t threads) {
+    attention_team *c = context;
+    /* each thread its contiguous share of the tasks, so that it knows its next one (fetch_next_position) */
+    int64_t index, last, r = 0, begin, end;
+    team_share(c->partitions, thread, threads, &index, &last);
+    for (; index < last; ++index) {
+        task_at(c->first, c->lengths, c->window, index, &r, &begin, &end);
+        context_walk next = {NULL, 0, 0, 0}; /* none: this thread's last task */
+        if (index + 1 < last) {
+            int64_t next_row = r, next_begin, next_end;
+            task_at(c->first, c->lengths, c->window, index + 1, &next_row, &next_begin, &next_end);
+            next = context_walk_at(c->tables + next_row * c->table_width, next_begin, next_end, c->block_size);
+        }
+        const int s = partial_any(c->q, c->q_dtype, r, c->hq, c->d, c->k_cache, c->v_cache, c->cache_dtype,
+                                  c->block_size, c->hkv, c->tables + r * c->table_width, begin, end, c->scale, &next,
+                                  c->parts + index * c->stride);
+        if (s != OK) team_fail(&c->status, s);
+    }
+    team_barrier(threads);
+    int64_t row, rows_end;
+    team_share(c->rows, thread, threads, &row, &rows_end);
+    for (; row < rows_end; ++row)
+        if (c->first[row + 1] > c->first[row]) /* an empty context has no output to write */
+            combine(c->parts + c->first[row] * c->stride, c->first[row + 1] - c->first[row], c->stride, c->hq, c->d,
+                    row, c->q_dtype, c->out);
+}
+
 int core_decode_attention(const void *q, int q_dtype, int64_t rows, int64_t hq, int64_t d, const void *k_cache,
                           const void *v_cache, int cache_dtype, int64_t block_size, int64_t hkv,
                           const int32_t *tables, int64_t table_width, const int32_t *lengths, int64_t window,
@@ -543,34 +589,54 @@ int core_decode_attention(const void *q, int q_dtype, int64_t rows, int64_t hq, 
         free(first);
         return ERR_MEMORY;
     }
-    int status = OK;
-#pragma omp parallel if (core_team(work * hq * d > 50000))
-    {
-        /* each thread its contiguous share of the tasks, so that it knows its next one (fetch_next_position) */
-        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t last = partitions * (t + 1) / threads;
-        int64_t r = 0, begin, end;
-        for (int64_t index = partitions * t / threads; index < last; ++index) {
-            task_at(first, lengths, window, index, &r, &begin, &end);
-            context_walk next = {NULL, 0, 0, 0}; /* none: this thread's last task */
-            if (index + 1 < last) {
-                int64_t next_row = r, next_begin, next_end;
-                task_at(first, lengths, window, index + 1, &next_row, &next_begin, &next_end);
-                next = context_walk_at(tables + next_row * table_width, next_begin, next_end, block_size);
-            }
-            int s = partial_any(q, q_dtype, r, hq, d, k_cache, v_cache, cache_dtype, block_size, hkv,
-                                tables + r * table_width, begin, end, scale, &next, parts + index * stride);
-            if (s != OK) status = s;
-        }
-#pragma omp barrier
-#pragma omp for schedule(static)
-        for (int64_t row = 0; row < rows; ++row)
-            if (first[row + 1] > first[row]) /* an empty context has no output to write */
-                combine(parts + first[row] * stride, first[row + 1] - first[row], stride, hq, d, row, q_dtype, out);
-    }
+    attention_team ctx = {q, q_dtype, rows, hq, d, k_cache, v_cache, cache_dtype, block_size, hkv, tables,
+                          table_width, lengths, window, scale, out, first, parts, stride, partitions, OK};
+    run_team(work * hq * d > 50000, attention_work, &ctx);
+    const int status = ctx.status;
     free(parts);
     free(first);
     return status;
+}
+
+typedef struct {
+    const void *x;
+    int x_dtype;
+    int64_t tokens, hidden;
+    const void *residual;
+    const float *w;
+    int fused;
+    float eps;
+    void *out, *residual_out;
+    int status;
+} rms_team;
+
+static void rms_work(void *context, int64_t thread, int64_t threads) {
+    rms_team *c = context;
+    const int64_t hidden = c->hidden;
+    const int x_dtype = c->x_dtype;
+    float *row = malloc((size_t)hidden * sizeof(float)), *other = malloc((size_t)hidden * sizeof(float));
+    if (!row || !other) {
+        team_fail(&c->status, ERR_MEMORY);
+    } else {
+        int64_t t, end;
+        for (team_share(c->tokens, thread, threads, &t, &end); t < end; ++t) {
+            load_row(c->x, x_dtype, t * hidden, hidden, row);
+            if (c->residual) {
+                load_row(c->residual, x_dtype, t * hidden, hidden, other);
+                for (int64_t i = 0; i < hidden; ++i) row[i] = round_to(row[i] + other[i], x_dtype);
+                store_row(c->residual_out, x_dtype, t * hidden, hidden, row);
+            }
+            float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+            for (int64_t i = 0; i < hidden; ++i) squares += row[i] * row[i];
+            const float inv = 1.f / sqrtf(squares / (float)hidden + c->eps);
+            for (int64_t i = 0; i < hidden; ++i)
+                row[i] = c->fused ? row[i] * inv * c->w[i] : round_to(c->w[i] * round_to(row[i] * inv, x_dtype), x_dtype);
+            store_row(c->out, x_dtype, t * hidden, hidden, row);
+        }
+    }
+    free(row);
+    free(other);
 }
 
 /* RMSNorm as HF Llama: with a residual, s = x + residual (rounded to the dtype) is written to
@@ -584,67 +650,94 @@ int core_rms_norm(const void *x, int x_dtype, int64_t tokens, int64_t hidden, co
     float *w = malloc((size_t)hidden * sizeof(float));
     if (!w) return ERR_MEMORY;
     load_row(weight, w_dtype, 0, hidden, w);
-    const int fused = x_dtype == DT_F32 && w_dtype == DT_F32;
-    int status = OK;
-#pragma omp parallel if (core_team(tokens * hidden > PARALLEL_MIN_WORK))
-    {
-        float *row = malloc((size_t)hidden * sizeof(float)), *other = malloc((size_t)hidden * sizeof(float));
-        if (!row || !other) {
-            status = ERR_MEMORY;
-        } else {
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < tokens; ++t) {
-                load_row(x, x_dtype, t * hidden, hidden, row);
-                if (residual) {
-                    load_row(residual, x_dtype, t * hidden, hidden, other);
-                    for (int64_t i = 0; i < hidden; ++i) row[i] = round_to(row[i] + other[i], x_dtype);
-                    store_row(residual_out, x_dtype, t * hidden, hidden, row);
-                }
-                float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-                for (int64_t i = 0; i < hidden; ++i) squares += row[i] * row[i];
-                const float inv = 1.f / sqrtf(squares / (float)hidden + eps);
-                for (int64_t i = 0; i < hidden; ++i)
-                    row[i] = fused ? row[i] * inv * w[i] : round_to(w[i] * round_to(row[i] * inv, x_dtype), x_dtype);
-                store_row(out, x_dtype, t * hidden, hidden, row);
-            }
-        }
-        free(row);
-        free(other);
-    }
+    rms_team ctx = {x, x_dtype, tokens, hidden, residual, w, x_dtype == DT_F32 && w_dtype == DT_F32, eps, out,
+                    residual_out, OK};
+    run_team(tokens * hidden > PARALLEL_MIN_WORK, rms_work, &ctx);
+    const int status = ctx.status;
     free(w);
     return status;
+}
+
+typedef struct {
+    const void *x;
+    int dtype;
+    int64_t tokens, inner;
+    void *out;
+    int status;
+} silu_team;
+
+static void silu_work(void *context, int64_t thread, int64_t threads) {
+    silu_team *c = context;
+    const int64_t inner = c->inner;
+    const int dtype = c->dtype;
+    float *gate = malloc((size_t)inner * sizeof(float)), *up = malloc((size_t)inner * sizeof(float));
+    if (!gate || !up) {
+        team_fail(&c->status, ERR_MEMORY);
+    } else {
+        int64_t t, end;
+        for (team_share(c->tokens, thread, threads, &t, &end); t < end; ++t) {
+            load_row(c->x, dtype, t * 2 * inner, inner, gate);
+            load_row(c->x, dtype, t * 2 * inner + inner, inner, up);
+            if (dtype == DT_BF16) {
+#pragma omp simd
+                for (int64_t i = 0; i < inner; ++i)
+                    gate[i] = round_to(round_to(gate[i] / (1.f + fast_exp(-gate[i])), DT_BF16) * up[i], DT_BF16);
+            } else {
+#pragma omp simd
+                for (int64_t i = 0; i < inner; ++i) gate[i] = gate[i] / (1.f + fast_exp(-gate[i])) * up[i];
+            }
+            store_row(c->out, dtype, t * inner, inner, gate);
+        }
+    }
+    free(gate);
+    free(up);
 }
 
 /* out[T, I] = silu(gate) * up for x[T, 2I] = [gate | up], rounding after the silu as torch does. */
 int core_silu_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, void *out) {
     if ((tokens > 0 && (!x || !out)) || tokens < 0 || inner <= 0 || (dtype != DT_F32 && dtype != DT_BF16)) return ERR_ARGS;
-    int status = OK;
-#pragma omp parallel if (core_team(tokens * inner > PARALLEL_MIN_WORK))
-    {
-        float *gate = malloc((size_t)inner * sizeof(float)), *up = malloc((size_t)inner * sizeof(float));
-        if (!gate || !up) {
-            status = ERR_MEMORY;
-        } else {
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < tokens; ++t) {
-                load_row(x, dtype, t * 2 * inner, inner, gate);
-                load_row(x, dtype, t * 2 * inner + inner, inner, up);
-                if (dtype == DT_BF16) {
-#pragma omp simd
-                    for (int64_t i = 0; i < inner; ++i)
-                        gate[i] = round_to(round_to(gate[i] / (1.f + fast_exp(-gate[i])), DT_BF16) * up[i], DT_BF16);
-                } else {
-#pragma omp simd
-                    for (int64_t i = 0; i < inner; ++i) gate[i] = gate[i] / (1.f + fast_exp(-gate[i])) * up[i];
-                }
-                store_row(out, dtype, t * inner, inner, gate);
-            }
+    silu_team ctx = {x, dtype, tokens, inner, out, OK};
+    run_team(tokens * inner > PARALLEL_MIN_WORK, silu_work, &ctx);
+    return ctx.status;
+}
+
+typedef struct {
+    const void *q, *k;
+    int dtype;
+    int64_t hq, hkv, d, q_row_stride, k_row_stride;
+    const int64_t *positions;
+    const void *cos_table, *sin_table;
+    int table_dtype;
+    void *q_out, *k_out;
+    int64_t tokens;
+} rotary_team;
+
+static void rotary_work(void *context, int64_t thread, int64_t threads) {
+    const rotary_team *c = context;
+    const int64_t d = c->d, half = d / 2, hq = c->hq, hkv = c->hkv;
+    const int dtype = c->dtype;
+    int64_t t, end;
+    for (team_share(c->tokens, thread, threads, &t, &end); t < end; ++t) {
+        float cs[MAX_HEAD_DIM / 2], sn[MAX_HEAD_DIM / 2], x[MAX_HEAD_DIM], y[MAX_HEAD_DIM];
+        load_row(c->cos_table, c->table_dtype, c->positions[t] * half, half, cs);
+        load_row(c->sin_table, c->table_dtype, c->positions[t] * half, half, sn);
+        for (int64_t i = 0; i < half; ++i) {
+            cs[i] = round_to(cs[i], dtype);
+            sn[i] = round_to(sn[i], dtype);
         }
-        free(gate);
-        free(up);
+        for (int64_t head = 0; head < hq + hkv; ++head) {
+            const int is_q = head < hq;
+            const void *src = is_q ? c->q : c->k;
+            const int64_t offset = is_q ? t * c->q_row_stride + head * d : t * c->k_row_stride + (head - hq) * d;
+            load_row(src, dtype, offset, d, x);
+#pragma omp simd
+            for (int64_t i = 0; i < half; ++i) {
+                y[i] = round_to(round_to(x[i] * cs[i], dtype) + round_to(x[i + half] * -sn[i], dtype), dtype);
+                y[i + half] = round_to(round_to(x[i + half] * cs[i], dtype) + round_to(x[i] * sn[i], dtype), dtype);
+            }
+            store_row(is_q ? c->q_out : c->k_out, dtype, is_q ? (t * hq + head) * d : (t * hkv + head - hq) * d, d, y);
+        }
     }
-    return status;
 }
 
 /* Neox (rotate-half) rotary embedding of q [T, Hq, D] and k [T, Hkv, D] into q_out and k_out
@@ -660,29 +753,9 @@ int core_rotary(const void *q, const void *k, int dtype, int64_t tokens, int64_t
         return ERR_ARGS;
     for (int64_t t = 0; t < tokens; ++t)
         if (positions[t] < 0 || positions[t] >= max_position) return ERR_ARGS;
-    const int64_t half = d / 2;
-#pragma omp parallel for schedule(static) if (core_team(tokens * (hq + hkv) * d > PARALLEL_MIN_WORK))
-    for (int64_t t = 0; t < tokens; ++t) {
-        float c[MAX_HEAD_DIM / 2], s[MAX_HEAD_DIM / 2], x[MAX_HEAD_DIM], y[MAX_HEAD_DIM];
-        load_row(cos_table, table_dtype, positions[t] * half, half, c);
-        load_row(sin_table, table_dtype, positions[t] * half, half, s);
-        for (int64_t i = 0; i < half; ++i) {
-            c[i] = round_to(c[i], dtype);
-            s[i] = round_to(s[i], dtype);
-        }
-        for (int64_t head = 0; head < hq + hkv; ++head) {
-            const int is_q = head < hq;
-            const void *src = is_q ? q : k;
-            const int64_t offset = is_q ? t * q_row_stride + head * d : t * k_row_stride + (head - hq) * d;
-            load_row(src, dtype, offset, d, x);
-#pragma omp simd
-            for (int64_t i = 0; i < half; ++i) {
-                y[i] = round_to(round_to(x[i] * c[i], dtype) + round_to(x[i + half] * -s[i], dtype), dtype);
-                y[i + half] = round_to(round_to(x[i + half] * c[i], dtype) + round_to(x[i] * s[i], dtype), dtype);
-            }
-            store_row(is_q ? q_out : k_out, dtype, is_q ? (t * hq + head) * d : (t * hkv + head - hq) * d, d, y);
-        }
-    }
+    rotary_team ctx = {q, k, dtype, hq, hkv, d, q_row_stride, k_row_stride, positions, cos_table, sin_table,
+                       table_dtype, q_out, k_out, tokens};
+    run_team(tokens * (hq + hkv) * d > PARALLEL_MIN_WORK, rotary_work, &ctx);
     return OK;
 }
 

@@ -726,6 +726,50 @@ static int arguments_valid(const void *x, int x_dtype, int64_t m, int64_t k, con
              (y_dtype != DT_F32 && y_dtype != DT_BF16) || (scale_dtype != DT_F32 && scale_dtype != DT_F16));
 }
 
+typedef struct {
+    const void *x;
+    int x_dtype;
+    int64_t m, k;
+    const uint8_t *codes;
+    int bits;
+    int64_t n;
+    scales_t w;
+    const float *bias;
+    void *y;
+    int y_dtype, reference;
+    acts_t *a;
+    int64_t blocks, chunk, chunks;
+    int tile_blocks;
+    int64_t *taken; /* each share's next unit, TAKEN_APART apart */
+} linear_team;
+
+static void linear_work(void *context, int64_t thread, int64_t threads) {
+    const linear_team *c = context;
+    /* the activations quantized by the same team, each thread its share of the rows (one fork a call
+       where a region of their own took two) */
+    int64_t r0, r1;
+    team_share(c->m, thread, threads, &r0, &r1);
+    quantize_rows(c->x, c->x_dtype, r0, r1, c->k, c->a, c->reference);
+    team_barrier(threads);
+    /* each thread its share's units, then what is left of the others' (see SHARE_UNIT_BLOCKS) */
+    for (int64_t i = 0; i < threads; ++i) {
+        const int64_t owner = (thread + i) % threads, b0 = c->blocks * owner / threads,
+                      b1 = c->blocks * (owner + 1) / threads,
+                      parts = (b1 - b0 + SHARE_UNIT_BLOCKS - 1) / SHARE_UNIT_BLOCKS;
+        for (int64_t unit; (unit = __atomic_fetch_add(c->taken + owner * TAKEN_APART, 1, __ATOMIC_RELAXED)) <
+                           c->chunks * parts;) {
+            const int64_t m0 = unit / parts * c->chunk, m1 = m0 + c->chunk < c->m ? m0 + c->chunk : c->m,
+                          first = b0 + unit % parts * SHARE_UNIT_BLOCKS,
+                          last = first + SHARE_UNIT_BLOCKS < b1 ? first + SHARE_UNIT_BLOCKS : b1;
+            for (int64_t b = first; b < last; b += c->tile_blocks) {
+                const int together = last - b < c->tile_blocks ? (int)(last - b) : c->tile_blocks;
+                block_outputs(c->codes, c->bits, c->w, c->bias, c->a, m0, m1, b, together, c->n, c->y, c->y_dtype,
+                              c->reference);
+            }
+        }
+    }
+}
+
 static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
                          int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
                          const float *bias, void *y, int y_dtype, int reference) {
@@ -746,37 +790,16 @@ static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const
            (the 8-bit LM head, 28 MB: at 1 / 4 / 8 rows 0.74 / 1.8 / 2.4 ms, against 1.0 / 3.0 / 3.1 ms two
            at a time; at 16 rows 5.0 against 4.5 ms). On one thread of a team (decoder_stack.c's row groups:
            a few rows of a layer whose weights the other groups have just brought into the cache) two. */
-        const int tile_blocks = m >= TWO_BLOCK_ROWS || omp_in_parallel() ? TILE_BLOCKS : 1;
-        const int64_t chunks = (m + chunk - 1) / chunk, most = omp_get_max_threads();
+        const int64_t most = omp_get_max_threads();
         int64_t *taken = calloc((size_t)(most * TAKEN_APART), sizeof(int64_t)); /* each share's next unit */
         if (!taken) {
             free_acts(&a);
             return ERR_MEMORY;
         }
-#pragma omp parallel if (core_team(1))
-        {
-            const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-            /* the activations quantized by the same team, each thread its share of the rows (one fork
-               a call where a region of their own took two) */
-            quantize_rows(x, x_dtype, m * t / threads, m * (t + 1) / threads, k, &a, reference);
-#pragma omp barrier
-            /* each thread its share's units, then what is left of the others' (see SHARE_UNIT_BLOCKS) */
-            for (int64_t i = 0; i < threads; ++i) {
-                const int64_t owner = (t + i) % threads, b0 = blocks * owner / threads,
-                              b1 = blocks * (owner + 1) / threads,
-                              parts = (b1 - b0 + SHARE_UNIT_BLOCKS - 1) / SHARE_UNIT_BLOCKS;
-                for (int64_t unit; (unit = __atomic_fetch_add(taken + owner * TAKEN_APART, 1, __ATOMIC_RELAXED)) <
-                                   chunks * parts;) {
-                    const int64_t m0 = unit / parts * chunk, m1 = m0 + chunk < m ? m0 + chunk : m,
-                                  first = b0 + unit % parts * SHARE_UNIT_BLOCKS,
-                                  last = first + SHARE_UNIT_BLOCKS < b1 ? first + SHARE_UNIT_BLOCKS : b1;
-                    for (int64_t b = first; b < last; b += tile_blocks) {
-                        const int together = last - b < tile_blocks ? (int)(last - b) : tile_blocks;
-                        block_outputs(codes, bits, w, bias, &a, m0, m1, b, together, n, y, y_dtype, reference);
-                    }
-                }
-            }
-        }
+        linear_team ctx = {x, x_dtype, m, k, codes, bits, n, w, bias, y, y_dtype, reference, &a, blocks, chunk,
+                           (m + chunk - 1) / chunk, m >= TWO_BLOCK_ROWS || omp_in_parallel() ? TILE_BLOCKS : 1,
+                           taken};
+        run_team(1, linear_work, &ctx);
         free(taken);
         free_acts(&a);
     }
