@@ -22,7 +22,6 @@ import time
 import decode_step
 import torch
 
-from core.scheduling import BlockManager, Scheduler
 from core_pytorch_backend.native.library import available
 
 SPIN = "import time,sys\nb,i=float(sys.argv[1])/1e3,float(sys.argv[2])/1e3\nwhile True:\n t=time.perf_counter()\n" \
@@ -39,11 +38,10 @@ def steps_ms(runner, scheduler, group_rows: int, count: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def compare(runner, batch: int, rounds: int, label: str) -> None:
-    scheduler = Scheduler(BlockManager(runner.num_blocks, 16, False), max_num_seqs=batch, max_num_batched_tokens=8192)
+def compare(runner, scheduler, batch: int, rounds: int, label: str) -> None:
     decode_step.start(runner, scheduler, batch, runner.model.config.vocab_size)
-    groups, group_rows = [], runner.decode_path.plan.decoder.group_rows
-    kernels = []
+    group_rows = runner.decode_path.plan.decoder.group_rows
+    groups, kernels = [], []
     for _ in range(rounds):
         groups.append(steps_ms(runner, scheduler, group_rows, 6))
         kernels.append(steps_ms(runner, scheduler, 0, 6))
@@ -61,15 +59,15 @@ def main() -> None:
     parser.add_argument("--busy-ms", type=float, default=2.0)
     parser.add_argument("--idle-ms", type=float, default=8.0)
     args = parser.parse_args()
-    runner, _ = decode_step.build("auto", max(args.batch))
+    runner, scheduler = decode_step.build("auto", max(args.batch))
     print(f"# native decode stack, {runner.dtype}, {torch.get_num_threads()} threads, CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}, kernels {available().variant}", flush=True)
     for batch in args.batch:
-        compare(runner, batch, args.rounds, "alone")
+        compare(runner, scheduler, batch, args.rounds, "alone")
     spinner = subprocess.Popen([sys.executable, "-c", SPIN, str(args.busy_ms), str(args.idle_ms)])
     try:
         for batch in args.batch:
-            compare(runner, batch, args.rounds, f"busy {args.busy_ms:g}/{args.busy_ms + args.idle_ms:g} ms")
+            compare(runner, scheduler, batch, args.rounds, f"busy {args.busy_ms:g}/{args.busy_ms + args.idle_ms:g} ms")
     finally:
         spinner.kill()
         spinner.wait()

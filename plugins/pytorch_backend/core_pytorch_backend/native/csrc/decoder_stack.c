@@ -203,8 +203,8 @@ static int row_groups(const core_decoder *m, const core_layer *layers, int64_t n
                 if (l < behind && !__atomic_load_n(held + g, __ATOMIC_RELAXED)) pick = g, behind = l;
             }
             if (done == groups) break;
-            int32_t free_ = 0;
-            if (pick < 0 || !__atomic_compare_exchange_n(held + pick, &free_, 1, 0, __ATOMIC_ACQUIRE,
+            int32_t unheld = 0;
+            if (pick < 0 || !__atomic_compare_exchange_n(held + pick, &unheld, 1, 0, __ATOMIC_ACQUIRE,
                                                          __ATOMIC_RELAXED)) {
                 /* every group left is held (the other thread is on its last ones): a while on the core, then
                    lend it (the other may be waiting for a core, behind whatever took its own) */
