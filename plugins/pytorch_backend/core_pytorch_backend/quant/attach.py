@@ -1,7 +1,7 @@
 """Put quantized weights into a built model: packed where a kernel takes them, dense where none does.
 
-Two ways in: ``attach_quantized`` for tensors that arrive quantized (a GGUF file's Q4_0 / Q4_1 / Q8_0 /
-Q4_K tensors, as ``AffineWeight``), and ``quantize_model`` for a float checkpoint quantized at load
+Two ways in: ``attach_quantized`` for tensors that arrive quantized (a GGUF file's block-quantized
+tensors, as ``AffineWeight``: ``gguf_blocks``), and ``quantize_model`` for a float checkpoint quantized at load
 (``--quantization int8|int4``). Either way a layer's dense parameter is replaced by a packed module
 (``layers.quantized`` or ``native.packed_weight``) and its ``matmul`` (or an embedding's ``lookup``) by
 the packed version; the loader says which kernel (``quant.kernel_choice``) and dtype.

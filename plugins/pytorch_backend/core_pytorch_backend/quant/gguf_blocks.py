@@ -8,16 +8,32 @@ layouts; ``gguf.quants.dequantize`` is the oracle the tests compare against):
 - Q8_0: 32 signed bytes, fp16 ``d``: ``w = d * (q - 128)`` for the byte read unsigned (``q ^ 0x80``)
 - Q4_K: 256 codes in 8 groups of 32, 6-bit group scales ``sc`` and mins ``mn`` under fp16 ``d`` / ``dmin``:
   ``w = d * sc * q - dmin * mn``
+- Q5_0, Q5_1, Q5_K: Q4_0's, Q4_1's and Q4_K's maps with 5-bit codes (the fifth bits stored apart, in
+  ``qh``): ``w = d * (q - 16)``, ``w = d * q + m``, ``w = d * sc * q - dmin * mn``; kept as 8-bit codes.
+- IQ4_NL, IQ4_XS: 4-bit indices into 16 fixed non-uniform levels (int8 values), under fp16 ``d`` per
+  32 inputs, or per 256 with a 6-bit scale per 32 (``d * (ls - 32)``): the level itself, shifted by 128,
+  is an 8-bit code.
+
+Those are exact: the codes, scales and offsets are the file's, and ``dequantize`` gives gguf's values.
+The K-quants with groups of 16 inputs (Q6_K, Q3_K, Q2_K: a 6-, 3- or 2-bit code under one of 16 scales a
+256-input super-block) have no such form for the kernels, whose groups are 32 inputs with one scale and
+offset each. Rather than dequantize them (a float32 copy: 5x Q6_K's memory, and the dense matmul reads
+all of it every step), they are **re-rounded**: gguf's dequantized values, 8-bit codes per group of 32
+(``affine.quantize_int8``). Each value moves by at most half an 8-bit step of its group (absmax / 254):
+for Q6_K up to an eighth of the 6-bit step of the group's half with the larger scale, but more than a
+whole step of its own for a half whose scale is several times smaller. That costs agreement (README:
+a Q4_K_M file of the default model 99.10% against 99.85% with its Q6_K tensors dequantized); kernels
+with one scale per 16 inputs would keep them exact.
 
 ``raw`` is a tensor's data as the gguf reader gives it: uint8 ``[rows, bytes per row]``. Other types
-(Q6_K's 16-wide groups among them) are not packed: the loader dequantizes them.
+(F16, BF16, the other IQ types...) are not packed: the loader dequantizes them.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .affine import AffineWeight
+from .affine import CHUNK_VALUES, AffineWeight, quantize_int8
 
 QK = 32
 QK_K = 256
@@ -83,10 +99,94 @@ def unpack_q4_k(raw: np.ndarray) -> AffineWeight:
     return AffineWeight(q, scale, offset, 4, QK)
 
 
-UNPACKERS = {"Q4_0": unpack_q4_0, "Q4_1": unpack_q4_1, "Q8_0": unpack_q8_0, "Q4_K": unpack_q4_k}
+def _fifth_bits(qh: np.ndarray, count: int) -> np.ndarray:
+    """``count`` bits of each little-endian bit field ``qh [..., count / 8]`` -> [..., count] values 0 / 16."""
+    bits = np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")
+    return (bits[..., :count] << 4).astype(np.uint8)
+
+
+def _codes_5(qs: np.ndarray, qh: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1 blocks' 16 code bytes and 4 fifth-bit bytes -> [..., 32] 5-bit codes."""
+    return _nibbles(qs) | _fifth_bits(qh, 32)
+
+
+def unpack_q5_0(raw: np.ndarray) -> AffineWeight:
+    blocks, rows = _blocks(raw, 22)
+    d = _half(blocks[..., 0:2])
+    q = _codes_5(blocks[..., 6:], blocks[..., 2:6]).reshape(rows, -1)
+    return AffineWeight(q, d, -16 * d, 5, QK)
+
+
+def unpack_q5_1(raw: np.ndarray) -> AffineWeight:
+    blocks, rows = _blocks(raw, 24)
+    d, m = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])
+    q = _codes_5(blocks[..., 8:], blocks[..., 4:8]).reshape(rows, -1)
+    return AffineWeight(q, d, m, 5, QK)
+
+
+def unpack_q5_k(raw: np.ndarray) -> AffineWeight:
+    """Groups 2c and 2c+1 of a super-block take the low and high nibbles of its c-th 32 code bytes, and
+    bits 2c and 2c+1 of its 32 ``qh`` bytes as their fifth bits (ggml's dequantize_row_q5_K)."""
+    blocks, rows = _blocks(raw, 176)
+    d, dmin = _half(blocks[..., 0:2])[..., None], _half(blocks[..., 2:4])[..., None]
+    sc, mn = _q4_k_scales(blocks[..., 4:16])
+    qs = blocks[..., 48:].reshape(rows, -1, 4, 1, 32)
+    low = np.concatenate((qs & 0x0F, qs >> 4), axis=3).reshape(rows, -1, 8, 32)  # group g = 2c + half
+    fifth = np.unpackbits(blocks[..., 16:48, None], axis=-1, bitorder="little")  # [rows, blocks, 32 bytes, 8 bits]
+    q = (low | (fifth.transpose(0, 1, 3, 2) << 4)).reshape(rows, -1)
+    scale, offset = (d * sc).reshape(rows, -1), (-dmin * mn).reshape(rows, -1)
+    return AffineWeight(q, scale, offset, 5, QK)
+
+
+# IQ4's 16 levels (ggml's kvalues_iq4nl), shifted to unsigned 8-bit codes: w = scale * (code - 128)
+IQ4_CODES = (np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]) + 128).astype(np.uint8)
+
+
+def unpack_iq4_nl(raw: np.ndarray) -> AffineWeight:
+    blocks, rows = _blocks(raw, 18)
+    d = _half(blocks[..., 0:2])
+    q = IQ4_CODES[_nibbles(blocks[..., 2:])].reshape(rows, -1)
+    return AffineWeight(q, d, -128 * d, 8, QK)
+
+
+def unpack_iq4_xs(raw: np.ndarray) -> AffineWeight:
+    """8 groups of 32 a super-block, each under ``d * (ls - 32)`` with a 6-bit ``ls`` (4 low bits in
+    ``scales_l``, 2 high in ``scales_h``; ggml's dequantize_row_iq4_xs)."""
+    blocks, rows = _blocks(raw, 136)
+    d = _half(blocks[..., 0:2])[..., None]
+    high = np.ascontiguousarray(blocks[..., 2:4]).view(np.uint16)  # [rows, blocks, 1]
+    low = blocks[..., 4:8]
+    group = np.arange(8)
+    ls = ((low[..., group // 2] >> (4 * (group % 2))) & 0x0F) | (((high >> (2 * group)) & 0x03) << 4)
+    scale = (d * (ls.astype(np.float32) - 32)).reshape(rows, -1)
+    q = IQ4_CODES[_nibbles(blocks[..., 8:].reshape(rows, -1, 8, 16))].reshape(rows, -1)
+    return AffineWeight(q, scale, -128 * scale, 8, QK)
+
+
+def rerounded(type_name: str, raw: np.ndarray) -> AffineWeight:
+    """A tensor of 16-input groups (Q6_K, Q3_K, Q2_K) as 8-bit codes per 32 inputs (see the module
+    docstring), dequantized a few rows at a time (an LM head's float32 copy would be GBs)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    kind = GGMLQuantizationType[type_name]
+    rows = max(1, CHUNK_VALUES // (raw.shape[1] * QK_K // _SUPER_BLOCK_BYTES[type_name]))
+    parts = [quantize_int8(dequantize(raw[start : start + rows], kind)) for start in range(0, raw.shape[0], rows)]
+    return parts[0] if len(parts) == 1 else AffineWeight.concat(parts)
+
+
+UNPACKERS = {"Q4_0": unpack_q4_0, "Q4_1": unpack_q4_1, "Q8_0": unpack_q8_0, "Q4_K": unpack_q4_k,
+             "Q5_0": unpack_q5_0, "Q5_1": unpack_q5_1, "Q5_K": unpack_q5_k, "IQ4_NL": unpack_iq4_nl,
+             "IQ4_XS": unpack_iq4_xs}
+_SUPER_BLOCK_BYTES = {"Q6_K": 210, "Q3_K": 110, "Q2_K": 84}
+REROUNDED = tuple(_SUPER_BLOCK_BYTES)
 
 
 def unpack(type_name: str, raw: np.ndarray) -> AffineWeight | None:
-    """The codes of a tensor of GGUF type ``type_name``; None for types not kept packed."""
+    """The codes of a tensor of GGUF type ``type_name`` (re-rounded for the ``REROUNDED`` types); None for
+    types not kept packed."""
+    raw = np.asarray(raw, dtype=np.uint8)
+    if type_name in REROUNDED:
+        return rerounded(type_name, raw)
     unpacker = UNPACKERS.get(type_name)
-    return unpacker(np.asarray(raw, dtype=np.uint8)) if unpacker else None
+    return unpacker(raw) if unpacker else None
