@@ -79,8 +79,8 @@ def load_checkpoint(
 
     ``path`` is an HF folder (config.json + safetensors) or a ``.gguf`` file. ``quantization``:
 
-    - ``auto``: a GGUF file's block-quantized tensors stay packed on the CPU (``quant.gguf_blocks``: Q6_K,
-      Q3_K, Q2_K re-rounded to 8 bits; float and other types dequantized); a float checkpoint is served as it is.
+    - ``auto``: a GGUF file's block-quantized tensors stay packed on the CPU (``quant.gguf_blocks``: Q3_K
+      and Q2_K re-rounded to 8 bits; float and other types dequantized); a float checkpoint is served as it is.
     - ``none``: everything dequantized (a GGUF file is converted once into an HF folder under
       ``cache_dir`` unless ``use_cache`` is False).
     - ``int8`` / ``int4``: linear layers quantized at load (``quant.attach.quantize_model``), CPU only.

@@ -49,7 +49,7 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 class _Packed(ctypes.Structure):  # csrc/decoder_stack.c core_packed
     _fields_ = [("codes", _P), ("scale", _P), ("offset", _P), ("bias", _P), ("n", _L), ("kp", _L),
-                ("bits", _I), ("scale_dtype", _I)]
+                ("bits", _I), ("group", _I), ("scale_dtype", _I)]
 
 
 class _Layer(ctypes.Structure):  # core_layer
@@ -242,7 +242,7 @@ def _packed(linear: nn.Module, index: int, keep: list[torch.Tensor]) -> _Packed:
     buffers = weight._buffers
     return _Packed(codes=_ptr(buffers["codes"], keep), scale=_ptr(buffers["scale"], keep),
                    offset=_ptr(buffers["offset"], keep), bias=bias, n=weight.shape[0], kp=weight.padded_k,
-                   bits=weight.bits, scale_dtype=DTYPE_CODES[buffers["scale"].dtype])
+                   bits=weight.bits, group=weight.group, scale_dtype=DTYPE_CODES[buffers["scale"].dtype])
 
 
 def _ptr(tensor: torch.Tensor, keep: list[torch.Tensor]) -> int:

@@ -109,12 +109,21 @@ def test_the_library_names_its_variant(kernels):
 
 # ---------------------------------------------------------------- packed linear
 
-def _weight(n: int, k: int, bits: int):
-    dense = np.random.default_rng(n * k + bits).standard_normal((n, k)).astype(np.float32) * 0.05
+def _weight(n: int, k: int, bits: int | str):
+    """4- or 8-bit codes per 32 inputs of a random weight; "q6": Q6_K's, 6-bit codes under a signed scale
+    per 16 inputs (w = s * (q - 32))."""
+    rng = np.random.default_rng(n * k + (6 if bits == "q6" else bits))
+    if bits == "q6":
+        scale = (rng.uniform(0.5, 1.5, (n, k // 16)) * rng.choice([-1, 1], (n, k // 16)) * 2e-3).astype(np.float32)
+        return AffineWeight(rng.integers(0, 64, (n, k), dtype=np.uint8), scale, -32 * scale, 6, 16)
+    dense = rng.standard_normal((n, k)).astype(np.float32) * 0.05
     return quantize_int4(dense) if bits == 4 else quantize_int8(dense)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+BITS = [4, 8, "q6"]
+
+
+@pytest.mark.parametrize("bits", BITS)
 # K = 96 and 32 pad to 128 / 64; N = 72: 5 blocks, the last half full, so that tiles of two blocks (AVX-512)
 # and a block left alone both occur whatever the thread count
 @pytest.mark.parametrize("shape", [(48, 256), (40, 96), (16, 32), (72, 128)])
@@ -193,13 +202,14 @@ BATCH_CASES = {"one chunk": (96, 11, [(0, 1), (3, 5), (2, 9), (5, 11)]),
                "several tile chunks": (1536, 400, [(0, 1), (150, 170), (3, 399)])}
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("case", BATCH_CASES)
 @pytest.mark.parametrize("tiles", [False, True], ids=["vnni", "tiles"])
 def test_a_rows_result_does_not_depend_on_its_batch(kernels, bits, case, tiles):
     """Each activation row is quantized and summed the same way whatever M is: a prompt's KV cache is
     the same whether its prefix was prefilled alone, in a batch or read from the prefix cache. The tile
-    loop too: a row is the same sequence of tile products over K in any tile, pair or chunk of rows."""
+    loop too: a row is the same sequence of tile products over K in any tile, pair or chunk of rows (a
+    weight of 16-input groups takes the VNNI loop there)."""
     if tiles and not kernels.uses_amx:
         pytest.skip(f"the {kernels.variant} variant has no AMX tile loop")
     k, rows, slices = BATCH_CASES[case]
@@ -288,7 +298,12 @@ def test_packed_linear_with_no_rows_and_bad_arguments(kernels):
     weight = NativeWeight.from_affine(_weight(16, 64, 4), kernels)
     assert weight.linear(torch.randn(0, 64), None).shape == (0, 16)
     with pytest.raises(CpuKernelError, match="core_packed_linear: bad arguments"):
-        kernels.call("core_packed_linear", 0, 0, 1, 64, 0, 4, 16, 64, 0, 0, 0, 0, 0, 0)
+        kernels.call("core_packed_linear", 0, 0, 1, 64, 0, 4, 32, 16, 64, 0, 0, 0, 0, 0, 0)
+    codes = weight._buffers["codes"]
+    with pytest.raises(CpuKernelError, match="core_packed_linear: bad arguments"):  # 16-input groups: 8-bit only
+        x, y = torch.randn(1, 64), torch.empty(1, 16)
+        kernels.call("core_packed_linear", x.data_ptr(), 0, 1, 64, codes.data_ptr(), 4, 16, 16, 64,
+                     weight.scale.data_ptr(), weight.offset.data_ptr(), 0, None, y.data_ptr(), 0)
 
 
 # ---------------------------------------------------------------- decode-step ops

@@ -1,7 +1,7 @@
 """A weight kept as 4- or 8-bit codes in the native kernel's layout (``csrc/packed_linear.c``).
 
 ``NativeWeight.from_affine`` lays out an ``AffineWeight`` (codes per group of 32 inputs with one scale
-and offset each) in blocks of 16 rows side by side: N is padded to a multiple of 16 and K to a multiple
+and offset each, or 8-bit codes per group of 16: GGUF's Q6_K) in blocks of 16 rows side by side: N is padded to a multiple of 16 and K to a multiple
 of 64 with zero codes, scales and offsets; within a block, each step of 4 inputs holds the 16 rows' 4
 codes in turn, and 4-bit codes of groups 2p and 2p+1 share a byte (low and high nibble). A symmetric
 code's offset (``o = -2^(bits-1) * s``: GGUF Q4_0 and Q8_0, int8) is stored like any other. ``linear``
@@ -21,12 +21,13 @@ from . import tile_rows
 from .library import CpuKernels
 
 GROUP, PAIR, BLOCK, STEP = 32, 64, 16, 4
+HALF_GROUP = 16  # 8-bit codes may have a scale and offset per 16 inputs
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc DT_*
 
 
 def native_fits(weight: AffineWeight) -> bool:
-    """Whether the native kernel takes ``weight`` (groups of 32 inputs, codes of up to 8 bits)."""
-    return weight.group_size == GROUP and weight.bits <= 8
+    """Whether the native kernel takes ``weight`` (groups of 32 or 16 inputs, codes of up to 8 bits)."""
+    return weight.group_size in (GROUP, HALF_GROUP) and weight.bits <= 8
 
 
 def _padded(array: np.ndarray, rows: int, columns: int) -> np.ndarray:
@@ -69,13 +70,14 @@ class NativeWeight(nn.Module):
     """A [N, K] weight multiplied by the native CPU kernel (see the module docstring)."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
-                 shape: tuple[int, int], padded_k: int, kernels: CpuKernels) -> None:
+                 shape: tuple[int, int], padded_k: int, kernels: CpuKernels, group: int = GROUP) -> None:
         super().__init__()
         self.shape = shape
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
         self.register_buffer("offset", offset)
         self.bits = bits
+        self.group = group
         self.padded_k = padded_k
         self.kernels = kernels
 
@@ -83,17 +85,18 @@ class NativeWeight(nn.Module):
     def from_affine(cls, weight: AffineWeight, kernels: CpuKernels) -> NativeWeight:
         if not native_fits(weight):
             raise ValueError(f"a {weight.bits}-bit weight with groups of {weight.group_size} does not fit "
-                             "the native kernel (groups of 32, up to 8 bits)")
+                             "the native kernel (groups of 32 or 16, up to 8 bits)")
         n, k = weight.shape
         np_, kp = -(-n // BLOCK) * BLOCK, -(-k // PAIR) * PAIR
-        bits = 4 if weight.bits <= 4 else 8
+        group = weight.group_size
+        bits = 4 if weight.bits <= 4 and group == GROUP else 8
         codes = _block_codes(_padded(weight.q.astype(np.uint8, copy=False), np_, kp), bits)
         scale, offset = weight.scale.astype(np.float32, copy=False), weight.offset.astype(np.float32, copy=False)
         halves = _exact_halves(scale, offset)
-        scale, offset = (_block_floats(_padded(a.astype(np.float16) if halves else a, np_, kp // GROUP))
+        scale, offset = (_block_floats(_padded(a.astype(np.float16) if halves else a, np_, kp // group))
                          for a in (scale, offset))
         return cls(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (codes, scale, offset)), bits, (n, k), kp,
-                   kernels)
+                   kernels, group)
 
     @property
     def kind(self) -> str:
@@ -144,7 +147,7 @@ class NativeWeight(nn.Module):
         out = torch.empty((m, self.shape[0]), dtype=flat.dtype)
         buffers = self._buffers
         status = self.kernels.function(kernel)(
-            flat.data_ptr(), code, m, self.shape[1], buffers["codes"].data_ptr(), self.bits, self.shape[0],
+            flat.data_ptr(), code, m, self.shape[1], buffers["codes"].data_ptr(), self.bits, self.group, self.shape[0],
             self.padded_k, buffers["scale"].data_ptr(), buffers["offset"].data_ptr(),
             DTYPE_CODES[buffers["scale"].dtype], None if bias is None else bias.data_ptr(), out.data_ptr(), code)
         if status:
@@ -153,4 +156,4 @@ class NativeWeight(nn.Module):
 
     def extra_repr(self) -> str:
         scales = str(self.scale.dtype).replace("torch.", "")
-        return f"shape={self.shape}, bits={self.bits}, groups of {GROUP}, {scales} scales, {self.kernels.variant}"
+        return f"shape={self.shape}, bits={self.bits}, groups of {self.group}, {scales} scales, {self.kernels.variant}"

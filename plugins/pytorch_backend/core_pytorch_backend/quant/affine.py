@@ -47,12 +47,25 @@ class AffineWeight:
         """The weight with its output rows reordered (or selected) by ``index``."""
         return AffineWeight(self.q[index], self.scale[index], self.offset[index], self.bits, self.group_size)
 
+    def in_groups_of(self, group_size: int) -> AffineWeight:
+        """The same weight with a scale and offset per ``group_size`` inputs (a divisor of this one's)."""
+        if self.group_size % group_size:
+            raise ValueError(f"groups of {self.group_size} cannot be cut into groups of {group_size}")
+        times = self.group_size // group_size
+        return AffineWeight(self.q, np.repeat(self.scale, times, axis=1), np.repeat(self.offset, times, axis=1),
+                            self.bits, group_size)
+
     @staticmethod
     def concat(parts: list[AffineWeight]) -> AffineWeight:
-        """Stack along the output rows (fused q/k/v or gate/up projections)."""
+        """Stack along the output rows (fused q/k/v or gate/up projections); parts of different group sizes
+        are stacked in the smallest (Q5_0 q/k next to a Q6_K v: groups of 16)."""
+        smallest = min(p.group_size for p in parts)
+        if any(p.group_size % smallest for p in parts):
+            raise ValueError("weights whose group sizes do not divide one another cannot be stacked")
+        parts = [p if p.group_size == smallest else p.in_groups_of(smallest) for p in parts]
         first = parts[0]
-        if any((p.group_size, p.shape[1]) != (first.group_size, first.shape[1]) for p in parts):
-            raise ValueError("only weights of the same group size and K can be stacked")
+        if any(p.shape[1] != first.shape[1] for p in parts):
+            raise ValueError("only weights of the same K can be stacked")
         bits = max(p.bits for p in parts)  # a code of fewer bits is also a valid code of more
         return AffineWeight(np.concatenate([p.q for p in parts]), np.concatenate([p.scale for p in parts]),
                             np.concatenate([p.offset for p in parts]), bits, first.group_size)

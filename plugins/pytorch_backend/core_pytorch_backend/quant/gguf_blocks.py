@@ -13,17 +13,15 @@ layouts; ``gguf.quants.dequantize`` is the oracle the tests compare against):
 - IQ4_NL, IQ4_XS: 4-bit indices into 16 fixed non-uniform levels (int8 values), under fp16 ``d`` per
   32 inputs, or per 256 with a 6-bit scale per 32 (``d * (ls - 32)``): the level itself, shifted by 128,
   is an 8-bit code.
+- Q6_K: 256 codes of 6 bits under 16 signed 8-bit scales ``sc`` (one per 16 inputs) and an fp16 ``d``:
+  ``w = d * sc * (q - 32)``, in groups of 16 (the native kernel folds each half of its 32-input groups
+  with its own scale and offset).
 
 Those are exact: the codes, scales and offsets are the file's, and ``dequantize`` gives gguf's values.
-The K-quants with groups of 16 inputs (Q6_K, Q3_K, Q2_K: a 6-, 3- or 2-bit code under one of 16 scales a
-256-input super-block) have no such form for the kernels, whose groups are 32 inputs with one scale and
-offset each. Rather than dequantize them (a float32 copy: 5x Q6_K's memory, and the dense matmul reads
-all of it every step), they are **re-rounded**: gguf's dequantized values, 8-bit codes per group of 32
-(``affine.quantize_int8``). Each value moves by at most half an 8-bit step of its group (absmax / 254):
-for Q6_K up to an eighth of the 6-bit step of the group's half with the larger scale, but more than a
-whole step of its own for a half whose scale is several times smaller. That costs agreement (README:
-a Q4_K_M file of the default model 99.10% against 99.85% with its Q6_K tensors dequantized); kernels
-with one scale per 16 inputs would keep them exact.
+Q3_K and Q2_K (2- and 3-bit codes under 16-input scales, with Q2_K's mins) are **re-rounded** instead:
+gguf's dequantized values, 8-bit codes per group of 32 (``affine.quantize_int8``), each value within half
+an 8-bit step of its group (absmax / 254). Measured on Q6_K, which was re-rounded the same way before it
+was kept exactly, that cost agreement: a Q4_K_M file of the default model 99.10% against 99.65% exact.
 
 ``raw`` is a tensor's data as the gguf reader gives it: uint8 ``[rows, bytes per row]``. Other types
 (F16, BF16, the other IQ types...) are not packed: the loader dequantizes them.
@@ -163,6 +161,22 @@ def unpack_iq4_xs(raw: np.ndarray) -> AffineWeight:
     return AffineWeight(q, scale, -128 * scale, 8, QK)
 
 
+def unpack_q6_k(raw: np.ndarray) -> AffineWeight:
+    """6-bit codes under a scale per 16 inputs, ``w = d * sc * (q - 32)`` (ggml's dequantize_row_q6_K: a
+    super-block's 128 bytes of low nibbles, 64 bytes of two high bits each, 16 signed 8-bit scales ``sc``
+    and an fp16 ``d``; inputs 128n + 32m + l take nibble m // 2 of byte 64n + 32 (m % 2) + l and bits
+    2m, 2m + 1 of high byte 32n + l)."""
+    blocks, rows = _blocks(raw, 210)
+    low_bytes = blocks[..., :128].reshape(rows, -1, 2, 2, 32)
+    high_bytes = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)
+    low = np.concatenate((low_bytes & 0x0F, low_bytes >> 4), axis=3)  # [.., n, m, l]
+    high = (high_bytes >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 0x03
+    q = (low | (high << 4)).reshape(rows, -1)
+    d = _half(blocks[..., 208:210])[..., None]
+    scale = (d * blocks[..., 192:208].view(np.int8)).reshape(rows, -1)
+    return AffineWeight(q, scale, -32 * scale, 6, QK_K // 16)
+
+
 def rerounded(type_name: str, raw: np.ndarray) -> AffineWeight:
     """A tensor of 16-input groups (Q6_K, Q3_K, Q2_K) as 8-bit codes per 32 inputs (see the module
     docstring), dequantized a few rows at a time (an LM head's float32 copy would be GBs)."""
@@ -177,8 +191,8 @@ def rerounded(type_name: str, raw: np.ndarray) -> AffineWeight:
 
 UNPACKERS = {"Q4_0": unpack_q4_0, "Q4_1": unpack_q4_1, "Q8_0": unpack_q8_0, "Q4_K": unpack_q4_k,
              "Q5_0": unpack_q5_0, "Q5_1": unpack_q5_1, "Q5_K": unpack_q5_k, "IQ4_NL": unpack_iq4_nl,
-             "IQ4_XS": unpack_iq4_xs}
-_SUPER_BLOCK_BYTES = {"Q6_K": 210, "Q3_K": 110, "Q2_K": 84}
+             "IQ4_XS": unpack_iq4_xs, "Q6_K": unpack_q6_k}
+_SUPER_BLOCK_BYTES = {"Q3_K": 110, "Q2_K": 84}
 REROUNDED = tuple(_SUPER_BLOCK_BYTES)
 
 

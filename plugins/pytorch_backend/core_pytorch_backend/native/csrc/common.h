@@ -143,10 +143,10 @@ static inline int64_t slot_of(const int32_t *table, int64_t pos, int64_t block_s
 
 /* The exported kernels, for a file that composes them (decoder_stack.c); library.py documents them. */
 int core_packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
-                       int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
+                       int group, int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
                        const float *bias, void *y, int y_dtype);
 int core_packed_linear_tiles(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
-                             int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
+                             int group, int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
                              const float *bias, void *y, int y_dtype);
 int core_decode_attention(const void *q, int q_dtype, int64_t rows, int64_t hq, int64_t d, const void *k_cache,
                           const void *v_cache, int cache_dtype, int64_t block_size, int64_t hkv,

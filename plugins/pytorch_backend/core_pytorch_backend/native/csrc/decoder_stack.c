@@ -26,7 +26,7 @@ typedef struct { /* one weight in packed_linear.c's layout */
     const void *scale, *offset;
     const float *bias; /* [N] float32, or NULL */
     int64_t n, kp;
-    int32_t bits, scale_dtype;
+    int32_t bits, group, scale_dtype; /* group: the inputs a scale covers (packed_linear.c) */
 } core_packed;
 
 typedef struct {
@@ -57,9 +57,9 @@ typedef struct {
 static inline int64_t elem_size(int dtype) { return dtype == DT_F32 ? 4 : 2; }
 
 static int linear(const core_decoder *m, const core_packed *w, const void *x, int64_t rows, int64_t k, void *y) {
-    return (m->tiles ? core_packed_linear_tiles : core_packed_linear)(x, m->dtype, rows, k, w->codes, w->bits, w->n,
-                                                                      w->kp, w->scale, w->offset, w->scale_dtype,
-                                                                      w->bias, y, m->dtype);
+    return (m->tiles ? core_packed_linear_tiles : core_packed_linear)(x, m->dtype, rows, k, w->codes, w->bits,
+                                                                      w->group, w->n, w->kp, w->scale, w->offset,
+                                                                      w->scale_dtype, w->bias, y, m->dtype);
 }
 
 /* rows [T, width] `stride` elements apart from src into contiguous dst */

@@ -18,6 +18,11 @@
  *              group 2p's code at input 64p + 4j + t, the high nibble group 2p+1's at 64p + 32 + 4j + t;
  *   scale, offset: [Np/16][G][16], float32 or float16 (half the bytes: GGUF's own scales are halves).
  *
+ * 8-bit codes may instead have a scale and offset per 16 inputs (group 16: GGUF's Q6_K, whose 6-bit codes
+ * sit under one of 16 scales a 256-input super-block, kept exactly): scale, offset [Np/16][2G][16], and
+ * each group of 32 folds its two halves' integer dots apart, each with its half's scale and offset and
+ * the half's float sum of the activations (which keep one d per 32 inputs).
+ *
  * Every output is computed the same way whatever M is (the activation rows are independent and each
  * sums its groups in order), so a row's result does not depend on the batch it is in.
  *
@@ -42,7 +47,7 @@
 #include <immintrin.h>
 #endif
 
-#define CORE_PACKED_ABI 10
+#define CORE_PACKED_ABI 11
 #define ERR_NO_TILES 3
 #define GROUP 32
 #define PAIR 64
@@ -86,15 +91,18 @@ const char *core_packed_variant(void) {
 
 /* Activations quantized: q1 and q2 [M][Kp] int8 (the two steps), d [M][G] (the combined code's scale,
  * max|x| / 127^2), sum [M][G] (the group's float sum) and csum [M][G] (127 sum(q1): what the AVX2
- * loop's centred 8-bit codes leave out of 127 hi). */
+ * loop's centred 8-bit codes leave out of 127 hi); for a weight of 16-input groups also sum16 and
+ * csum16 [M][2G], the same per half group (else NULL). */
 typedef struct {
     int8_t *q1, *q2;
-    float *d, *sum;
-    int32_t *csum;
+    float *d, *sum, *sum16;
+    int32_t *csum, *csum16;
     int64_t kp, groups;
 } acts_t;
 
-/* A weight's scales and offsets, float32 or float16 (dtype DT_F32 / DT_F16). */
+/* A weight's scales and offsets, float32 or float16 (dtype DT_F32 / DT_F16). Whether they cover 16 inputs
+ * each (`halves`) travels apart: with a fourth field GCC stopped passing this one in registers, and the
+ * loops of 32-input groups read it from the stack (1-2% slower at 32-64 rows, Zen 4 EPYC). */
 typedef struct {
     const void *s, *o;
     int dtype;
@@ -232,6 +240,20 @@ static void quantize_group_simd(const void *x, int dtype, int64_t index, int8_t 
 }
 #endif
 
+/* Row `row`'s sum16 and csum16 (see acts_t): each half group's float sum, in order, and 127 sum(q1) */
+static void half_sums(const void *x, int dtype, int64_t row, int64_t k, acts_t *a) {
+    for (int64_t h = 0; h < 2 * a->groups; ++h) {
+        float total = 0.f;
+        int32_t codes = 0;
+        for (int64_t col = h * (GROUP / 2); col < (h + 1) * (GROUP / 2); ++col) {
+            total += col < k ? load_x(x, dtype, row * k + col) : 0.f;
+            codes += 127 * a->q1[row * a->kp + col];
+        }
+        a->sum16[row * 2 * a->groups + h] = total;
+        a->csum16[row * 2 * a->groups + h] = codes;
+    }
+}
+
 static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, acts_t *a, int reference) {
     float buf[GROUP];
     int8_t *q1 = a->q1 + row * a->kp, *q2 = a->q2 + row * a->kp;
@@ -251,19 +273,22 @@ static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, acts_
         }
         quantize_group_generic(buf, q1 + g * GROUP, q2 + g * GROUP, d + g, sum + g, csum + g);
     }
+    if (a->sum16) half_sums(x, dtype, row, k, a);
 }
 
-/* room for m rows' activation codes, scales and sums, in one allocation */
-static int alloc_acts(int64_t m, int64_t kp, acts_t *a) {
+/* room for m rows' activation codes, scales and sums (and half sums: `halves`), in one allocation */
+static int alloc_acts(int64_t m, int64_t kp, int halves, acts_t *a) {
     a->kp = kp;
     a->groups = kp / GROUP;
-    const size_t per_group = (size_t)(m * a->groups);
-    char *block = malloc(per_group * (2 * sizeof(float) + sizeof(int32_t)) + (size_t)(2 * m * kp));
+    const size_t per_group = (size_t)(m * a->groups), per_half = halves ? 2 * per_group : 0;
+    char *block = malloc((per_group + per_half) * (2 * sizeof(float) + sizeof(int32_t)) + (size_t)(2 * m * kp));
     if (!block) return ERR_MEMORY;
     a->d = (float *)block;
     a->sum = a->d + per_group;
     a->csum = (int32_t *)(a->sum + per_group);
-    a->q1 = (int8_t *)(a->csum + per_group);
+    a->sum16 = halves ? (float *)(a->csum + per_group) : NULL;
+    a->csum16 = halves ? (int32_t *)(a->sum16 + per_half) : NULL;
+    a->q1 = (int8_t *)(a->csum + per_group) + per_half * (sizeof(float) + sizeof(int32_t));
     a->q2 = a->q1 + m * kp;
     return OK;
 }
@@ -293,23 +318,25 @@ static inline int32_t code_at(const uint8_t *block, int bits, int64_t r, int64_t
 
 /* out[i][r] for `tile` activation rows from m0 and the 16 rows of one block (plain C, the reference). Not
  * inlined: inlined into block_outputs, it changed how the SIMD loops there were compiled (AVX2 10-15% slower). */
-static __attribute__((noinline)) void block_dots_generic(const uint8_t *block, int bits, scales_t w, int64_t base,
-                                                         const acts_t *a, int64_t m0, int tile,
+static __attribute__((noinline)) void block_dots_generic(const uint8_t *block, int bits, scales_t w, int halves,
+                                                         int64_t base, const acts_t *a, int64_t m0, int tile,
                                                          float out[][TILE_BLOCKS * BLOCK]) {
     for (int i = 0; i < tile; ++i) {
         const int64_t row = m0 + i;
         for (int r = 0; r < BLOCK; ++r) {
             float total = 0.f;
-            for (int64_t g = 0; g < a->groups; ++g) {
+            const int64_t parts = halves ? 2 : 1, width = GROUP / parts; /* a group's halves fold apart */
+            for (int64_t g = 0; g < a->groups * parts; ++g) {
                 int32_t hi = 0, lo = 0;
-                for (int64_t c = g * GROUP; c < (g + 1) * GROUP; ++c) {
+                for (int64_t c = g * width; c < (g + 1) * width; ++c) {
                     const int32_t w = code_at(block, bits, r, c);
                     hi += w * a->q1[row * a->kp + c];
                     lo += w * a->q2[row * a->kp + c];
                 }
-                const float scale = scale_at(w.s, w.dtype, base + g * BLOCK + r) * a->d[row * a->groups + g];
+                const float sum = halves ? a->sum16[row * 2 * a->groups + g] : a->sum[row * a->groups + g];
+                const float scale = scale_at(w.s, w.dtype, base + g * BLOCK + r) * a->d[row * a->groups + g / parts];
                 total = fmaf((float)(127 * hi + lo), scale, total);
-                total = fmaf(scale_at(w.o, w.dtype, base + g * BLOCK + r), a->sum[row * a->groups + g], total);
+                total = fmaf(scale_at(w.o, w.dtype, base + g * BLOCK + r), sum, total);
             }
             out[i][r] = total;
         }
@@ -345,8 +372,9 @@ static inline __m512i step_codes(const uint8_t *block, int bits, int64_t g, int 
  * slower; 8 rows a tile spill too.) */
 static inline __attribute__((always_inline)) void tile_dots(const uint8_t *first, int64_t block_bytes, int blocks,
                                                              int bits, scales_t w, int64_t base, const acts_t *a,
-                                                             int64_t m0, int tile, float out[][TILE_BLOCKS * BLOCK]) {
-    const int64_t kp = a->kp, groups = a->groups, scales_apart = groups * BLOCK;
+                                                             int64_t m0, int tile, float out[][TILE_BLOCKS * BLOCK],
+                                                             const int halves) {
+    const int64_t kp = a->kp, groups = a->groups, scales_apart = (halves ? 2 : 1) * groups * BLOCK;
     __m512 acc[TILE][TILE_BLOCKS];
     for (int i = 0; i < tile; ++i)
         for (int b = 0; b < blocks; ++b) acc[i][b] = _mm512_setzero_ps();
@@ -367,7 +395,20 @@ static inline __attribute__((always_inline)) void tile_dots(const uint8_t *first
                     lo[i][b] = _mm512_dpbusd_epi32(lo[i][b], codes[b], x2);
                 }
             }
+            if (halves && (j == 3 || j == 7)) { /* a half group's dots folded with its own scale and offset */
+                const int64_t half = 2 * g + j / 4;
+                for (int b = 0; b < blocks; ++b) {
+                    const int64_t at_s = base + b * scales_apart + half * BLOCK;
+                    const __m512 sg = load16(w.s, w.dtype, at_s), og = load16(w.o, w.dtype, at_s);
+                    for (int i = 0; i < tile; ++i) {
+                        acc[i][b] = fold_group(acc[i][b], hi[i][b], lo[i][b], sg, og, a->d[(m0 + i) * groups + g],
+                                               a->sum16[(m0 + i) * 2 * groups + half]);
+                        hi[i][b] = lo[i][b] = _mm512_setzero_si512();
+                    }
+                }
+            }
         }
+        if (halves) continue;
         for (int b = 0; b < blocks; ++b) {
             const int64_t at = base + b * scales_apart + g * BLOCK;
             const __m512 sg = load16(w.s, w.dtype, at), og = load16(w.o, w.dtype, at);
@@ -405,7 +446,7 @@ static inline __m256i centred_dot4(__m256i magnitude, __m256i centred, int32_t x
  * and 128 times those codes' sum is added back. */
 static inline __attribute__((always_inline)) void half_dots(const uint8_t *block, int bits, scales_t w, int64_t base,
                                                              const acts_t *a, int64_t m0, int tile, int h,
-                                                             float out[][BLOCK]) {
+                                                             float out[][BLOCK], const int halves) {
     const int64_t kp = a->kp, groups = a->groups;
     const __m256i nibble = _mm256_set1_epi8(0x0f);
     __m256 acc[TILE];
@@ -430,8 +471,20 @@ static inline __attribute__((always_inline)) void half_dots(const uint8_t *block
                     lo[i] = _mm256_add_epi32(lo[i], _mm256_madd_epi16(_mm256_maddubs_epi16(raw, _mm256_set1_epi32(
                                                      x4(a->q2, kp, m0 + i, at))), _mm256_set1_epi16(1)));
                 }
+                if (halves && (j == 3 || j == 7)) { /* a half group folded with its own scale and offset */
+                    const int64_t half = 2 * g + j / 4, at_s = base + half * BLOCK + h * 8;
+                    const __m256 sg = load8_scales(w.s, w.dtype, at_s), og = load8_scales(w.o, w.dtype, at_s);
+                    for (int i = 0; i < tile; ++i) {
+                        const __m256i whole = _mm256_add_epi32(
+                            lo[i], _mm256_set1_epi32(128 * a->csum16[(m0 + i) * 2 * groups + half]));
+                        acc[i] = fold_group(acc[i], hi[i], whole, sg, og, a->d[(m0 + i) * groups + g],
+                                            a->sum16[(m0 + i) * 2 * groups + half]);
+                        hi[i] = lo[i] = _mm256_setzero_si256();
+                    }
+                }
             }
         }
+        if (halves) continue;
         if (bits == 4) /* the group's int16 pair sums to int32 per row, once */
             for (int i = 0; i < tile; ++i) {
                 hi[i] = _mm256_madd_epi16(hi[i], _mm256_set1_epi16(1));
@@ -450,12 +503,13 @@ static inline __attribute__((always_inline)) void half_dots(const uint8_t *block
 
 static inline __attribute__((always_inline)) void block_dots_simd(const uint8_t *block, int bits, scales_t w,
                                                                    int64_t base, const acts_t *a, int64_t m0,
-                                                                   int tile, float out[][BLOCK]) {
-    half_dots(block, bits, w, base, a, m0, tile, 0, out);
-    half_dots(block, bits, w, base, a, m0, tile, 1, out);
+                                                                   int tile, float out[][BLOCK], const int halves) {
+    half_dots(block, bits, w, base, a, m0, tile, 0, out, halves);
+    half_dots(block, bits, w, base, a, m0, tile, 1, out, halves);
 }
 #else
-#define block_dots_simd block_dots_generic
+#define block_dots_simd(block, bits, w, base, a, m0, tile, out, halves) \
+    block_dots_generic(block, bits, w, halves, base, a, m0, tile, out)
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -680,10 +734,12 @@ static inline void store_y(void *y, int dtype, int64_t index, float v) {
 /* The outputs of blocks [b, b + blocks) (blocks <= TILE_BLOCKS) for activation rows [m_begin, m): TILE rows
  * at a time, then 2, then 1 (each count a compile-time constant, so that the SIMD loop keeps its
  * accumulators in registers) */
-static void block_outputs(const uint8_t *codes, int bits, scales_t w, const float *bias, const acts_t *a,
-                          int64_t m_begin, int64_t m, int64_t b, int blocks, int64_t n, void *y, int y_dtype,
-                          int reference) {
-    const int64_t block_bytes = (bits == 4 ? a->kp / 2 : a->kp) * BLOCK, scales_apart = a->groups * BLOCK;
+static inline __attribute__((always_inline)) void outputs_of(const uint8_t *codes, int bits, scales_t w,
+                                                              const float *bias, const acts_t *a, int64_t m_begin,
+                                                              int64_t m, int64_t b, int blocks, int64_t n, void *y,
+                                                              int y_dtype, int reference, const int halves) {
+    const int64_t block_bytes = (bits == 4 ? a->kp / 2 : a->kp) * BLOCK,
+                  scales_apart = (halves ? 2 : 1) * a->groups * BLOCK;
     const int64_t col0 = b * BLOCK, cols = n - col0 < blocks * BLOCK ? n - col0 : blocks * BLOCK;
     const uint8_t *first = codes + b * block_bytes;
     const int64_t base = b * scales_apart; /* the first block's first scale */
@@ -692,23 +748,35 @@ static void block_outputs(const uint8_t *codes, int bits, scales_t w, const floa
         const int tile = m - m0 >= TILE ? TILE : (m - m0 >= 2 ? 2 : 1);
         if (reference) {
             for (int bb = 0; bb < blocks; ++bb) /* block bb's outputs in columns 16 bb.. of out's rows */
-                block_dots_generic(first + bb * block_bytes, bits, w, base + bb * scales_apart, a, m0, tile,
+                block_dots_generic(first + bb * block_bytes, bits, w, halves, base + bb * scales_apart, a, m0, tile,
                                    (float (*)[TILE_BLOCKS * BLOCK])(out[0] + bb * BLOCK));
         } else {
 #if TILE_BLOCKS > 1
-#define DOTS(T, B) tile_dots(first, block_bytes, B, bits, w, base, a, m0, T, out)
-            if (blocks == TILE_BLOCKS)
-                tile == TILE ? DOTS(TILE, TILE_BLOCKS) : (tile == 2 ? DOTS(2, TILE_BLOCKS) : DOTS(1, TILE_BLOCKS));
+#define DOTS(T, B, H) tile_dots(first, block_bytes, B, bits, w, base, a, m0, T, out, H)
+            if (halves) /* Q6_K's weights: a block at a time (three loops to compile, not six) */
+                for (int bb = 0; bb < blocks; ++bb) {
+                    float (*part)[TILE_BLOCKS * BLOCK] = (float (*)[TILE_BLOCKS * BLOCK])(out[0] + bb * BLOCK);
+                    const uint8_t *block = first + bb * block_bytes;
+                    const int64_t at = base + bb * scales_apart;
+                    if (tile == TILE)
+                        tile_dots(block, block_bytes, 1, bits, w, at, a, m0, TILE, part, 1);
+                    else if (tile == 2)
+                        tile_dots(block, block_bytes, 1, bits, w, at, a, m0, 2, part, 1);
+                    else
+                        tile_dots(block, block_bytes, 1, bits, w, at, a, m0, 1, part, 1);
+                }
+            else if (blocks == TILE_BLOCKS)
+                tile == TILE ? DOTS(TILE, TILE_BLOCKS, 0) : (tile == 2 ? DOTS(2, TILE_BLOCKS, 0) : DOTS(1, TILE_BLOCKS, 0));
             else
-                tile == TILE ? DOTS(TILE, 1) : (tile == 2 ? DOTS(2, 1) : DOTS(1, 1));
+                tile == TILE ? DOTS(TILE, 1, 0) : (tile == 2 ? DOTS(2, 1, 0) : DOTS(1, 1, 0));
 #undef DOTS
 #else
             if (tile == TILE)
-                block_dots_simd(first, bits, w, base, a, m0, TILE, out);
+                block_dots_simd(first, bits, w, base, a, m0, TILE, out, halves);
             else if (tile == 2)
-                block_dots_simd(first, bits, w, base, a, m0, 2, out);
+                block_dots_simd(first, bits, w, base, a, m0, 2, out, halves);
             else
-                block_dots_simd(first, bits, w, base, a, m0, 1, out);
+                block_dots_simd(first, bits, w, base, a, m0, 1, out, halves);
 #endif
         }
         for (int i = 0; i < tile; ++i)
@@ -718,12 +786,27 @@ static void block_outputs(const uint8_t *codes, int bits, scales_t w, const floa
     }
 }
 
+/* outputs_of for a weight of 32-input groups, and (compiled apart, so that the loops above stay as they
+ * were) for one of 16-input groups */
+static void block_outputs(const uint8_t *codes, int bits, scales_t w, const float *bias, const acts_t *a,
+                          int64_t m_begin, int64_t m, int64_t b, int blocks, int64_t n, void *y, int y_dtype,
+                          int reference) {
+    outputs_of(codes, bits, w, bias, a, m_begin, m, b, blocks, n, y, y_dtype, reference, 0);
+}
+
+static void block_outputs_halves(const uint8_t *codes, int bits, scales_t w, const float *bias, const acts_t *a,
+                                 int64_t m_begin, int64_t m, int64_t b, int blocks, int64_t n, void *y,
+                                 int y_dtype, int reference) {
+    outputs_of(codes, bits, w, bias, a, m_begin, m, b, blocks, n, y, y_dtype, reference, 1);
+}
+
 static int arguments_valid(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
-                           int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
+                           int group, int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
                            const void *y, int y_dtype) {
     return !((m > 0 && (!x || !y)) || !codes || !scale || !offset || m < 0 || k <= 0 || n <= 0 || kp < k ||
-             kp % PAIR || (bits != 4 && bits != 8) || (x_dtype != DT_F32 && x_dtype != DT_BF16) ||
-             (y_dtype != DT_F32 && y_dtype != DT_BF16) || (scale_dtype != DT_F32 && scale_dtype != DT_F16));
+             kp % PAIR || (bits != 4 && bits != 8) || (group != GROUP && (group != GROUP / 2 || bits != 8)) ||
+             (x_dtype != DT_F32 && x_dtype != DT_BF16) || (y_dtype != DT_F32 && y_dtype != DT_BF16) ||
+             (scale_dtype != DT_F32 && scale_dtype != DT_F16));
 }
 
 typedef struct {
@@ -739,7 +822,7 @@ typedef struct {
     int y_dtype, reference;
     acts_t *a;
     int64_t blocks, chunk, chunks;
-    int tile_blocks;
+    int tile_blocks, halves;
     int64_t *taken; /* each share's next unit, TAKEN_APART apart */
 } linear_team;
 
@@ -763,21 +846,27 @@ static void linear_work(void *context, int64_t thread, int64_t threads) {
                           last = first + SHARE_UNIT_BLOCKS < b1 ? first + SHARE_UNIT_BLOCKS : b1;
             for (int64_t b = first; b < last; b += c->tile_blocks) {
                 const int together = last - b < c->tile_blocks ? (int)(last - b) : c->tile_blocks;
-                block_outputs(c->codes, c->bits, c->w, c->bias, c->a, m0, m1, b, together, c->n, c->y, c->y_dtype,
-                              c->reference);
+                if (c->halves) /* called, not through a pointer: each keeps its arguments in registers */
+                    block_outputs_halves(c->codes, c->bits, c->w, c->bias, c->a, m0, m1, b, together, c->n, c->y,
+                                         c->y_dtype, c->reference);
+                else
+                    block_outputs(c->codes, c->bits, c->w, c->bias, c->a, m0, m1, b, together, c->n, c->y,
+                                  c->y_dtype, c->reference);
             }
         }
     }
 }
 
 static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
-                         int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
+                         int group, int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
                          const float *bias, void *y, int y_dtype, int reference) {
-    if (!arguments_valid(x, x_dtype, m, k, codes, bits, n, kp, scale, offset, scale_dtype, y, y_dtype)) return ERR_ARGS;
+    if (!arguments_valid(x, x_dtype, m, k, codes, bits, group, n, kp, scale, offset, scale_dtype, y, y_dtype))
+        return ERR_ARGS;
     const scales_t w = {scale, offset, scale_dtype};
+    const int halves = group != GROUP;
     if (m == 0) return OK;
     acts_t a;
-    int status = alloc_acts(m, kp, &a);
+    int status = alloc_acts(m, kp, halves, &a);
     if (status == OK) {
         const int64_t blocks = (n + BLOCK - 1) / BLOCK;
         /* each thread its contiguous share of the blocks (as schedule(static)), over the rows a chunk at a
@@ -798,7 +887,7 @@ static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const
         }
         linear_team ctx = {x, x_dtype, m, k, codes, bits, n, w, bias, y, y_dtype, reference, &a, blocks, chunk,
                            (m + chunk - 1) / chunk, m >= TWO_BLOCK_ROWS || omp_in_parallel() ? TILE_BLOCKS : 1,
-                           taken};
+                           halves, taken};
         run_team(1, linear_work, &ctx);
         free(taken);
         free_acts(&a);
@@ -806,18 +895,19 @@ static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const
     return status;
 }
 
-/* y = x @ W^T + bias with the fastest loop this build has; returns 0, or 1 (bad arguments), 2 (memory). */
-int core_packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
+/* y = x @ W^T + bias with the fastest loop this build has; `group` the inputs a scale and offset cover (32, or
+ * 16 for 8-bit codes); returns 0, or 1 (bad arguments), 2 (memory). */
+int core_packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits, int group,
                        int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
                        const float *bias, void *y, int y_dtype) {
-    return packed_linear(x, x_dtype, m, k, codes, bits, n, kp, scale, offset, scale_dtype, bias, y, y_dtype, 0);
+    return packed_linear(x, x_dtype, m, k, codes, bits, group, n, kp, scale, offset, scale_dtype, bias, y, y_dtype, 0);
 }
 
 /* The same with the plain C loop: the reference the SIMD loops are tested against. */
 int core_packed_linear_reference(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
-                                 int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
-                                 const float *bias, void *y, int y_dtype) {
-    return packed_linear(x, x_dtype, m, k, codes, bits, n, kp, scale, offset, scale_dtype, bias, y, y_dtype, 1);
+                                 int group, int64_t n, int64_t kp, const void *scale, const void *offset,
+                                 int scale_dtype, const float *bias, void *y, int y_dtype) {
+    return packed_linear(x, x_dtype, m, k, codes, bits, group, n, kp, scale, offset, scale_dtype, bias, y, y_dtype, 1);
 }
 
 /* 1 where core_packed_linear_tiles runs (an amx-bf16 build whose process Linux grants the tiles), else 0.
@@ -833,12 +923,16 @@ int core_packed_uses_amx(void) {
 /* y = x @ W^T + bias on the AMX tiles (bfloat16 products, float32 sums over all of K; see the AMX loop);
  * returns 0, 1 (bad arguments), 2 (memory) or 3 (no tiles: not an amx-bf16 build, or Linux refused them). */
 int core_packed_linear_tiles(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
-                             int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
+                             int group, int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
                              const float *bias, void *y, int y_dtype) {
-    if (!arguments_valid(x, x_dtype, m, k, codes, bits, n, kp, scale, offset, scale_dtype, y, y_dtype)) return ERR_ARGS;
+    if (!arguments_valid(x, x_dtype, m, k, codes, bits, group, n, kp, scale, offset, scale_dtype, y, y_dtype))
+        return ERR_ARGS;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (!amx_granted()) return ERR_NO_TILES;
     if (m == 0) return OK;
+    if (group != GROUP) /* the tile loop dequantizes a group under one scale: 16-input groups take the VNNI loop */
+        return packed_linear(x, x_dtype, m, k, codes, bits, group, n, kp, scale, offset, scale_dtype, bias, y,
+                             y_dtype, 0);
     const scales_t w = {scale, offset, scale_dtype};
     return packed_linear_amx(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype);
 #else
