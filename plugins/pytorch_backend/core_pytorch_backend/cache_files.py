@@ -4,25 +4,18 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import IO
 
 
 def write_text_atomically(path: Path, text: str) -> bool:
     """Write ``text`` to ``path`` through a temporary file and a rename; False (nothing left behind) where
     the folder is read-only or full: a cache that cannot be written is rebuilt next time, never fatal."""
-    return write_atomically(path, lambda out: out.write(text.encode()))
-
-
-def write_atomically(path: Path, write: Callable[[IO[bytes]], object]) -> bool:
-    """``write`` a binary file ``path`` through a temporary file and a rename, as ``write_text_atomically``."""
     temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("wb", dir=path.parent, delete=False, suffix=".tmp") as out:
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as out:
             temporary = out.name
-            write(out)
+            out.write(text)
         os.replace(temporary, path)
         return True
     except OSError:

@@ -30,7 +30,7 @@ from .models import BUILTIN_ARCHITECTURES, resolve_class
 from .native.packed_weight import NativeWeight
 from .quant.attach import MODES as QUANTIZE_MODES
 from .quant.attach import attach_quantized, quantize_model
-from .quant.gguf_file import REROUNDED_FOLDER, gguf_weights
+from .quant.gguf_file import gguf_weights
 from .quant.kernel_choice import PackedKernel, packed_kernel
 
 if TYPE_CHECKING:
@@ -79,8 +79,8 @@ def load_checkpoint(
 
     ``path`` is an HF folder (config.json + safetensors) or a ``.gguf`` file. ``quantization``:
 
-    - ``auto``: a GGUF file's block-quantized tensors stay packed on the CPU (``quant.gguf_blocks``: Q3_K
-      and Q2_K re-rounded to 8 bits; float and other types dequantized); a float checkpoint is served as it is.
+    - ``auto``: a GGUF file's block-quantized tensors stay packed on the CPU (``quant.gguf_blocks``;
+      float and other types dequantized); a float checkpoint is served as it is.
     - ``none``: everything dequantized (a GGUF file is converted once into an HF folder under
       ``cache_dir`` unless ``use_cache`` is False).
     - ``int8`` / ``int4``: linear layers quantized at load (``quant.attach.quantize_model``), CPU only.
@@ -161,8 +161,7 @@ def _open(path: Path, gguf: Path | None, packed: bool, cache_dir, use_cache: boo
     if gguf is not None and packed:
         folder = cached_gguf_folder(gguf, cache_root, with_weights=False)
         config, tokenizer, _, generation = _open_hf_folder(folder, converted=True)
-        return (config, tokenizer, gguf_weights(gguf, config, cache_root or default_cache_dir(), folder / REROUNDED_FOLDER),
-                generation)
+        return config, tokenizer, gguf_weights(gguf, config, cache_root or default_cache_dir()), generation
     if gguf is not None:
         return _open_hf_folder(cached_gguf_folder(gguf, cache_root), converted=True) if use_cache else _open_gguf(gguf)
     return _open_hf_folder(path)

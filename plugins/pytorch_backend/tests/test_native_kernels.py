@@ -110,17 +110,18 @@ def test_the_library_names_its_variant(kernels):
 # ---------------------------------------------------------------- packed linear
 
 def _weight(n: int, k: int, bits: int | str):
-    """4- or 8-bit codes per 32 inputs of a random weight; "q6": Q6_K's, 6-bit codes under a signed scale
-    per 16 inputs (w = s * (q - 32))."""
-    rng = np.random.default_rng(n * k + (6 if bits == "q6" else bits))
-    if bits == "q6":
+    """4- or 8-bit codes per 32 inputs of a random weight; "k16": the 16-input groups of Q6_K / Q3_K / Q2_K,
+    6-bit codes under a signed scale and any offset per 16 inputs."""
+    rng = np.random.default_rng(n * k + (6 if bits == "k16" else bits))
+    if bits == "k16":
         scale = (rng.uniform(0.5, 1.5, (n, k // 16)) * rng.choice([-1, 1], (n, k // 16)) * 2e-3).astype(np.float32)
-        return AffineWeight(rng.integers(0, 64, (n, k), dtype=np.uint8), scale, -32 * scale, 6, 16)
+        offset = (rng.uniform(-40, 8, (n, k // 16)) * np.abs(scale)).astype(np.float32)
+        return AffineWeight(rng.integers(0, 64, (n, k), dtype=np.uint8), scale, offset, 6, 16)
     dense = rng.standard_normal((n, k)).astype(np.float32) * 0.05
     return quantize_int4(dense) if bits == 4 else quantize_int8(dense)
 
 
-BITS = [4, 8, "q6"]
+BITS = [4, 8, "k16"]
 
 
 @pytest.mark.parametrize("bits", BITS)

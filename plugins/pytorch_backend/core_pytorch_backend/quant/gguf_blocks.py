@@ -13,15 +13,14 @@ layouts; ``gguf.quants.dequantize`` is the oracle the tests compare against):
 - IQ4_NL, IQ4_XS: 4-bit indices into 16 fixed non-uniform levels (int8 values), under fp16 ``d`` per
   32 inputs, or per 256 with a 6-bit scale per 32 (``d * (ls - 32)``): the level itself, shifted by 128,
   is an 8-bit code.
-- Q6_K: 256 codes of 6 bits under 16 signed 8-bit scales ``sc`` (one per 16 inputs) and an fp16 ``d``:
-  ``w = d * sc * (q - 32)``, in groups of 16 (the native kernel folds each half of its 32-input groups
-  with its own scale and offset).
+- Q6_K, Q3_K, Q2_K: 256 codes of 6, 3 or 2 bits under a scale per 16 inputs (Q2_K also a min):
+  ``w = d * sc * (q - 32)``, ``w = d * (sc - 32) * (q - 4)``, ``w = d * sc * q - dmin * mn``, in groups of
+  16 (the native kernel folds each half of its 32-input groups with its own scale and offset).
 
-Those are exact: the codes, scales and offsets are the file's, and ``dequantize`` gives gguf's values.
-Q3_K and Q2_K (2- and 3-bit codes under 16-input scales, with Q2_K's mins) are **re-rounded** instead:
-gguf's dequantized values, 8-bit codes per group of 32 (``affine.quantize_int8``), each value within half
-an 8-bit step of its group (absmax / 254). Measured on Q6_K, which was re-rounded the same way before it
-was kept exactly, that cost agreement: a Q4_K_M file of the default model 99.10% against 99.65% exact.
+Every one is exact: the codes, scales and offsets are the file's, and ``dequantize`` gives gguf's values
+(codes of 2, 3, 5 and 6 bits take a byte each in the kernel's layout). Re-rounding the 16-input groups
+to 8-bit codes per 32 inputs instead, as a first version did, cost agreement: a Q4_K_M file of the
+default model, whose Q6_K tensors that touched, 99.10% against 99.65% exact.
 
 ``raw`` is a tensor's data as the gguf reader gives it: uint8 ``[rows, bytes per row]``. Other types
 (F16, BF16, the other IQ types...) are not packed: the loader dequantizes them.
@@ -31,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .affine import CHUNK_VALUES, AffineWeight, quantize_int8
+from .affine import AffineWeight
 
 QK = 32
 QK_K = 256
@@ -177,30 +176,47 @@ def unpack_q6_k(raw: np.ndarray) -> AffineWeight:
     return AffineWeight(q, scale, -32 * scale, 6, QK_K // 16)
 
 
-def rerounded(type_name: str, raw: np.ndarray) -> AffineWeight:
-    """A tensor of 16-input groups (Q6_K, Q3_K, Q2_K) as 8-bit codes per 32 inputs (see the module
-    docstring), dequantized a few rows at a time (an LM head's float32 copy would be GBs)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+def unpack_q2_k(raw: np.ndarray) -> AffineWeight:
+    """2-bit codes under a 4-bit scale and min per 16 inputs (the low and high nibbles of 16 bytes), fp16
+    ``d`` / ``dmin``: ``w = d * sc * q - dmin * mn`` (ggml's dequantize_row_q2_K: inputs 128n + 32j + l take
+    bits 2j, 2j + 1 of code byte 32n + l)."""
+    blocks, rows = _blocks(raw, 84)
+    codes = blocks[..., 16:80].reshape(rows, -1, 2, 1, 32)
+    q = ((codes >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 0x03).reshape(rows, -1)
+    d, dmin = _half(blocks[..., 80:82])[..., None], _half(blocks[..., 82:84])[..., None]
+    scales = blocks[..., :16]
+    return AffineWeight(q, (d * (scales & 0x0F)).reshape(rows, -1), (-dmin * (scales >> 4)).reshape(rows, -1), 2,
+                        QK_K // 16)
 
-    kind = GGMLQuantizationType[type_name]
-    rows = max(1, CHUNK_VALUES // (raw.shape[1] * QK_K // _SUPER_BLOCK_BYTES[type_name]))
-    parts = [quantize_int8(dequantize(raw[start : start + rows], kind)) for start in range(0, raw.shape[0], rows)]
-    return parts[0] if len(parts) == 1 else AffineWeight.concat(parts)
+
+def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
+    """12 bytes -> 16 six-bit scales: 4 low bits from the nibbles of bytes 0-7, 2 high bits from bytes 8-11
+    (ggml's kmask1 / kmask2 shuffle)."""
+    low, high = packed[..., 0:8], packed[..., 8:12]
+    nibbles = np.concatenate((low & 0x0F, low >> 4), axis=-1)  # scales 0-7, then 8-15
+    tops = (high[..., None, :] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 0x03  # [.., 4 shifts, 4 bytes]
+    return (nibbles | (tops.reshape(*high.shape[:-1], 16) << 4)).astype(np.float32)
+
+
+def unpack_q3_k(raw: np.ndarray) -> AffineWeight:
+    """3-bit codes under a signed 6-bit scale per 16 inputs and an fp16 ``d``: ``w = d * (sc - 32) * (q - 4)``
+    (ggml's dequantize_row_q3_K: inputs 128n + 32j + l take bits 2j, 2j + 1 of code byte 32n + l and, as
+    the third bit, bit 4n + j of mask byte l)."""
+    blocks, rows = _blocks(raw, 110)
+    codes = blocks[..., 32:96].reshape(rows, -1, 2, 1, 32)
+    low = (codes >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 0x03  # [.., n, j, l]
+    mask = blocks[..., None, None, 0:32] >> np.arange(8, dtype=np.uint8).reshape(2, 4)[..., None]  # bit 4n + j
+    q = (low | ((mask & 0x01) << 2)).reshape(rows, -1)
+    scale = (_half(blocks[..., 108:110])[..., None] * (_q3_k_scales(blocks[..., 96:108]) - 32)).reshape(rows, -1)
+    return AffineWeight(q, scale, -4 * scale, 3, QK_K // 16)
 
 
 UNPACKERS = {"Q4_0": unpack_q4_0, "Q4_1": unpack_q4_1, "Q8_0": unpack_q8_0, "Q4_K": unpack_q4_k,
              "Q5_0": unpack_q5_0, "Q5_1": unpack_q5_1, "Q5_K": unpack_q5_k, "IQ4_NL": unpack_iq4_nl,
-             "IQ4_XS": unpack_iq4_xs, "Q6_K": unpack_q6_k}
-_SUPER_BLOCK_BYTES = {"Q3_K": 110, "Q2_K": 84}
-REROUNDED = tuple(_SUPER_BLOCK_BYTES)
+             "IQ4_XS": unpack_iq4_xs, "Q6_K": unpack_q6_k, "Q3_K": unpack_q3_k, "Q2_K": unpack_q2_k}
 
 
 def unpack(type_name: str, raw: np.ndarray) -> AffineWeight | None:
-    """The codes of a tensor of GGUF type ``type_name`` (re-rounded for the ``REROUNDED`` types); None for
-    types not kept packed."""
-    raw = np.asarray(raw, dtype=np.uint8)
-    if type_name in REROUNDED:
-        return rerounded(type_name, raw)
+    """The codes of a tensor of GGUF type ``type_name``; None for types not kept packed."""
     unpacker = UNPACKERS.get(type_name)
-    return unpacker(raw) if unpacker else None
+    return unpacker(np.asarray(raw, dtype=np.uint8)) if unpacker else None

@@ -31,14 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cache_files import write_atomically, write_text_atomically
+from ..cache_files import write_text_atomically
 from ..light_config import full_config
 from .affine import AffineWeight
-from .gguf_blocks import REROUNDED, unpack
+from .gguf_blocks import unpack
 from .gguf_index import TensorEntry, read_gguf_index
 
 PLAN_FORMAT = 1
-REROUNDED_FOLDER = "rerounded-v1"  # the file's cache folder's codes_cache: another name when rerounded() changes
 PROBE_COLUMNS = 8  # the random probe's columns: a row reordering moves whole rows, whatever their width
 
 
@@ -93,11 +92,10 @@ class LoadPlan:
         return cls({str(k): str(v) for k, v in data["names"].items()}, steps)
 
 
-def gguf_weights(gguf: Path, config: Any, names_cache: Path | None = None, codes_cache: Path | None = None
+def gguf_weights(gguf: Path, config: Any, names_cache: Path | None = None
                  ) -> Iterator[tuple[str, torch.Tensor | AffineWeight]]:
     """(HF name, dense float32 tensor or quantized codes) for every tensor the model uses; the load plan
-    is read from (or written to) the folder ``names_cache``, and re-rounded codes from (to) the folder
-    ``codes_cache``, this file's own, where they are given."""
+    is read from (or written to) the folder ``names_cache`` where one is given."""
     index = read_gguf_index(gguf)
     plan = load_plan(index.architecture, config, index.tensors, names_cache)
     processor = None
@@ -111,33 +109,12 @@ def gguf_weights(gguf: Path, config: Any, names_cache: Path | None = None, codes
             continue
         if not step.name:
             continue
-        codes = _codes(tensor, codes_cache) if len(tensor.shape) == 2 else None
+        codes = unpack(tensor.type_name, tensor.data) if len(tensor.shape) == 2 else None
         if codes is not None:
             yield step.name, codes if step.order is None else codes.rows(step.order)
         else:
             values = np.array(_dequantized(tensor), dtype=np.float32)
             yield step.name, torch.from_numpy(values if step.order is None else values[step.order])
-
-
-def _codes(tensor: TensorEntry, cache: Path | None) -> AffineWeight | None:
-    """``unpack``'s codes of a 2-D tensor. A re-rounded type's (``REROUNDED``: 25 ns a value on a Zen 4
-    EPYC, seconds for a 1B model's Q6_K tensors) are read from ``cache`` where an earlier start left them
-    (1.25 bytes a value), else made and left there; a file that does not read back as codes of the
-    tensor's shape is made again."""
-    if cache is None or tensor.type_name not in REROUNDED:
-        return unpack(tensor.type_name, tensor.data)
-    path = cache / f"{tensor.name}.npz"
-    rows, columns = tensor.shape[0], int(np.prod(tensor.shape[1:]))
-    try:
-        with np.load(path) as kept:
-            codes = AffineWeight(kept["q"], kept["scale"], kept["offset"], 8, 32)
-        if codes.shape == (rows, columns):
-            return codes
-    except (OSError, ValueError, KeyError):
-        pass  # none yet, or unreadable: made again
-    codes = unpack(tensor.type_name, tensor.data)
-    write_atomically(path, lambda out: np.savez(out, q=codes.q, scale=codes.scale, offset=codes.offset))
-    return codes
 
 
 def _dequantized(tensor: TensorEntry) -> np.ndarray:
