@@ -50,6 +50,32 @@ def candidate_loads(gguf: Path) -> dict:
     }
 
 
+def measure(gguf: Path, names: list[str], tokens: int, chunk: int) -> list[tuple]:
+    """(name, description, weights, dtype, agreement, ppl, ppl ratio, load s, score s, weights MiB) of the
+    float32 oracle and each candidate in ``names``, teacher-forced over ``tokens`` positions."""
+    quality = load_quality()
+    loads = candidate_loads(gguf)
+    rows = []
+    oracle = reference = None
+    for name in ("float32", *names):
+        description, load = loads[name]
+        start = time.perf_counter()
+        loaded = load()
+        load_s = time.perf_counter() - start
+        if reference is None:
+            reference = quality.reference_tokens(loaded.tokenizer, tokens)
+        run = quality.teacher_forced(loaded, reference, chunk=chunk)
+        oracle = oracle or run
+        result = quality.compare(run, oracle)
+        rows.append((name, description, loaded.quantization, str(loaded.dtype).replace("torch.", ""),
+                     result.agreement, result.perplexity, result.perplexity_ratio, load_s, run.seconds,
+                     quality.weight_bytes(loaded.model) / 2**20))
+        print(f"{name}: {result} ({run.seconds:.1f} s)", file=sys.stderr, flush=True)
+        del loaded
+        gc.collect()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=2000, help="positions scored (default 2000)")
@@ -61,27 +87,8 @@ def main() -> None:
 
     from core_pytorch_backend.loader import default_model_path
 
-    quality = load_quality()
     gguf = args.model or default_model_path()
-    loads = candidate_loads(gguf)
-    rows = []
-    oracle = tokens = None
-    for name in ("float32", *args.only):
-        description, load = loads[name]
-        start = time.perf_counter()
-        loaded = load()
-        load_s = time.perf_counter() - start
-        if tokens is None:
-            tokens = quality.reference_tokens(loaded.tokenizer, args.tokens)
-        run = quality.teacher_forced(loaded, tokens, chunk=args.chunk)
-        oracle = oracle or run
-        result = quality.compare(run, oracle)
-        rows.append((name, description, loaded.quantization, str(loaded.dtype).replace("torch.", ""),
-                     result.agreement, result.perplexity, result.perplexity_ratio, load_s, run.seconds,
-                     quality.weight_bytes(loaded.model) / 2**20))
-        print(f"{name}: {result} ({run.seconds:.1f} s)", file=sys.stderr, flush=True)
-        del loaded
-        gc.collect()
+    rows = measure(gguf, args.only, args.tokens, args.chunk)
 
     print(f"\n{gguf.name}, {args.tokens} positions of the Python help topics, prefill chunks of {args.chunk}\n")
     header = ("candidate", "load", "weights", "dtype", "agreement", "ppl", "ppl ratio", "load s", "score s",

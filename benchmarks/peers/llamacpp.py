@@ -81,14 +81,20 @@ def _download(root: Path) -> Path:
 
 def server_binary() -> Path:
     """Build `llama-server` once per set of cmake flags (about 6 minutes on two cores) and return its path."""
+    return tool_binary("llama-server")
+
+
+def tool_binary(target: str) -> Path:
+    """Build llama.cpp's `target` (`llama-server`, `llama-quantize`...) once per set of cmake flags, in one
+    build folder, and return its path."""
     flags = [*BUILD_FLAGS, *ggml_cpu_flags()]
     build = cache_dir() / "llama-cpp" / f"build-{hashlib.sha256(' '.join(flags).encode()).hexdigest()[:12]}"
-    binary, stamp = build / "bin" / "llama-server", build / ".core-bench-cmake-flags"
+    binary, stamp = build / "bin" / target, build / ".core-bench-cmake-flags"
     if binary.is_file() and stamp.is_file() and stamp.read_text() == " ".join(flags):
         return binary
     jobs = str(os.cpu_count() or 2)
     run_logged(["cmake", "-S", source_dir(), "-B", build, *flags], "llama-cpp-build")
-    run_logged(["cmake", "--build", build, "--target", "llama-server", "-j", jobs], "llama-cpp-build")
+    run_logged(["cmake", "--build", build, "--target", target, "-j", jobs], "llama-cpp-build")
     if not binary.is_file():
         raise SetupError(f"the build finished but {binary} is missing")
     check_runs(binary, flags)
