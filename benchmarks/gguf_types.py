@@ -11,7 +11,7 @@ teacher-forced top-1 agreement and perplexity ratio of `load_checkpoint(file)` a
 dequantized to float32 (benchmarks/quant_accuracy.py); then, unless `--no-serve`, `core serve FILE` and
 `llama-server` on it, each timed by `core bench serve` (128-word prompts, 128 output tokens, ignore_eos):
 decode tok/s at one stream (1 / mean TPOT, 4 requests) and output tok/s at 32 streams (64 requests), and
-the server's peak resident memory (VmHWM). Numbers only; nothing is asserted. Name the CPU (`lscpu`) next
+the server's peak memory (PSS, sampled as the side-by-side harness does: peers/process.py). Numbers only; nothing is asserted. Name the CPU (`lscpu`) next
 to any figure taken from it.
 """
 
@@ -23,13 +23,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from peers.common import cache_dir, default_gguf, free_port  # noqa: E402
 from peers.llamacpp import server_command, tool_binary  # noqa: E402
+from peers.process import PeerProcess  # noqa: E402
 
 STREAMS = ((1, 4), (32, 64))  # (concurrency, requests)
 MODEL_NAME = "smollm2"  # the name llama-server's server_command serves it under
@@ -61,33 +61,15 @@ def accuracy(gguf: Path, tokens: int) -> tuple[float, float]:
     return row[4], row[6]
 
 
-def served(command: list[str], port: int) -> tuple[float, float, int]:
-    """(decode tok/s at one stream, output tok/s at 32 streams, VmHWM MiB) of the server `command` starts."""
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
+def served(name: str, command: list[str], port: int) -> tuple[float, float, float]:
+    """(decode tok/s at one stream, output tok/s at 32 streams, peak PSS MiB) of the server `command` starts."""
+    process = PeerProcess(name, command, {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}).start()
     try:
-        wait_ready(port, server)
+        process.wait_ready(f"http://127.0.0.1:{port}/health", 300)
         results = [bench(port, c, n) for c, n in STREAMS]
-        with open(f"/proc/{server.pid}/status") as status:
-            peak = next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmHWM"))
-        return 1000 / results[0]["tpot_ms"]["mean"], results[1]["output_throughput"], peak
     finally:
-        server.terminate()
-        server.wait(timeout=60)
-
-
-def wait_ready(port: int, server: subprocess.Popen, timeout_s: float = 300) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and server.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"the server on port {port} did not become ready")
+        peak = process.stop()
+    return 1000 / results[0]["tpot_ms"]["mean"], results[1]["output_throughput"], peak
 
 
 def bench(port: int, concurrency: int, requests: int) -> dict:
@@ -113,16 +95,17 @@ def main() -> None:
         row = [kind, tensor_types(gguf), f"{agreement:.4f}", f"{ratio:.4f}"]
         if not args.no_serve:
             port = free_port()
-            core = served([sys.executable, "-m", "core.cli", "serve", str(gguf), "--port", str(port),
-                           "--served-model-name", MODEL_NAME], port)
+            core = served(f"core-{kind}", [sys.executable, "-m", "core.cli", "serve", str(gguf), "--port", str(port),
+                                           "--served-model-name", MODEL_NAME], port)
             port = free_port()
-            llama = served(server_command(gguf, port), port)
-            row += [f"{core[0]:.1f} / {llama[0]:.1f}", f"{core[1]:.0f} / {llama[1]:.0f}", f"{core[2]:,} / {llama[2]:,}"]
+            llama = served(f"llama-server-{kind}", server_command(gguf, port), port)
+            row += [f"{core[0]:.1f} / {llama[0]:.1f}", f"{core[1]:.0f} / {llama[1]:.0f}",
+                    f"{core[2]:,.0f} / {llama[2]:,.0f}"]
         rows.append(row)
         print(" | ".join(row), file=sys.stderr, flush=True)
     header = ["file", "tensor types", "agreement", "ppl ratio"]
     if not args.no_serve:
-        header += ["decode tok/s @1 core / llama", "out tok/s @32 core / llama", "VmHWM MiB core / llama"]
+        header += ["decode tok/s @1 core / llama", "out tok/s @32 core / llama", "peak PSS MiB core / llama"]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in rows:
         print("| " + " | ".join(row) + " |")

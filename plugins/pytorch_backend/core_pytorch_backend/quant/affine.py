@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+CHUNK_VALUES = 1 << 20  # quantize_int8's values at a time
+
 
 @dataclass
 class AffineWeight:
@@ -107,8 +109,6 @@ def quantize_int8(weight: np.ndarray, group_size: int = 32) -> AffineWeight:
         q[start:end] = codes.reshape(end - start, k)
     return AffineWeight(q, scale, offset, 8, group_size)
 
-
-CHUNK_VALUES = 1 << 20
 
 
 def _int8_codes(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

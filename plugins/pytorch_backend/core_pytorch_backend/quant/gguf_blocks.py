@@ -57,6 +57,11 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return out
 
 
+def _bit_pairs(packed: np.ndarray) -> np.ndarray:
+    """Bytes [..., 1, W] -> [..., 4, W]: row j holds bits 2j and 2j + 1 of each byte (the K-quants' 2-bit fields)."""
+    return (packed >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 0x03
+
+
 def unpack_q4_0(raw: np.ndarray) -> AffineWeight:
     blocks, rows = _blocks(raw, 18)
     d = _half(blocks[..., 0:2])
@@ -169,8 +174,7 @@ def unpack_q6_k(raw: np.ndarray) -> AffineWeight:
     low_bytes = blocks[..., :128].reshape(rows, -1, 2, 2, 32)
     high_bytes = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)
     low = np.concatenate((low_bytes & 0x0F, low_bytes >> 4), axis=3)  # [.., n, m, l]
-    high = (high_bytes >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 0x03
-    q = (low | (high << 4)).reshape(rows, -1)
+    q = (low | (_bit_pairs(high_bytes) << 4)).reshape(rows, -1)
     d = _half(blocks[..., 208:210])[..., None]
     scale = (d * blocks[..., 192:208].view(np.int8)).reshape(rows, -1)
     return AffineWeight(q, scale, -32 * scale, 6, QK_K // 16)
@@ -182,7 +186,7 @@ def unpack_q2_k(raw: np.ndarray) -> AffineWeight:
     bits 2j, 2j + 1 of code byte 32n + l)."""
     blocks, rows = _blocks(raw, 84)
     codes = blocks[..., 16:80].reshape(rows, -1, 2, 1, 32)
-    q = ((codes >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 0x03).reshape(rows, -1)
+    q = _bit_pairs(codes).reshape(rows, -1)
     d, dmin = _half(blocks[..., 80:82])[..., None], _half(blocks[..., 82:84])[..., None]
     scales = blocks[..., :16]
     return AffineWeight(q, (d * (scales & 0x0F)).reshape(rows, -1), (-dmin * (scales >> 4)).reshape(rows, -1), 2,
@@ -194,7 +198,7 @@ def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
     (ggml's kmask1 / kmask2 shuffle)."""
     low, high = packed[..., 0:8], packed[..., 8:12]
     nibbles = np.concatenate((low & 0x0F, low >> 4), axis=-1)  # scales 0-7, then 8-15
-    tops = (high[..., None, :] >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 0x03  # [.., 4 shifts, 4 bytes]
+    tops = _bit_pairs(high[..., None, :])  # [.., 4 shifts, 4 bytes]
     return (nibbles | (tops.reshape(*high.shape[:-1], 16) << 4)).astype(np.float32)
 
 
@@ -204,7 +208,7 @@ def unpack_q3_k(raw: np.ndarray) -> AffineWeight:
     the third bit, bit 4n + j of mask byte l)."""
     blocks, rows = _blocks(raw, 110)
     codes = blocks[..., 32:96].reshape(rows, -1, 2, 1, 32)
-    low = (codes >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 0x03  # [.., n, j, l]
+    low = _bit_pairs(codes)  # [.., n, j, l]
     mask = blocks[..., None, None, 0:32] >> np.arange(8, dtype=np.uint8).reshape(2, 4)[..., None]  # bit 4n + j
     q = (low | ((mask & 0x01) << 2)).reshape(rows, -1)
     scale = (_half(blocks[..., 108:110])[..., None] * (_q3_k_scales(blocks[..., 96:108]) - 32)).reshape(rows, -1)
