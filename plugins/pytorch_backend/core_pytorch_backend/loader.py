@@ -27,6 +27,7 @@ from .layers.quantized import AffineRows, Int4Weight
 from .layers.rotary import context_positions
 from .light_config import read_light_config, write_light_config
 from .models import BUILTIN_ARCHITECTURES, resolve_class
+from .native.bf16_weights import bfloat16_kernels, pack_bfloat16
 from .native.packed_weight import NativeWeight
 from .quant.attach import MODES as QUANTIZE_MODES
 from .quant.attach import attach_quantized, quantize_model
@@ -80,7 +81,8 @@ def load_checkpoint(
     ``path`` is an HF folder (config.json + safetensors) or a ``.gguf`` file. ``quantization``:
 
     - ``auto``: a GGUF file's block-quantized tensors stay packed on the CPU (``quant.gguf_blocks``;
-      float and other types dequantized); a float checkpoint is served as it is.
+      float and other types dequantized); a float checkpoint is served as it is (on the CPU a bf16
+      model's linear layers multiply on the native kernels: ``native.bf16_weights``).
     - ``none``: everything dequantized (a GGUF file is converted once into an HF folder under
       ``cache_dir`` unless ``use_cache`` is False).
     - ``int8`` / ``int4``: linear layers quantized at load (``quant.attach.quantize_model``), CPU only.
@@ -121,6 +123,10 @@ def load_checkpoint(
         if quantization in QUANTIZE_MODES:
             count = quantize_model(model, quantization, torch_dtype, native)
             log.info("quantized %d linear layers to %s at load", count, quantization)
+        bf16_kernels = bfloat16_kernels(device, torch_dtype, shard is not None)
+        if bf16_kernels is not None and (count := pack_bfloat16(model, bf16_kernels)):
+            log.info("bfloat16 weights: %d linear layers multiplied by the native %s kernel (native/bf16_weights.py)",
+                     count, bf16_kernels.variant)
     _use_dense_matmul(model, device, torch_dtype)
     if shard is not None:
         shard.parallelize(model)

@@ -8,6 +8,10 @@ code's offset (``o = -2^(bits-1) * s``: GGUF Q4_0 and Q8_0, int8) is stored like
 takes float32 or bfloat16 activations and returns the same dtype. Where the kernels have AMX tiles, the
 rows that ``tile_rows.current()`` marks (a prompt's tokens) take the tile loop and the others the VNNI loop
 (see tile_rows.py for the rule and why it is a property of the token).
+
+``NativeWeight.from_bfloat16`` keeps a bf16 checkpoint's dense weight in the same blocks (``bits == 16``:
+16 rows side by side, two inputs a row at a time; ``csrc/bf16_linear.c``), with no scales or offsets,
+multiplied in float32 sums of bf16 products, the same loop for every row.
 """
 
 from __future__ import annotations
@@ -98,10 +102,23 @@ class NativeWeight(nn.Module):
         return cls(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (codes, scale, offset)), bits, (n, k), kp,
                    kernels, group)
 
+    @classmethod
+    def from_bfloat16(cls, weight: torch.Tensor, kernels: CpuKernels) -> NativeWeight:
+        """A bfloat16 [N, K] weight in the blocks of ``csrc/bf16_linear.c`` (N padded to 16, K to 64)."""
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+            raise ValueError(f"weight must be a 2-D bfloat16 tensor, got {weight.dtype} of shape {tuple(weight.shape)}")
+        n, k = weight.shape
+        np_, kp = -(-n // BLOCK) * BLOCK, -(-k // PAIR) * PAIR
+        padded = torch.zeros(np_, kp, dtype=torch.bfloat16)
+        padded[:n, :k] = weight
+        blocks = padded.view(np_ // BLOCK, BLOCK, kp // 2, 2).transpose(1, 2).contiguous()  # [b, p, r, t]
+        none = torch.empty(0, dtype=torch.float32)
+        return cls(blocks.view(torch.uint8).flatten(), none, none.clone(), 16, (n, k), kp, kernels)
+
     @property
     def kind(self) -> str:
         """What the start-up line calls this layer's weights."""
-        return f"int{self.bits}-native"
+        return "bf16-native" if self.bits == 16 else f"int{self.bits}-native"
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, *, reference: bool = False,
                tiles: bool | None = None) -> torch.Tensor:
@@ -132,7 +149,7 @@ class NativeWeight(nn.Module):
 
     def _by_rows(self, flat: torch.Tensor, code: int, bias: torch.Tensor | None) -> torch.Tensor:
         """The step's prompt-token rows on the tiles, the others by the VNNI loop (tile_rows.py)."""
-        rows = tile_rows.current() if self.kernels.uses_amx else None
+        rows = tile_rows.current() if self.kernels.uses_amx and self.bits != 16 else None
         if rows is None or rows.total != flat.shape[0]:
             return self._call("core_packed_linear", flat, code, bias)
         if rows.tiled is None:
@@ -155,5 +172,7 @@ class NativeWeight(nn.Module):
         return out
 
     def extra_repr(self) -> str:
+        if self.bits == 16:
+            return f"shape={self.shape}, bfloat16, {self.kernels.variant}"
         scales = str(self.scale.dtype).replace("torch.", "")
         return f"shape={self.shape}, bits={self.bits}, groups of {self.group}, {scales} scales, {self.kernels.variant}"

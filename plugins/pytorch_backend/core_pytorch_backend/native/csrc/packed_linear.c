@@ -23,6 +23,8 @@
  * each group of 32 folds its two halves' integer dots apart, each with its half's scale and offset and
  * the half's float sum of the activations (which keep one d per 32 inputs).
  *
+ * bits == 16: bfloat16 weights with no scales (a bf16 checkpoint's dense weights): bf16_linear.c.
+ *
  * Every output is computed the same way whatever M is (the activation rows are independent and each
  * sums its groups in order), so a row's result does not depend on the batch it is in.
  *
@@ -47,7 +49,7 @@
 #include <immintrin.h>
 #endif
 
-#define CORE_PACKED_ABI 11
+#define CORE_PACKED_ABI 12
 #define ERR_NO_TILES 3
 #define GROUP 32
 #define PAIR 64
@@ -803,8 +805,9 @@ static void block_outputs_halves(const uint8_t *codes, int bits, scales_t w, con
 static int arguments_valid(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
                            int group, int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
                            const void *y, int y_dtype) {
-    return !((m > 0 && (!x || !y)) || !codes || !scale || !offset || m < 0 || k <= 0 || n <= 0 || kp < k ||
-             kp % PAIR || (bits != 4 && bits != 8) || (group != GROUP && (group != GROUP / 2 || bits != 8)) ||
+    return !((m > 0 && (!x || !y)) || !codes || (bits != 16 && (!scale || !offset)) || m < 0 || k <= 0 || n <= 0 ||
+             kp < k || kp % PAIR || (bits != 4 && bits != 8 && bits != 16) ||
+             (group != GROUP && (group != GROUP / 2 || bits != 8)) ||
              (x_dtype != DT_F32 && x_dtype != DT_BF16) || (y_dtype != DT_F32 && y_dtype != DT_BF16) ||
              (scale_dtype != DT_F32 && scale_dtype != DT_F16));
 }
@@ -862,6 +865,8 @@ static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const
                          const float *bias, void *y, int y_dtype, int reference) {
     if (!arguments_valid(x, x_dtype, m, k, codes, bits, group, n, kp, scale, offset, scale_dtype, y, y_dtype))
         return ERR_ARGS;
+    if (bits == 16) /* bfloat16 weights (bf16_linear.c) */
+        return core_bf16_linear(x, x_dtype, m, k, (const uint16_t *)codes, n, kp, bias, y, y_dtype, reference);
     const scales_t w = {scale, offset, scale_dtype};
     const int halves = group != GROUP;
     if (m == 0) return OK;
@@ -930,7 +935,7 @@ int core_packed_linear_tiles(const void *x, int x_dtype, int64_t m, int64_t k, c
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (!amx_granted()) return ERR_NO_TILES;
     if (m == 0) return OK;
-    if (group != GROUP) /* the tile loop dequantizes a group under one scale: 16-input groups take the VNNI loop */
+    if (group != GROUP || bits == 16) /* 16-input groups and bfloat16 weights take the other loop */ /* the tile loop dequantizes a group under one scale: 16-input groups take the VNNI loop */
         return packed_linear(x, x_dtype, m, k, codes, bits, group, n, kp, scale, offset, scale_dtype, bias, y,
                              y_dtype, 0);
     const scales_t w = {scale, offset, scale_dtype};
