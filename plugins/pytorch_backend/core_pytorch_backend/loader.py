@@ -27,7 +27,7 @@ from .layers.quantized import AffineRows, Int4Weight
 from .layers.rotary import context_positions
 from .light_config import read_light_config, write_light_config
 from .models import BUILTIN_ARCHITECTURES, resolve_class
-from .native.bf16_weights import bfloat16_kernels, pack_bfloat16
+from .native.half_weights import half_kernels, pack_bfloat16, pack_exact_halves
 from .native.packed_weight import NativeWeight
 from .quant.attach import MODES as QUANTIZE_MODES
 from .quant.attach import attach_quantized, quantize_model
@@ -82,7 +82,8 @@ def load_checkpoint(
 
     - ``auto``: a GGUF file's block-quantized tensors stay packed on the CPU (``quant.gguf_blocks``;
       float and other types dequantized); a float checkpoint is served as it is (on the CPU a bf16
-      model's linear layers multiply on the native kernels: ``native.bf16_weights``).
+      model's linear layers multiply on the native kernels, and a GGUF file's F16 / BF16 tensors stay 16-bit:
+      ``native.half_weights``).
     - ``none``: everything dequantized (a GGUF file is converted once into an HF folder under
       ``cache_dir`` unless ``use_cache`` is False).
     - ``int8`` / ``int4``: linear layers quantized at load (``quant.attach.quantize_model``), CPU only.
@@ -123,10 +124,7 @@ def load_checkpoint(
         if quantization in QUANTIZE_MODES:
             count = quantize_model(model, quantization, torch_dtype, native)
             log.info("quantized %d linear layers to %s at load", count, quantization)
-        bf16_kernels = bfloat16_kernels(device, torch_dtype, shard is not None)
-        if bf16_kernels is not None and (count := pack_bfloat16(model, bf16_kernels)):
-            log.info("bfloat16 weights: %d linear layers multiplied by the native %s kernel (native/bf16_weights.py)",
-                     count, bf16_kernels.variant)
+        _pack_halves(model, device, torch_dtype, shard is not None, from_gguf=packed)
     _use_dense_matmul(model, device, torch_dtype)
     if shard is not None:
         shard.parallelize(model)
@@ -171,6 +169,18 @@ def _open(path: Path, gguf: Path | None, packed: bool, cache_dir, use_cache: boo
     if gguf is not None:
         return _open_hf_folder(cached_gguf_folder(gguf, cache_root), converted=True) if use_cache else _open_gguf(gguf)
     return _open_hf_folder(path)
+
+
+def _pack_halves(model: nn.Module, device: torch.device, dtype: torch.dtype, sharded: bool, from_gguf: bool) -> None:
+    """A bf16 model's weights, and a float32 model's from a GGUF file that 16 bits hold exactly, on the native
+    kernels (native/half_weights.py)."""
+    kernels = half_kernels(device, dtype, sharded)
+    if kernels is None or (dtype == torch.float32 and not from_gguf):
+        return
+    count = pack_bfloat16(model, kernels) if dtype == torch.bfloat16 else pack_exact_halves(model, kernels)
+    if count:
+        log.info("16-bit weights: %d linear layers multiplied by the native %s kernel in %s (native/half_weights.py)",
+                 count, kernels.variant, str(dtype).replace("torch.", ""))
 
 
 def _use_dense_matmul(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:

@@ -20,8 +20,9 @@ STATUS = {1: "bad arguments", 2: "out of memory", 3: "no AMX tiles (not an amx-b
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES: dict[str, list] = {
-    # x, x dtype, M, K, codes, bits (4, 8, or 16: bfloat16 weights, bf16_linear.c), group (inputs a scale covers:
-    # 32, or 16 for 8-bit codes), N, Kp, scale, offset (NULL for bits 16), their dtype, bias, y, y dtype
+    # x, x dtype, M, K, codes, bits (4, 8, or 16: 16-bit float weights, half_linear.c), group (inputs a scale covers:
+    # 32, or 16 for 8-bit codes), N, Kp, scale, offset (NULL for bits 16), their dtype (bits 16:
+    # the weight's), bias, y, y dtype
     "core_packed_linear": [_P, _I, _L, _L, _P, _I, _I, _L, _L, _P, _P, _I, _P, _P, _I],
     "core_packed_linear_reference": [_P, _I, _L, _L, _P, _I, _I, _L, _L, _P, _P, _I, _P, _P, _I],
     "core_packed_linear_tiles": [_P, _I, _L, _L, _P, _I, _I, _L, _L, _P, _P, _I, _P, _P, _I],

@@ -9,9 +9,9 @@ takes float32 or bfloat16 activations and returns the same dtype. Where the kern
 rows that ``tile_rows.current()`` marks (a prompt's tokens) take the tile loop and the others the VNNI loop
 (see tile_rows.py for the rule and why it is a property of the token).
 
-``NativeWeight.from_bfloat16`` keeps a bf16 checkpoint's dense weight in the same blocks (``bits == 16``:
-16 rows side by side, two inputs a row at a time; ``csrc/bf16_linear.c``), with no scales or offsets,
-multiplied in float32 sums of bf16 products, the same loop for every row.
+``NativeWeight.from_half`` keeps a 16-bit float weight (a bf16 checkpoint's, a GGUF file's F16 / BF16
+tensor) in the same blocks (``bits == 16``, no scales or offsets; ``csrc/half_linear.c``), multiplied in
+float32 sums, the same loop for every row.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from .library import CpuKernels
 GROUP, PAIR, BLOCK, STEP = 32, 64, 16, 4
 HALF_GROUP = 16  # 8-bit codes may have a scale and offset per 16 inputs
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc DT_*
+HALF_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}  # 16-bit weights' dtypes, as the start-up line says
 
 
 def native_fits(weight: AffineWeight) -> bool:
@@ -103,22 +104,27 @@ class NativeWeight(nn.Module):
                    kernels, group)
 
     @classmethod
-    def from_bfloat16(cls, weight: torch.Tensor, kernels: CpuKernels) -> NativeWeight:
-        """A bfloat16 [N, K] weight in the blocks of ``csrc/bf16_linear.c`` (N padded to 16, K to 64)."""
-        if weight.dtype != torch.bfloat16 or weight.dim() != 2:
-            raise ValueError(f"weight must be a 2-D bfloat16 tensor, got {weight.dtype} of shape {tuple(weight.shape)}")
+    def from_half(cls, weight: torch.Tensor, kernels: CpuKernels) -> NativeWeight:
+        """A bfloat16 or float16 [N, K] weight in the blocks of ``csrc/half_linear.c`` (N padded to 16, K to
+        64): bfloat16 two inputs a row a step, float16 one."""
+        if weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2:
+            raise ValueError("weight must be a 2-D bfloat16 or float16 tensor, got "
+                             f"{weight.dtype} of shape {tuple(weight.shape)}")
         n, k = weight.shape
         np_, kp = -(-n // BLOCK) * BLOCK, -(-k // PAIR) * PAIR
-        padded = torch.zeros(np_, kp, dtype=torch.bfloat16)
+        padded = torch.zeros(np_, kp, dtype=weight.dtype)
         padded[:n, :k] = weight
-        blocks = padded.view(np_ // BLOCK, BLOCK, kp // 2, 2).transpose(1, 2).contiguous()  # [b, p, r, t]
-        none = torch.empty(0, dtype=torch.float32)
-        return cls(blocks.view(torch.uint8).flatten(), none, none.clone(), 16, (n, k), kp, kernels)
+        if weight.dtype == torch.bfloat16:  # [b, r, p, t] -> [b, p, r, t]
+            blocks = padded.view(np_ // BLOCK, BLOCK, kp // 2, 2).transpose(1, 2)
+        else:  # [b, r, i] -> [b, i, r]
+            blocks = padded.view(np_ // BLOCK, BLOCK, kp).transpose(1, 2)
+        none = torch.empty(0, dtype=weight.dtype)  # no scales: their dtype names the weight's for the kernel
+        return cls(blocks.contiguous().view(torch.uint8).flatten(), none, none.clone(), 16, (n, k), kp, kernels)
 
     @property
     def kind(self) -> str:
         """What the start-up line calls this layer's weights."""
-        return "bf16-native" if self.bits == 16 else f"int{self.bits}-native"
+        return f"{HALF_NAMES[self.scale.dtype]}-native" if self.bits == 16 else f"int{self.bits}-native"
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None, *, reference: bool = False,
                tiles: bool | None = None) -> torch.Tensor:
@@ -173,6 +179,6 @@ class NativeWeight(nn.Module):
 
     def extra_repr(self) -> str:
         if self.bits == 16:
-            return f"shape={self.shape}, bfloat16, {self.kernels.variant}"
+            return f"shape={self.shape}, {str(self.scale.dtype).replace('torch.', '')}, {self.kernels.variant}"
         scales = str(self.scale.dtype).replace("torch.", "")
         return f"shape={self.shape}, bits={self.bits}, groups of {self.group}, {scales} scales, {self.kernels.variant}"

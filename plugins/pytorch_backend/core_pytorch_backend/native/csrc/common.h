@@ -148,8 +148,8 @@ int core_packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const u
 int core_packed_linear_tiles(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
                              int group, int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
                              const float *bias, void *y, int y_dtype);
-int core_bf16_linear(const void *x, int x_dtype, int64_t m, int64_t k, const uint16_t *w, int64_t n, int64_t kp,
-                     const float *bias, void *y, int y_dtype, int reference);
+int core_half_linear(const void *x, int x_dtype, int64_t m, int64_t k, const uint16_t *w, int w_dtype, int64_t n,
+                     int64_t kp, const float *bias, void *y, int y_dtype, int reference);
 int core_decode_attention(const void *q, int q_dtype, int64_t rows, int64_t hq, int64_t d, const void *k_cache,
                           const void *v_cache, int cache_dtype, int64_t block_size, int64_t hkv,
                           const int32_t *tables, int64_t table_width, const int32_t *lengths, int64_t window,

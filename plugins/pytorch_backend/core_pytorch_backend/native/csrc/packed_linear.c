@@ -23,7 +23,7 @@
  * each group of 32 folds its two halves' integer dots apart, each with its half's scale and offset and
  * the half's float sum of the activations (which keep one d per 32 inputs).
  *
- * bits == 16: bfloat16 weights with no scales (a bf16 checkpoint's dense weights): bf16_linear.c.
+ * bits == 16: 16-bit float weights with no scales (scale_dtype names theirs, DT_BF16 or DT_F16): half_linear.c.
  *
  * Every output is computed the same way whatever M is (the activation rows are independent and each
  * sums its groups in order), so a row's result does not depend on the batch it is in.
@@ -809,7 +809,8 @@ static int arguments_valid(const void *x, int x_dtype, int64_t m, int64_t k, con
              kp < k || kp % PAIR || (bits != 4 && bits != 8 && bits != 16) ||
              (group != GROUP && (group != GROUP / 2 || bits != 8)) ||
              (x_dtype != DT_F32 && x_dtype != DT_BF16) || (y_dtype != DT_F32 && y_dtype != DT_BF16) ||
-             (scale_dtype != DT_F32 && scale_dtype != DT_F16));
+             (bits != 16 && scale_dtype != DT_F32 && scale_dtype != DT_F16) ||
+             (bits == 16 && scale_dtype != DT_BF16 && scale_dtype != DT_F16));
 }
 
 typedef struct {
@@ -865,8 +866,9 @@ static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const
                          const float *bias, void *y, int y_dtype, int reference) {
     if (!arguments_valid(x, x_dtype, m, k, codes, bits, group, n, kp, scale, offset, scale_dtype, y, y_dtype))
         return ERR_ARGS;
-    if (bits == 16) /* bfloat16 weights (bf16_linear.c) */
-        return core_bf16_linear(x, x_dtype, m, k, (const uint16_t *)codes, n, kp, bias, y, y_dtype, reference);
+    if (bits == 16) /* 16-bit float weights, their dtype in scale_dtype (half_linear.c) */
+        return core_half_linear(x, x_dtype, m, k, (const uint16_t *)codes, scale_dtype, n, kp, bias, y, y_dtype,
+                                reference);
     const scales_t w = {scale, offset, scale_dtype};
     const int halves = group != GROUP;
     if (m == 0) return OK;

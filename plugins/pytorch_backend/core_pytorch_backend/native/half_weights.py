@@ -1,0 +1,78 @@
+"""Dense 16-bit float weights multiplied by the native kernels on the CPU (``csrc/half_linear.c``).
+
+Two kinds of model keep their linear layers' and LM head's weights as 16-bit ``NativeWeight`` blocks (so
+that the native decode stack runs their layers in one call too):
+
+- **a bfloat16 model** (most of the Hub's safetensors, served as they are): bf16 products summed in
+  float32 (``vdpbf16ps``'s arithmetic). torch's one-row bf16 GEMV read the weights at 13-23 GB/s on a 2-core
+  Zen 4 EPYC, and CPUs without bf16 instructions multiplied steps of 6+ rows through
+  ``layers.matmul.UpcastMatmul``. On that EPYC (2 threads, the weights hot in the caches) SmolLM2's
+  3072x576 gate/up 100 -> 33 us at one row, 119 -> 46 at four, 586 -> 521 at 64, and 0.92-1.02x torch's
+  time at 512 rows (both near the 117 G multiply-adds a second of ``vdpbf16ps`` on a core); the AVX2 loop
+  (two FMAs a pair of inputs) 2.1-11x faster than UpcastMatmul from 1 to 64 rows, 0.84-1.34x at 512
+  (``ATEN_CPU_CAPABILITY=avx2``, the same machine). Not on a CPU whose kernels have AMX tiles: oneDNN
+  multiplies bf16 on the tiles there, and a tile loop over these blocks is not written yet.
+- **a float32 model from a GGUF file whose F16 / BF16 tensors** were loaded as float32: a weight whose
+  every value a 16-bit float holds exactly is kept in that format (half the bytes a one-row step reads)
+  and multiplied by float32 FMAs of the exact values, input by input: the float32 model's products, only
+  the order of the sums fixed (float32 checkpoints and ``--dtype float32`` of other checkpoints keep
+  torch's GEMMs, which transformers' ``generate`` runs too).
+
+Either way the arithmetic is the same for every row and batch. Not done: a tensor-parallel rank (its
+weights are slices the collectives expect dense) and float16 models. The embedding table of a tied LM
+head stays as it is for its lookups; the head holds a blocked copy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers.quantized import packed_linear
+from .library import CpuKernels, available
+from .packed_weight import NativeWeight
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def half_kernels(device: torch.device, dtype: torch.dtype, sharded: bool) -> CpuKernels | None:
+    """The kernels that take a ``dtype`` model's 16-bit weights, or None where torch keeps them (see the
+    module docstring)."""
+    if device.type != "cpu" or sharded or dtype not in (torch.bfloat16, torch.float32):
+        return None
+    kernels = available()
+    if kernels is None or (dtype == torch.bfloat16 and kernels.uses_amx):
+        return None
+    return kernels
+
+
+def pack_bfloat16(model: nn.Module, kernels: CpuKernels) -> int:
+    """Every bf16 weight of a linear layer or LM head as a 16-bit ``NativeWeight``; returns how many."""
+    return _pack(model, kernels, lambda weight: torch.bfloat16 if weight.dtype == torch.bfloat16 else None)
+
+
+def pack_exact_halves(model: nn.Module, kernels: CpuKernels) -> int:
+    """Every float32 weight of a linear layer or LM head that bfloat16 or float16 holds exactly, in that
+    format (bfloat16 where both do); returns how many."""
+    def exact(weight: torch.Tensor) -> torch.dtype | None:
+        if weight.dtype != torch.float32:
+            return None
+        return next((d for d in HALF_DTYPES if torch.equal(weight.to(d).float(), weight)), None)
+
+    return _pack(model, kernels, exact)
+
+
+def _pack(model: nn.Module, kernels: CpuKernels, format_of) -> int:
+    count = 0
+    for module in list(model.modules()):
+        weight = getattr(module, "weight", None)
+        if not hasattr(module, "matmul") or not isinstance(weight, torch.Tensor):
+            continue
+        if weight.dim() != 2 or weight.device.type != "cpu" or (half := format_of(weight.detach())) is None:
+            continue
+        packed = NativeWeight.from_half(weight.detach().to(half), kernels)
+        del module.weight  # a tied embedding keeps the parameter under its own name
+        module.weight = packed
+        module.matmul = packed_linear
+        count += 1
+    return count
