@@ -157,12 +157,38 @@ def test_a_bfloat16_checkpoint_multiplies_every_linear_layer_natively(tiny_check
     model = load_checkpoint(path, dtype="bfloat16").model
     layers = [m for m in model.modules() if hasattr(m, "matmul")]
     assert layers and all(isinstance(m.weight, NativeWeight) and m.weight.bits == 16 for m in layers)
-    embedding = next(m for m in model.modules() if isinstance(m, VocabEmbedding))
-    assert isinstance(embedding.weight, torch.Tensor) and embedding.weight.dtype == torch.bfloat16
     head = next(m for m in model.modules() if isinstance(m, LMHead))
     assert isinstance(head.weight, NativeWeight)
+    embedding = next(m for m in model.modules() if isinstance(m, VocabEmbedding))
+    if head.tied:  # the table's rows are read from the head's blocks, the same values
+        assert embedding.weight is head.weight
+        ids = torch.tensor([[0, 5, 17], [255, 31, 16]])
+        table = torch.nn.functional.embedding(ids, _dense_table(path))
+        assert torch.equal(embedding(ids), table) and embedding(ids).dtype == torch.bfloat16
+    else:
+        assert isinstance(embedding.weight, torch.Tensor) and embedding.weight.dtype == torch.bfloat16
     float_model = load_checkpoint(path, dtype="float32").model
     assert not any(isinstance(m, NativeWeight) for m in float_model.modules())
+
+
+def _dense_table(path) -> torch.Tensor:
+    """The checkpoint's embedding table as bf16, read from its safetensors."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return next(t for name, t in tensors.items() if name.endswith("embed_tokens.weight")).bfloat16()
+
+
+def test_rows_of_a_16_bit_weight_are_its_values():
+    kernels = load("generic")
+    for dtype in (torch.bfloat16, torch.float16):
+        weight = _weight(37, 100, dtype=dtype)
+        packed = NativeWeight.from_half(weight, kernels)
+        ids = torch.tensor([[0, 36, 16], [15, 17, 3]])
+        assert torch.equal(packed.rows(ids, torch.float32), weight.float()[ids])
+        assert torch.equal(packed.rows(ids, dtype), weight[ids])
 
 
 @needs_bf16_kernels

@@ -19,15 +19,19 @@ that the native decode stack runs their layers in one call too):
   torch's GEMMs, which transformers' ``generate`` runs too).
 
 Either way the arithmetic is the same for every row and batch. Not done: a tensor-parallel rank (its
-weights are slices the collectives expect dense) and float16 models. The embedding table of a tied LM
-head stays as it is for its lookups; the head holds a blocked copy.
+weights are slices the collectives expect dense) and float16 models. An embedding table tied to the LM
+head looks its rows up in the head's blocks (``NativeWeight.rows``), so the model holds one copy: for
+the default model's F16 file, 57 MiB of float16 instead of that and a 113 MiB float32 table.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
+from ..layers.embedding import VocabEmbedding
 from ..layers.quantized import packed_linear
 from .library import CpuKernels, available
 from .packed_weight import NativeWeight
@@ -64,15 +68,27 @@ def pack_exact_halves(model: nn.Module, kernels: CpuKernels) -> int:
 
 def _pack(model: nn.Module, kernels: CpuKernels, format_of) -> int:
     count = 0
-    for module in list(model.modules()):
+    modules = list(model.modules())
+    for module in modules:
         weight = getattr(module, "weight", None)
         if not hasattr(module, "matmul") or not isinstance(weight, torch.Tensor):
             continue
         if weight.dim() != 2 or weight.device.type != "cpu" or (half := format_of(weight.detach())) is None:
             continue
         packed = NativeWeight.from_half(weight.detach().to(half), kernels)
-        del module.weight  # a tied embedding keeps the parameter under its own name
+        for table in (m for m in modules if isinstance(m, VocabEmbedding) and m.weight is weight):
+            # an embedding tied to this weight looks its rows up in the blocks (no second copy)
+            del table.weight
+            table.weight = packed
+            table.lookup = functools.partial(half_embedding, dtype=weight.dtype)
+        del module.weight
         module.weight = packed
         module.matmul = packed_linear
         count += 1
     return count
+
+
+def half_embedding(ids: torch.Tensor, weight: NativeWeight, *, dtype: torch.dtype) -> torch.Tensor:
+    """The ``lookup`` of an embedding tied to a 16-bit ``NativeWeight`` (``F.embedding``'s arguments), its
+    rows as ``dtype`` (the table's dtype before: the same values)."""
+    return weight.rows(ids, dtype)

@@ -121,6 +121,21 @@ class NativeWeight(nn.Module):
         none = torch.empty(0, dtype=weight.dtype)  # no scales: their dtype names the weight's for the kernel
         return cls(blocks.contiguous().view(torch.uint8).flatten(), none, none.clone(), 16, (n, k), kp, kernels)
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of a 16-bit weight as ``dtype`` [*ids.shape, K] (the lookups of an embedding table tied
+        to this weight: the blocks hold it exactly)."""
+        if self.bits != 16:
+            raise ValueError(f"rows of a {self.bits}-bit weight are not kept; only 16-bit weights give rows")
+        n, k = self.shape
+        flat = ids.reshape(-1)
+        block, row = flat // BLOCK, flat % BLOCK
+        values = self.codes.view(self.scale.dtype)
+        if self.scale.dtype == torch.bfloat16:  # [b, p, r, t]
+            picked = values.view(-1, self.padded_k // 2, BLOCK, 2)[block, :, row, :]
+        else:  # [b, i, r]
+            picked = values.view(-1, self.padded_k, BLOCK)[block, :, row]
+        return picked.reshape(flat.numel(), self.padded_k)[:, :k].to(dtype).view(*ids.shape, k)
+
     @property
     def kind(self) -> str:
         """What the start-up line calls this layer's weights."""
