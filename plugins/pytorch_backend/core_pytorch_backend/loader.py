@@ -194,9 +194,12 @@ def _use_dense_matmul(model: nn.Module, device: torch.device, dtype: torch.dtype
 def _describe_weights(model: nn.Module) -> str:
     """``"none"``, or what the packed layers hold, e.g. ``"codes x1, int4 x120, int8-native x1"`` (int8:
     8-bit codes as two 4-bit planes for torch's kernel; -native: the plugin's own kernel; codes: an
-    embedding table kept quantized)."""
+    embedding table kept quantized). 16-bit float weights on the native kernels are not quantized: not
+    counted (the load logs them)."""
     kinds: dict[str, int] = {}
     for module in model.modules():
+        if isinstance(module, NativeWeight) and module.bits == 16:
+            continue
         if isinstance(module, (AffineRows, Int4Weight, NativeWeight)):
             name = "codes" if isinstance(module, AffineRows) else module.kind
             kinds[name] = kinds.get(name, 0) + 1

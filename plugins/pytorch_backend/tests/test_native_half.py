@@ -154,7 +154,9 @@ def test_which_models_the_kernels_take():
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_a_bfloat16_checkpoint_multiplies_every_linear_layer_natively(tiny_checkpoint_factory, arch):
     path = tiny_checkpoint_factory(arch)
-    model = load_checkpoint(path, dtype="bfloat16").model
+    loaded = load_checkpoint(path, dtype="bfloat16")
+    assert loaded.quantization == "none"  # 16-bit floats are not quantized weights (the server's info says so)
+    model = loaded.model
     layers = [m for m in model.modules() if hasattr(m, "matmul")]
     assert layers and all(isinstance(m.weight, NativeWeight) and m.weight.bits == 16 for m in layers)
     head = next(m for m in model.modules() if isinstance(m, LMHead))
