@@ -2,6 +2,7 @@
 memory, and llama-server on the same file.
 
     python benchmarks/gguf_types.py [--types Q4_K_M Q5_K_M Q6_K IQ4_XS Q3_K_S] [--tokens 2000] [--no-serve]
+    python benchmarks/gguf_types.py --types F16 BF16     # 16-bit files (native/half_weights.py)
 
 Each file is made from the default model's Q4_1 GGUF by llama.cpp's own `llama-quantize` (built once, like
 the side-by-side harness's llama-server, under ~/.cache/core/bench/llama-cpp; `--allow-requantize`: the
