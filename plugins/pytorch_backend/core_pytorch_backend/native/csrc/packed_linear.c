@@ -937,7 +937,8 @@ int core_packed_linear_tiles(const void *x, int x_dtype, int64_t m, int64_t k, c
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (!amx_granted()) return ERR_NO_TILES;
     if (m == 0) return OK;
-    if (group != GROUP || bits == 16) /* 16-input groups and bfloat16 weights take the other loop */ /* the tile loop dequantizes a group under one scale: 16-input groups take the VNNI loop */
+    if (group != GROUP || bits == 16) /* the tile loop dequantizes a group of codes under one scale: 16-input
+                                          groups take the VNNI loop, 16-bit weights half_linear.c's */
         return packed_linear(x, x_dtype, m, k, codes, bits, group, n, kp, scale, offset, scale_dtype, bias, y,
                              y_dtype, 0);
     const scales_t w = {scale, offset, scale_dtype};
