@@ -174,8 +174,8 @@ def _open(path: Path, gguf: Path | None, packed: bool, cache_dir, use_cache: boo
 def _pack_halves(model: nn.Module, device: torch.device, dtype: torch.dtype, sharded: bool, from_gguf: bool) -> None:
     """A bf16 model's weights, and a float32 model's from a GGUF file that 16 bits hold exactly, on the native
     kernels (native/half_weights.py)."""
-    kernels = half_kernels(device, dtype, sharded)
-    if kernels is None or (dtype == torch.float32 and not from_gguf):
+    kernels = half_kernels(device, dtype, sharded, from_gguf)
+    if kernels is None:
         return
     count = pack_bfloat16(model, kernels) if dtype == torch.bfloat16 else pack_exact_halves(model, kernels)
     if count:

@@ -140,14 +140,15 @@ def test_only_a_two_dimensional_16_bit_weight_is_taken():
 
 # -- the loader -----------------------------------------------------------------------------------------------
 
-needs_bf16_kernels = pytest.mark.skipif(half_kernels(CPU, torch.bfloat16, False) is None,
+needs_bf16_kernels = pytest.mark.skipif(half_kernels(CPU, torch.bfloat16, False, False) is None,
                                         reason="no native kernels, or they have AMX tiles (oneDNN's bf16 stays)")
 
 
 def test_which_models_the_kernels_take():
-    assert half_kernels(torch.device("meta"), torch.bfloat16, False) is None
-    assert half_kernels(CPU, torch.float16, False) is None
-    assert half_kernels(CPU, torch.bfloat16, True) is None  # a tensor-parallel rank
+    assert half_kernels(torch.device("meta"), torch.bfloat16, False, False) is None
+    assert half_kernels(CPU, torch.float16, False, False) is None
+    assert half_kernels(CPU, torch.bfloat16, True, False) is None  # a tensor-parallel rank
+    assert half_kernels(CPU, torch.float32, False, False) is None  # float32 checkpoints keep torch's GEMMs
 
 
 @needs_bf16_kernels
@@ -169,8 +170,22 @@ def test_a_bfloat16_checkpoint_multiplies_every_linear_layer_natively(tiny_check
         assert torch.equal(embedding(ids), table) and embedding(ids).dtype == torch.bfloat16
     else:
         assert isinstance(embedding.weight, torch.Tensor) and embedding.weight.dtype == torch.bfloat16
-    float_model = load_checkpoint(path, dtype="float32").model
-    assert not any(isinstance(m, NativeWeight) for m in float_model.modules())
+
+
+@needs_bf16_kernels
+def test_a_float32_model_of_bfloat16_values_keeps_torchs_gemms(tiny_checkpoint_factory, tmp_path):
+    """``--dtype float32`` of a bf16 checkpoint (every weight 16 bits hold exactly): torch's GEMMs, which the
+    float32 oracle (transformers' generate) runs too; only a GGUF file's float32 model takes the kernels."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(tiny_checkpoint_factory("llama"), tmp_path / "bf16-values")
+    for file in folder.glob("*.safetensors"):
+        save_file({name: t.bfloat16().float() for name, t in load_file(file).items()}, file, metadata={"format": "pt"})
+    model = load_checkpoint(folder, dtype="float32").model
+    assert not any(isinstance(m, NativeWeight) for m in model.modules())
+    assert any(isinstance(m, NativeWeight) for m in load_checkpoint(folder, dtype="bfloat16").model.modules())
 
 
 def _dense_table(path) -> torch.Tensor:

@@ -39,10 +39,10 @@ from .packed_weight import NativeWeight
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def half_kernels(device: torch.device, dtype: torch.dtype, sharded: bool) -> CpuKernels | None:
-    """The kernels that take a ``dtype`` model's 16-bit weights, or None where torch keeps them (see the
-    module docstring)."""
-    if device.type != "cpu" or sharded or dtype not in (torch.bfloat16, torch.float32):
+def half_kernels(device: torch.device, dtype: torch.dtype, sharded: bool, from_gguf: bool) -> CpuKernels | None:
+    """The kernels that take a ``dtype`` model's 16-bit weights (a float32 model's only when it comes from a
+    GGUF file), or None where torch keeps them (see the module docstring)."""
+    if device.type != "cpu" or sharded or not (dtype == torch.bfloat16 or dtype == torch.float32 and from_gguf):
         return None
     kernels = available()
     if kernels is None or (dtype == torch.bfloat16 and kernels.uses_amx):
@@ -69,6 +69,7 @@ def pack_exact_halves(model: nn.Module, kernels: CpuKernels) -> int:
 def _pack(model: nn.Module, kernels: CpuKernels, format_of) -> int:
     count = 0
     modules = list(model.modules())
+    tables = [m for m in modules if isinstance(m, VocabEmbedding)]
     for module in modules:
         weight = getattr(module, "weight", None)
         if not hasattr(module, "matmul") or not isinstance(weight, torch.Tensor):
@@ -76,7 +77,7 @@ def _pack(model: nn.Module, kernels: CpuKernels, format_of) -> int:
         if weight.dim() != 2 or weight.device.type != "cpu" or (half := format_of(weight.detach())) is None:
             continue
         packed = NativeWeight.from_half(weight.detach().to(half), kernels)
-        for table in (m for m in modules if isinstance(m, VocabEmbedding) and m.weight is weight):
+        for table in (t for t in tables if t.weight is weight):
             # an embedding tied to this weight looks its rows up in the blocks (no second copy)
             del table.weight
             table.weight = packed

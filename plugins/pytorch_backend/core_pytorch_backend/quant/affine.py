@@ -110,7 +110,6 @@ def quantize_int8(weight: np.ndarray, group_size: int = 32) -> AffineWeight:
     return AffineWeight(q, scale, offset, 8, group_size)
 
 
-
 def _int8_codes(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """quantize_int8's (codes, scale, offset) of groups ``w [..., G]``."""
     scale = np.abs(w).max(-1) / 127
