@@ -27,7 +27,8 @@ from .layers.quantized import AffineRows, Int4Weight
 from .layers.rotary import context_positions
 from .light_config import read_light_config, write_light_config
 from .models import BUILTIN_ARCHITECTURES, resolve_class
-from .native.half_weights import half_kernels, pack_bfloat16, pack_exact_halves
+from .native.half_weights import half_kernels, keep_sixteen_bit, pack_bfloat16, pack_exact_halves
+from .native.library import CpuKernels
 from .native.packed_weight import NativeWeight
 from .quant.attach import MODES as QUANTIZE_MODES
 from .quant.attach import attach_quantized, quantize_model
@@ -116,15 +117,18 @@ def load_checkpoint(
     architectures = architectures or BUILTIN_ARCHITECTURES
     model_config = config if shard is None else shard.model_config(config, architectures)
     model = build_model(model_config, architectures, ops or select_ops(device), device, torch_dtype)
+    halves = half_kernels(device, torch_dtype, shard is not None, packed)  # packed: from a GGUF file
     if shard is not None:
         weights = shard.weights(weights)
+    elif halves is not None and torch_dtype == torch.float32:
+        weights = keep_sixteen_bit(weights)  # a GGUF file's F16 / BF16 tensors packed as they are
     with torch.inference_mode():
         native = kernel.native if kernel is not None else None
-        attach_quantized(model, model.load_weights(weights) or {}, torch_dtype, native)
+        attach_quantized(model, model.load_weights(weights) or {}, torch_dtype, native, halves)
         if quantization in QUANTIZE_MODES:
             count = quantize_model(model, quantization, torch_dtype, native)
             log.info("quantized %d linear layers to %s at load", count, quantization)
-        _pack_halves(model, device, torch_dtype, shard is not None, from_gguf=packed)
+        _pack_halves(model, halves, torch_dtype)
     _use_dense_matmul(model, device, torch_dtype)
     if shard is not None:
         shard.parallelize(model)
@@ -171,13 +175,17 @@ def _open(path: Path, gguf: Path | None, packed: bool, cache_dir, use_cache: boo
     return _open_hf_folder(path)
 
 
-def _pack_halves(model: nn.Module, device: torch.device, dtype: torch.dtype, sharded: bool, from_gguf: bool) -> None:
-    """A bf16 model's weights, and a float32 model's from a GGUF file that 16 bits hold exactly, on the native
-    kernels (native/half_weights.py)."""
-    kernels = half_kernels(device, dtype, sharded, from_gguf)
+def _pack_halves(model: nn.Module, kernels: CpuKernels | None, dtype: torch.dtype) -> None:
+    """A bf16 model's weights, and a float32 model's from a GGUF file that 16 bits hold (its F16 / BF16
+    tensors, attached as they are, and any float32 weight of exact 16-bit values), on the native
+    ``kernels`` (``half_weights.half_kernels``; None: torch keeps them) (native/half_weights.py)."""
     if kernels is None:
         return
-    count = pack_bfloat16(model, kernels) if dtype == torch.bfloat16 else pack_exact_halves(model, kernels)
+    if dtype == torch.bfloat16:
+        pack_bfloat16(model, kernels)
+    else:
+        pack_exact_halves(model, kernels)
+    count = sum(1 for m in model.modules() if isinstance(m, NativeWeight) and m.bits == 16)
     if count:
         log.info("16-bit weights: %d linear layers multiplied by the native %s kernel in %s (native/half_weights.py)",
                  count, kernels.variant, str(dtype).replace("torch.", ""))

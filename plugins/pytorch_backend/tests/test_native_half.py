@@ -275,3 +275,73 @@ def _decoded(model, ids: torch.Tensor) -> torch.Tensor:
     meta = AttentionMetadata.build([0], [len(ids)], [[0]], 16)
     with torch.inference_mode():
         return model(ids, meta.positions(), meta)
+
+
+def test_keep_sixteen_bit_wraps_only_2_d_16_bit_tensors():
+    from core_pytorch_backend.native.half_weights import HalfWeight, keep_sixteen_bit
+
+    weights = [("a", torch.ones(4, 8, dtype=torch.float16)), ("b", torch.ones(4, 8, dtype=torch.bfloat16)),
+               ("c", torch.ones(8, dtype=torch.float16)), ("d", torch.ones(4, 8)), ("e", "codes")]
+    kept = dict(keep_sixteen_bit(weights))
+    assert isinstance(kept["a"], HalfWeight) and kept["a"].values.dtype == torch.float16
+    assert isinstance(kept["b"], HalfWeight) and kept["b"].values.dtype == torch.bfloat16
+    assert [type(kept[n]) for n in "cde"] == [torch.Tensor, torch.Tensor, str]
+    assert HalfWeight.concat([kept["a"], HalfWeight(torch.ones(4, 8, dtype=torch.bfloat16))]) is None
+    assert HalfWeight.concat([kept["a"], kept["a"]]).values.shape == (8, 8)
+    assert kept["b"].dequantize().dtype.name == "float32"
+
+
+@pytest.mark.slow
+def test_a_gguf_files_16_bit_tensors_are_packed_as_stored(default_gguf_path, tmp_path, monkeypatch):
+    """Each F16 / BF16 tensor of the file (the projections, and the embedding table the LM head is tied to)
+    becomes a 16-bit NativeWeight without a float32 copy (nothing is left for pack_exact_halves), holding
+    exactly the values (rows in the order) of the same file dequantized by transformers; the embedding
+    looks its rows up in the head's blocks."""
+    import core_pytorch_backend.loader as loader
+
+    path = _rewritten_gguf(default_gguf_path, tmp_path / "halves.gguf", {**HALF_TYPES, "token_embd": "F16"})
+    dense = load_checkpoint(path, dtype="float32", quantization="none", cache_dir=tmp_path / "cache")
+    packed_later = []
+    real = loader.pack_exact_halves
+    monkeypatch.setattr(loader, "pack_exact_halves", lambda model, k: packed_later.append(real(model, k)))
+    loaded = load_checkpoint(path, cache_dir=tmp_path / "cache")
+    assert packed_later == [0]
+    params = dict(dense.model.named_parameters())
+    checked = 0
+    for name, module in loaded.model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, NativeWeight) or isinstance(module, VocabEmbedding):
+            continue
+        assert weight.bits == 16, name
+        reference = params[f"{name}.weight" if f"{name}.weight" in params else "model.embed_tokens.weight"]
+        assert torch.equal(weight.rows(torch.arange(weight.shape[0]), torch.float32), reference), name
+        checked += 1
+    assert checked == 4 * 30 + 1  # qkv, o, gate_up, down of 30 layers, and the LM head
+    head, table = loaded.model.lm_head, loaded.model.model.embed_tokens
+    assert isinstance(head, LMHead) and table.weight is head.weight
+    ids = torch.tensor([0, 5, 49151, 17])
+    assert torch.equal(table(ids), dense.model.model.embed_tokens(ids))
+
+
+@pytest.mark.slow
+def test_a_fused_layer_of_f16_and_bf16_shards_is_loaded_dense_first(default_gguf_path, tmp_path, monkeypatch):
+    """q in F16 and k / v in BF16: the fused qkv weight has no one stored format, so it loads as float32
+    values, which float16 holds (these BF16 values are small: float16's 10-bit mantissa holds their 8) and
+    pack_exact_halves then keeps as float16, equal to transformers' dequantization of the file; the other
+    layers keep their Q4_1 codes."""
+    import core_pytorch_backend.loader as loader
+
+    path = _rewritten_gguf(default_gguf_path, tmp_path / "mixed.gguf", {"attn_q": "F16", "attn_k": "BF16",
+                                                                          "attn_v": "BF16"})
+    dense = load_checkpoint(path, dtype="float32", quantization="none", cache_dir=tmp_path / "cache")
+    packed_later = []
+    real = loader.pack_exact_halves
+    monkeypatch.setattr(loader, "pack_exact_halves", lambda model, k: packed_later.append(real(model, k)))
+    loaded = load_checkpoint(path, cache_dir=tmp_path / "cache")
+    assert packed_later == [30]  # every layer's qkv, from its float32 parameter
+    attention = loaded.model.model.layers[3].self_attn
+    weight = attention.qkv_proj.weight
+    assert weight.kind == "f16-native"
+    assert torch.equal(weight.rows(torch.arange(weight.shape[0]), torch.float32),
+                       dense.model.model.layers[3].self_attn.qkv_proj.weight)
+    assert attention.o_proj.weight.kind == "int4-native"

@@ -265,7 +265,7 @@ def _rewritten_gguf(source, target, types: dict[str, str]):
         sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
     for tensor in reader.tensors:
-        kind = next((t for key, t in types.items() if f".{key}." in tensor.name), None)
+        kind = next((t for key, t in types.items() if f".{key}." in f".{tensor.name}"), None)
         if kind is None:
             writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
             continue

@@ -22,6 +22,7 @@ from ..layers import (
     get_act_and_mul,
     get_rope,
 )
+from ..native.half_weights import HalfWeight
 from ..quant.affine import AffineWeight
 from ..quant.attach import QuantizedShards
 
@@ -205,11 +206,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | AffineWeight]]) -> QuantizedShards:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | AffineWeight | HalfWeight]]
+                     ) -> QuantizedShards:
         """Load HF-named tensors; raises on unknown names and on parameters left unloaded.
 
-        A tensor may come as an ``AffineWeight`` (a GGUF tensor kept quantized): it is not copied into
-        its dense parameter but returned, by parameter name and shard, for ``quant.attach`` to pack.
+        A tensor may come as an ``AffineWeight`` (a GGUF tensor kept quantized) or a ``HalfWeight`` (a
+        16-bit tensor kept so): it is not copied into its dense parameter but returned, by parameter name
+        and shard, for ``quant.attach`` to pack.
         """
         params = dict(self.named_parameters())
         pending = {name: {None} for name in params}
@@ -220,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
             target, shard = _resolve(name, params)
             module_name, param_name = target.rsplit(".", 1)
             module = self.get_submodule(module_name)
-            if isinstance(tensor, AffineWeight):
+            if isinstance(tensor, (AffineWeight, HalfWeight)):
                 quantized.setdefault(target, {})[shard] = tensor
             else:
                 with torch.no_grad():

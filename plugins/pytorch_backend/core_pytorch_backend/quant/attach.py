@@ -1,7 +1,8 @@
 """Put quantized weights into a built model: packed where a kernel takes them, dense where none does.
 
 Two ways in: ``attach_quantized`` for tensors that arrive quantized (a GGUF file's block-quantized
-tensors, as ``AffineWeight``: ``gguf_blocks``), and ``quantize_model`` for a float checkpoint quantized at load
+tensors, as ``AffineWeight``: ``gguf_blocks``; also a float32 model's 16-bit GGUF tensors, as
+``HalfWeight``: ``native.half_weights``), and ``quantize_model`` for a float checkpoint quantized at load
 (``--quantization int8|int4``). Either way a layer's dense parameter is replaced by a packed module
 (``layers.quantized`` or ``native.packed_weight``) and its ``matmul`` (or an embedding's ``lookup``) by
 the packed version; the loader says which kernel (``quant.kernel_choice``) and dtype.
@@ -24,6 +25,7 @@ from ..layers.quantized import (
     int4_packable,
     packed_linear,
 )
+from ..native.half_weights import HalfWeight, pack_linear
 from ..native.library import CpuKernels
 from ..native.packed_weight import NativeWeight, native_fits
 from .affine import AffineWeight, quantize_int4, quantize_int8
@@ -34,27 +36,56 @@ GROUP_SIZE = 32  # inputs per scale of the codes made at load
 
 
 # parameter name -> shard name (None for an unfused parameter) -> codes: what a model's load_weights
-# returns for the tensors that arrived quantized
-QuantizedShards = dict[str, dict[str | None, AffineWeight]]
+# returns for the tensors that arrived quantized (or 16-bit, to be kept so)
+QuantizedShards = dict[str, dict[str | None, AffineWeight | HalfWeight]]
 
 
 def attach_quantized(model: nn.Module, quantized: QuantizedShards, kernel_dtype: torch.dtype,
-                     native: CpuKernels | None) -> None:
+                     native: CpuKernels | None, halves: CpuKernels | None = None) -> None:
     """Keep each layer's quantized tensors packed: multiplied by the ``native`` kernels where given, else
-    by torch's int4 kernel in ``kernel_dtype``."""
-    for target, shards in quantized.items():
+    by torch's int4 kernel in ``kernel_dtype``; and its ``HalfWeight`` tensors as 16-bit blocks of the
+    ``halves`` kernels (``native.half_weights``). Each entry is let go once attached (``quantized`` is
+    emptied), so that a tensor's staging copy is freed as its layer is packed."""
+    lm_head = getattr(model, "lm_head", None)
+    tied_head = lm_head if isinstance(lm_head, LMHead) and lm_head.tied else None
+    while quantized:
+        target, shards = quantized.popitem()
         module_name, param_name = target.rsplit(".", 1)
         module = model.get_submodule(module_name)
         dtype = getattr(module, param_name).dtype
         names = getattr(module, "shard_names", [None])
-        if param_name != "weight" or set(shards) != set(names):  # partly dense: the layer stays dense
+        weight = _whole(shards, names) if param_name == "weight" else None
+        if weight is None:  # partly dense, or shards of different kinds: the layer stays dense
             _load_dense(module, param_name, shards)
-            continue
-        weight = shards[None] if None in shards else AffineWeight.concat([shards[n] for n in names])
-        _attach(module, weight, dtype, kernel_dtype, native)
-        lm_head = getattr(model, "lm_head", None)
-        if isinstance(module, VocabEmbedding) and isinstance(lm_head, LMHead) and lm_head.tied:
-            _attach(lm_head, weight, dtype, kernel_dtype, native)  # the tied LM head multiplies by the same codes
+        elif isinstance(weight, HalfWeight):
+            _attach_half(module, weight, dtype, halves, tied_head)
+        else:
+            _attach(module, weight, dtype, kernel_dtype, native)
+            if isinstance(module, VocabEmbedding) and tied_head is not None:
+                _attach(tied_head, weight, dtype, kernel_dtype, native)  # the tied LM head multiplies by the same codes
+
+
+def _whole(shards: dict[str | None, AffineWeight | HalfWeight], names: list) -> AffineWeight | HalfWeight | None:
+    """The layer's whole weight from its shards, or None where some shards are dense or of another kind."""
+    if set(shards) != set(names):
+        return None
+    parts = [shards[n] for n in names]
+    kind = type(parts[0])
+    if any(type(part) is not kind for part in parts):
+        return None
+    return parts[0] if len(parts) == 1 else kind.concat(parts)
+
+
+def _attach_half(module: nn.Module, weight: HalfWeight, dtype: torch.dtype, halves: CpuKernels | None,
+                 tied_head: LMHead | None) -> None:
+    """A 16-bit weight kept as it is where it multiplies (a linear layer, or an LM head tied to this
+    embedding table, whose rows the table then reads from the head's blocks); dense otherwise."""
+    if halves is not None and hasattr(module, "matmul"):
+        pack_linear(module, weight.values, halves, [], dtype)
+    elif halves is not None and isinstance(module, VocabEmbedding) and tied_head is not None:
+        pack_linear(tied_head, weight.values, halves, [module], dtype)
+    else:
+        _load_dense(module, "weight", {None: weight})
 
 
 def _attach(module: nn.Module, weight: AffineWeight, dtype: torch.dtype, kernel_dtype: torch.dtype,
@@ -88,7 +119,7 @@ def _pack(module: nn.Module, weight: AffineWeight, kernel_dtype: torch.dtype, na
     module.matmul = packed_linear
 
 
-def _load_dense(module: nn.Module, param_name: str, shards: dict[str | None, AffineWeight]) -> None:
+def _load_dense(module: nn.Module, param_name: str, shards: dict[str | None, AffineWeight | HalfWeight]) -> None:
     with torch.no_grad():
         for shard, weight in shards.items():
             tensor = torch.from_numpy(weight.dequantize())

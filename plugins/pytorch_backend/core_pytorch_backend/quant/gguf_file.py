@@ -94,8 +94,10 @@ class LoadPlan:
 
 def gguf_weights(gguf: Path, config: Any, names_cache: Path | None = None
                  ) -> Iterator[tuple[str, torch.Tensor | AffineWeight]]:
-    """(HF name, dense float32 tensor or quantized codes) for every tensor the model uses; the load plan
-    is read from (or written to) the folder ``names_cache`` where one is given."""
+    """(HF name, dense tensor or quantized codes) for every tensor the model uses: float32, but a 2-D F16 /
+    BF16 tensor in its own 16-bit dtype (exact: a float32 parameter takes it as float32 values, and
+    ``native.half_weights`` can keep it as it is); the load plan is read from (or written to) the folder
+    ``names_cache`` where one is given."""
     index = read_gguf_index(gguf)
     plan = load_plan(index.architecture, config, index.tensors, names_cache)
     processor = None
@@ -112,9 +114,21 @@ def gguf_weights(gguf: Path, config: Any, names_cache: Path | None = None
         codes = unpack(tensor.type_name, tensor.data) if len(tensor.shape) == 2 else None
         if codes is not None:
             yield step.name, codes if step.order is None else codes.rows(step.order)
+        elif tensor.type_name in SIXTEEN_BIT and len(tensor.shape) == 2:
+            values = _sixteen_bit(tensor)
+            yield step.name, values if step.order is None else values[torch.from_numpy(step.order)]
         else:
             values = np.array(_dequantized(tensor), dtype=np.float32)
             yield step.name, torch.from_numpy(values if step.order is None else values[step.order])
+
+
+SIXTEEN_BIT = {"F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _sixteen_bit(tensor: TensorEntry) -> torch.Tensor:
+    """An F16 / BF16 tensor's values, copied out of the mapped file, in their own dtype."""
+    raw = np.array(tensor.data).view(np.uint16).reshape(tensor.shape)
+    return torch.from_numpy(raw).view(SIXTEEN_BIT[tensor.type_name])
 
 
 def _dequantized(tensor: TensorEntry) -> np.ndarray:
