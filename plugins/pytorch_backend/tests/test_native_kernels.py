@@ -103,6 +103,20 @@ def test_a_copy_of_the_sources_elsewhere_builds_the_same_library(tmp_path, monke
     assert build.build_key("generic", cc, copy) in edited.name and ctypes.CDLL(str(edited)).core_ab_marker() == 7
 
 
+def test_a_source_that_does_not_compile_is_a_clear_error(tmp_path, monkeypatch):
+    """Each file is compiled apart (all at once): the error names the file's command and the compiler's
+    message, and nothing is left in the cache."""
+    import shutil
+
+    monkeypatch.setenv("CORE_CACHE_DIR", str(tmp_path / "cache"))
+    copy = tmp_path / "csrc"
+    shutil.copytree(build.CSRC, copy)
+    (copy / "broken.c").write_text("int core_broken(void) { return missing_name; }\n")
+    with pytest.raises(build.CpuBuildError, match=r"(?s)broken\.c.*missing_name"):
+        build.build_library("generic", sources=copy)
+    assert not list((tmp_path / "cache" / "cpu").glob("*.so"))
+
+
 def test_the_library_names_its_variant(kernels):
     assert kernels.variant in build.VARIANT_FLAGS
 
