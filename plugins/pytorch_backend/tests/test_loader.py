@@ -187,3 +187,27 @@ def test_the_gguf_cache_key_follows_the_content_not_the_mtime(tmp_path):
     data[100] ^= 1  # the header changed (another model, another tokenizer)
     second.write_bytes(data)
     assert gguf_fingerprint(first) != gguf_fingerprint(second)
+
+
+def test_a_gguf_files_metadata_is_read_once_while_converting(monkeypatch):
+    """Inside the conversion's block, transformers' load_gguf_checkpoint without tensors reads each file
+    once and hands every caller its own copy; calls that ask for tensors pass through; the function is
+    restored after."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    reads = []
+
+    def counting(path, return_tensors=False, model_to_load=None):
+        reads.append((path, return_tensors))
+        return {"config": {"vocab": [1, 2]}, "tensors": {} if return_tensors else None}
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", counting)
+    with loader._gguf_read_once():
+        first = gguf_utils.load_gguf_checkpoint("a.gguf", return_tensors=False)
+        first["config"]["vocab"].append(3)  # a caller that changes its dict changes no other's
+        second = gguf_utils.load_gguf_checkpoint("a.gguf")
+        gguf_utils.load_gguf_checkpoint("b.gguf")
+        gguf_utils.load_gguf_checkpoint("a.gguf", return_tensors=True)
+    assert second == {"config": {"vocab": [1, 2]}, "tensors": None}
+    assert reads == [("a.gguf", False), ("b.gguf", False), ("a.gguf", True)]
+    assert gguf_utils.load_gguf_checkpoint is counting
