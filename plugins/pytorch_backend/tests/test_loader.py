@@ -211,3 +211,23 @@ def test_a_gguf_files_metadata_is_read_once_while_converting(monkeypatch):
     assert second == {"config": {"vocab": [1, 2]}, "tensors": None}
     assert reads == [("a.gguf", False), ("b.gguf", False), ("a.gguf", True)]
     assert gguf_utils.load_gguf_checkpoint is counting
+
+
+@pytest.mark.slow
+def test_converting_a_gguf_files_config_and_tokenizer_reads_its_metadata_once(default_gguf_path, tmp_path,
+                                                                               monkeypatch):
+    """What a first start does with the default model's file: transformers' config and tokenizer each ask for
+    the file's metadata; it is read from the file once, and the folder holds both."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    reads = []
+    real = gguf_utils.load_gguf_checkpoint
+
+    def counting(path, *args, **kwargs):
+        reads.append(str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", counting)
+    loader._convert_gguf_metadata(default_gguf_path, tmp_path)
+    assert reads == [str(default_gguf_path)]
+    assert (tmp_path / "config.json").is_file() and (tmp_path / "tokenizer.json").is_file()
