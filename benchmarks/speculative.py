@@ -22,7 +22,7 @@ import subprocess
 from core.bench.datasets import build_requests
 from core.bench.offline import run_offline, warm_up
 from core.config import EngineConfig
-from core.pipeline import Pipeline
+from core.pipelines import Pipeline
 from core.speculative import SpeculativeConfig
 
 # repeat: the answer copies the prompt's passage; random: a completion of random words (the 135M model's

@@ -18,9 +18,9 @@ from core.structured_output import StructuredOutput
 
 if TYPE_CHECKING:
     from core.engine import AsyncEngine
-    from core.pipeline import Pipeline, pipeline
+    from core.pipelines import Pipeline, pipeline
 
-_LAZY = {"AsyncEngine": "core.engine", "Pipeline": "core.pipeline", "pipeline": "core.pipeline"}
+_LAZY = {"AsyncEngine": "core.engine", "Pipeline": "core.pipelines", "pipeline": "core.pipelines"}
 
 
 def __getattr__(name: str) -> Any:

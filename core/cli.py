@@ -86,7 +86,7 @@ def _generation_config(args: argparse.Namespace) -> Any:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from core.pipeline import Pipeline
+    from core.pipelines import Pipeline
 
     if len(args.words) > 2:
         raise SystemExit("core generate: give at most a model and one prompt (quote the prompt)")
@@ -99,7 +99,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from core.pipeline import ChatSession, Pipeline
+    from core.pipelines import ChatSession, Pipeline
 
     with Pipeline.from_config(engine_config(args)) as pipe:
         session, config = ChatSession(), _generation_config(args)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -10,7 +13,7 @@ from core.chat_template import ChatTemplate
 from core.config import GenerationConfig
 from core.engine import AsyncEngine
 from core.errors import BackendError
-from core.pipeline import ChatSession, Pipeline
+from core.pipelines import ChatSession, Pipeline
 from core.request import REMOVED_KEYWORDS
 from core.testing.fake import FakeBackend
 
@@ -108,3 +111,18 @@ def test_close_stops_the_loop_thread(template):
     pipe.close()
     pipe.close()
     assert threading.active_count() == before
+
+
+def test_core_pipeline_stays_the_function_whatever_was_imported_before():
+    """`core.pipeline` is the factory on every access: the module that defines it is `core.pipelines`, so
+    importing it (the CLI does) cannot put a module where the function was (a second `core.pipeline(...)`
+    in one process raised "'module' object is not callable" while the module was `core/pipeline.py`)."""
+    code = textwrap.dedent("""
+        import core
+        first = core.pipeline
+        import core.pipelines, core.cli
+        from core.pipelines import Pipeline, pipeline
+        assert core.pipeline is first is pipeline and callable(core.pipeline), core.pipeline
+        assert core.Pipeline is Pipeline
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -6,12 +6,12 @@ import threading
 
 import pytest
 
-from core import pipeline as pipeline_module
+from core import pipelines as pipeline_module
 from core.chat_template import ChatTemplate
 from core.config import GenerationConfig
 from core.engine import AsyncEngine
 from core.errors import ContextTooLongError
-from core.pipeline import DROPPED_MESSAGE, Pipeline
+from core.pipelines import DROPPED_MESSAGE, Pipeline
 from core.testing.fake import FakeBackend, next_token_rule
 from core.vision import MultiModalInputs, PlaceholderRange, VisionProcessor
 

@@ -162,7 +162,7 @@ def _structured_comparison(args: argparse.Namespace, run: Any) -> int:
 
 def cmd_bench_offline(args: argparse.Namespace) -> int:
     from core.bench.offline import run_offline, warm_up
-    from core.pipeline import Pipeline
+    from core.pipelines import Pipeline
 
     requests = requests_from(args)
     with Pipeline.from_config(engine_config(args)) as pipe:

@@ -10,7 +10,7 @@ from core.bench.datasets import fixed_requests, multi_turn_requests
 from core.bench.offline import run_offline, warm_up
 from core.chat_template import ChatTemplate
 from core.engine import AsyncEngine
-from core.pipeline import Pipeline
+from core.pipelines import Pipeline
 from core.testing.fake import FakeBackend
 
 

@@ -13,7 +13,7 @@ import torch
 
 from core.config import GenerationConfig
 from core.errors import AdapterInUseError, CoreError, InvalidRequestError
-from core.pipeline import pipeline
+from core.pipelines import pipeline
 from core.response import collect
 
 peft = pytest.importorskip("peft")

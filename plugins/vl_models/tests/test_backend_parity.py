@@ -16,7 +16,7 @@ pytest.importorskip("core_templates")
 from core.config import EngineConfig, GenerationConfig  # noqa: E402
 from core.engine import AsyncEngine  # noqa: E402
 from core.errors import InvalidRequestError  # noqa: E402
-from core.pipeline import Pipeline  # noqa: E402
+from core.pipelines import Pipeline  # noqa: E402
 from core.plugins import load_plugins  # noqa: E402
 from core.resolve import resolve_chat_template  # noqa: E402
 from core_pytorch_backend.backend import PytorchBackend  # noqa: E402
