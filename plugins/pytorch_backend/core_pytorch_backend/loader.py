@@ -36,6 +36,7 @@ from .native.packed_weight import NativeWeight
 from .quant.attach import MODES as QUANTIZE_MODES
 from .quant.attach import attach_quantized, quantize_model
 from .quant.gguf_file import gguf_weights
+from .quant.gguf_index import read_gguf_metadata
 from .quant.kernel_choice import PackedKernel, packed_kernel
 
 if TYPE_CHECKING:
@@ -45,7 +46,8 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("auto", "none", *QUANTIZE_MODES)
-GGUF_CACHE_VERSION = 2  # 2: the dequantized weights are optional (packed serving needs none)
+# 2: the dequantized weights are optional (packed serving needs none); 3: head_dim from the file (gguf_config)
+GGUF_CACHE_VERSION = 3
 _COMPLETE_MARKER = ".complete"
 _WEIGHTS_MARKER = ".weights-complete"
 
@@ -347,11 +349,11 @@ def _gguf_file(path: Path) -> Path | None:
 
 
 def _open_gguf(gguf: Path):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     folder, name = str(gguf.parent), gguf.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    config = gguf_config(gguf)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)  # only to map GGUF names to HF names
@@ -405,12 +407,32 @@ def gguf_fingerprint(gguf: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def gguf_config(gguf: Path) -> Any:
+    """transformers' config of a GGUF file, with the attention heads' width the file states
+    (``{arch}.attention.key_length``) where the config has a ``head_dim`` and says otherwise: transformers'
+    GGUF mapping for some architectures lacks that key (Qwen3's, in transformers 5.x: a file whose heads are
+    not 128 wide got 128, and its q/k norms' weights did not fit)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    metadata = read_gguf_metadata(gguf)
+    architecture = metadata.get("general.architecture")
+    key_length = metadata.get(f"{architecture}.attention.key_length")
+    value_length = metadata.get(f"{architecture}.attention.value_length", key_length)
+    if (isinstance(key_length, int) and key_length > 0 and key_length == value_length
+            and isinstance(getattr(config, "head_dim", None), int) and config.head_dim != key_length):
+        log.info("%s: head_dim %d from the file's %s.attention.key_length (transformers' config said %d)",
+                 gguf.name, key_length, architecture, config.head_dim)
+        config.head_dim = key_length
+    return config
+
+
 def _convert_gguf_metadata(gguf: Path, out: Path) -> None:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     folder, name = str(gguf.parent), gguf.name
     with _gguf_read_once():
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        config = gguf_config(gguf)
         if not getattr(config, "architectures", None):
             config.architectures = [architecture_of(config)]
         config.save_pretrained(out)

@@ -231,3 +231,65 @@ def test_converting_a_gguf_files_config_and_tokenizer_reads_its_metadata_once(de
     loader._convert_gguf_metadata(default_gguf_path, tmp_path)
     assert reads == [str(default_gguf_path)]
     assert (tmp_path / "config.json").is_file() and (tmp_path / "tokenizer.json").is_file()
+
+
+def _qwen3_gguf(hf_folder, tokenizer_source, target):
+    """A float32 GGUF of the Qwen3 checkpoint in ``hf_folder`` as llama.cpp's converter writes one (Qwen3 q/k
+    rows as they are, the heads' width in ``qwen3.attention.key_length``), with the tokenizer fields of the
+    GGUF ``tokenizer_source``."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(hf_folder)
+    reader = gguf.GGUFReader(tokenizer_source)
+    writer = gguf.GGUFWriter(target, "qwen3")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer."):
+            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, config.num_hidden_layers)
+    for name, tensor in load_file(hf_folder / "model.safetensors").items():
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+@pytest.mark.slow
+def test_a_qwen3_gguf_whose_heads_are_not_128_wide_loads_and_matches_transformers(default_gguf_path, tmp_path,
+                                                                                  monkeypatch):
+    """transformers' GGUF config mapping for qwen3 drops ``attention.key_length``, so its config says head_dim
+    128 for any Qwen3 file; the loader takes the width from the file, and greedy output then equals
+    transformers' float32 ``generate`` on the checkpoint the file was written from, token for token."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    import core
+
+    monkeypatch.setenv("CORE_CACHE_DIR", str(tmp_path / "cache"))
+    config = Qwen3Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config).eval()
+    reference.save_pretrained(tmp_path / "hf")
+    path = _qwen3_gguf(tmp_path / "hf", default_gguf_path, tmp_path / "tiny-qwen3.gguf")
+    assert loader.gguf_config(path).head_dim == 32
+    prompt = [1, 504, 3458, 282, 4649, 314, 7042, 28, 284, 260]
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+    with core.pipeline(str(path)) as pipe:
+        response = pipe.infer(prompt, max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    assert list(response.token_ids) == expected.tolist()

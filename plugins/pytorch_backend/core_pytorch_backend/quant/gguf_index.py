@@ -11,6 +11,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -77,11 +78,13 @@ class _Cursor:
         return self.read(SCALARS[kind])
 
 
-def read_gguf_index(path: Path) -> GGUFIndex:
-    """The architecture and tensor table of the GGUF file at ``path``."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+def read_gguf_metadata(path: Path) -> dict[str, Any]:
+    """The GGUF file's metadata: its scalar and string values by key (an array's value is None)."""
+    return _read_metadata(np.memmap(path, dtype=np.uint8, mode="r"), path)[0]
 
-    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+
+def _read_metadata(mapped: np.memmap, path: Path) -> tuple[dict[str, Any], _Cursor, int]:
+    """(metadata, the cursor at the tensor table, the number of tensors)."""
     cursor = _Cursor(memoryview(mapped))
     if bytes(mapped[:4]) != MAGIC:
         raise ValueError(f"{path} is not a GGUF file")
@@ -93,6 +96,15 @@ def read_gguf_index(path: Path) -> GGUFIndex:
     for _ in range(n_kv):
         key = cursor.string()
         metadata[key] = cursor.value(cursor.read("I"))
+    return metadata, cursor, n_tensors
+
+
+def read_gguf_index(path: Path) -> GGUFIndex:
+    """The architecture and tensor table of the GGUF file at ``path``."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    metadata, cursor, n_tensors = _read_metadata(mapped, path)
     infos = []
     for _ in range(n_tensors):
         name = cursor.string()
