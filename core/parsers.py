@@ -173,8 +173,8 @@ class ToolCallFormat:
 class ToolCallParser(_ResponseParser, ABC):
     """Finds tool calls in one response (after reasoning was split off).
 
-    ``call_format`` says how one call is written (None: a format no JSON constraint can produce, so
-    forced tool calls are refused with a 400).
+    ``call_format`` says how one call is written (None: a format no JSON constraint can produce; a forced
+    tool call is then generated as a bare JSON object and read by core.forced_tool_call instead).
     """
 
     call_format: ToolCallFormat | None = None

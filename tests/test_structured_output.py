@@ -7,6 +7,7 @@ import pytest
 
 from core import GenerationConfig, hookimpl
 from core.errors import InvalidRequestError, PluginError, UnsupportedError
+from core.forced_tool_call import ForcedToolCall
 from core.parsers import ToolCallFormat
 from core.plugins import load_plugins
 from core.resolve import structured_output_engine
@@ -63,8 +64,9 @@ def test_forced_tool_calls_use_the_parsers_format():
         sf.tool_call_constraint(TOOLS, "nope", hermes)
     with pytest.raises(InvalidRequestError):
         sf.tool_call_constraint(None, None, hermes)
-    with pytest.raises(UnsupportedError):
-        sf.tool_call_constraint(TOOLS, None, None)
+    plain = sf.tool_call_constraint(TOOLS, "g", None)  # no parser that writes JSON: the bare call object
+    assert isinstance(plain, ForcedToolCall) and plain.prefix == plain.suffix == ""
+    assert plain.json["required"] == ["name", "arguments"] and plain.json["properties"]["name"] == {"const": "g"}
 
 
 class NoMatcher(Constraint):

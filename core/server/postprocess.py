@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from core.forced_tool_call import ForcedCallParser, ForcedToolCall
 from core.parsers import (
     ParseContext,
     ReasoningDelta,
@@ -183,7 +184,9 @@ class Postprocessors:
 
     @functools.cached_property
     def tool_call_format(self) -> ToolCallFormat | None:
-        """How the tool-call parser reads one call (a forced tool_choice is generated in it), or None."""
+        """How the tool-call parser reads one call (a forced tool_choice is generated in it), or None where
+        the server has no parser or one whose calls are not JSON (a forced call is then a bare JSON object
+        that `ForcedCallParser` reads: core.forced_tool_call)."""
         return None if self.tools is None else self.tools(self.tokenizer).call_format
 
     def gate_constraint(self, prepared: PreparedRequest) -> PreparedRequest:
@@ -200,17 +203,24 @@ class Postprocessors:
         return dataclasses.replace(prepared, constraint=prepared.constraint.after(marker))
 
     def for_prepared(self, prepared: PreparedRequest) -> ChatPostprocessor:
-        """The postprocessor of a prepared request: its prompt as rendered, its tools and template switches."""
-        return self.for_request(prepared.prompt_text, prepared.tools, prepared.chat_template_kwargs)
+        """The postprocessor of a prepared request: its prompt as rendered, its tools and template switches,
+        and whether its output is a forced tool call."""
+        forced = isinstance(prepared.config.structured_output, ForcedToolCall)
+        return self.for_request(prepared.prompt_text, prepared.tools, prepared.chat_template_kwargs, forced)
 
     def for_request(self, prompt: str, tools: Sequence[Mapping[str, Any]] | None = None,
-                    chat_template_kwargs: Mapping[str, Any] | None = None) -> ChatPostprocessor:
+                    chat_template_kwargs: Mapping[str, Any] | None = None,
+                    forced_call: bool = False) -> ChatPostprocessor:
         """The postprocessor of one request whose rendered prompt is `prompt`; tool calls are parsed only
-        when the request sends tools."""
-        if self.reasoning is None and (self.tools is None or not tools):
+        when the request sends tools. `forced_call`: the output was generated as one call in
+        `tool_call_format`, which `ForcedCallParser` reads where that is the bare JSON object."""
+        tool_parser = self.tools
+        if forced_call and self.tool_call_format is None:
+            tool_parser = ForcedCallParser
+        if self.reasoning is None and (tool_parser is None or not tools):
             return ChatPostprocessor()
         context = ParseContext(prompt if self.reasoning else "", tools, dict(chat_template_kwargs or {}))
-        reasoning, tool_calls = self.reasoning, self.tools if tools else None
+        reasoning, tool_calls = self.reasoning, tool_parser if tools else None
         return ChatPostprocessor(
             (lambda: reasoning(self.tokenizer).start(context)) if reasoning else None,
             (lambda: tool_calls(self.tokenizer).start(context)) if tool_calls else None,

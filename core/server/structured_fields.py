@@ -5,7 +5,8 @@ OpenAI: ``response_format`` ``{"type": "json_object"}`` and ``{"type": "json_sch
 json_object}`` and the older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``.
 A forced tool call (OpenAI ``tool_choice: "required"`` or a named function, Anthropic ``{"type": "any"}``
 or ``{"type": "tool"}``) becomes a JSON constraint in the tool-call parser's own format (its
-``call_format``), so what is generated is what the parser reads back. Each error names its field.
+``call_format``; a bare JSON object where the server has no parser that writes JSON:
+core.forced_tool_call), so what is generated is what the parser reads back. Each error names its field.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from core.errors import InvalidRequestError, UnsupportedError
+from core.forced_tool_call import PLAIN_JSON_CALL, ForcedToolCall
 from core.parsers import ToolCallFormat
 from core.structured_output import StructuredOutput
 
@@ -75,12 +77,12 @@ def one_constraint(*found: StructuredOutput | None) -> StructuredOutput | None:
 
 
 def tool_call_constraint(tools: Sequence[Mapping[str, Any]] | None, name: str | None,
-                         call_format: ToolCallFormat | None, param: str = "tool_choice") -> StructuredOutput:
+                         call_format: ToolCallFormat | None, param: str = "tool_choice") -> ForcedToolCall:
     """One call of the tool `name` (None: any of `tools`) whose arguments match its parameters, written
-    in `call_format` (the server's tool-call parser's).
+    in `call_format` (the server's tool-call parser's; None: the bare JSON object that
+    `core.forced_tool_call.ForcedCallParser` reads, for a server without a parser that writes JSON).
 
     :raises InvalidRequestError: no tools, or `name` is not one of them (naming `param`).
-    :raises UnsupportedError: the server has no tool-call parser, or one whose format is not JSON.
     """
     functions = [tool.get("function", tool) for tool in tools or ()]
     if not functions:
@@ -89,12 +91,10 @@ def tool_call_constraint(tools: Sequence[Mapping[str, Any]] | None, name: str | 
         functions = [f for f in functions if f.get("name") == name]
         if not functions:
             raise InvalidRequestError(f"{param} names the function {name!r}, which is not in tools", param=param)
-    if call_format is None:
-        raise UnsupportedError(f"{param} forces a tool call, which needs a tool-call parser with a JSON call "
-                               "format; start the server with --tool-call-parser (e.g. hermes)", param=param)
+    call_format = call_format or PLAIN_JSON_CALL
     calls = [_call_schema(f, call_format.arguments_key) for f in functions]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return StructuredOutput(json=schema, prefix=call_format.begin, suffix=call_format.end, param=param)
+    return ForcedToolCall(json=schema, prefix=call_format.begin, suffix=call_format.end, param=param)
 
 
 def _call_schema(function: Mapping[str, Any], arguments_key: str) -> dict[str, Any]:

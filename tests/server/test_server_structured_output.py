@@ -277,3 +277,56 @@ def test_forced_tool_choice_through_the_responses_api(client, tool_choice, strea
         assert calls[0].name == "get_time"
     tool = {"get_weather": WEATHER, "get_time": TIME}[calls[0].name]
     jsonschema.validate(json.loads(calls[0].arguments), tool["function"]["parameters"])
+
+
+# The default model with no tool-call parser at all (SmolLM2's template names none): a forced call is
+# generated as the bare JSON object {"name": ..., "arguments": {...}} and still comes back as a call.
+PLAIN = ServerSpec("smollm2-no-tool-parser", backend=None)
+
+
+@pytest.fixture(scope="module")
+def plain_server() -> Iterator[RunningServer]:
+    pytest.importorskip("xgrammar", reason="structured output needs xgrammar")
+    yield from serve_default_model(PLAIN)
+
+
+@pytest.mark.parametrize(("tool_choice", "stream"), [({"type": "function", "function": {"name": "get_time"}}, False),
+                                                     ("required", True)], ids=["named", "required-streamed"])
+def test_forced_tool_calls_without_a_tool_call_parser(plain_server: RunningServer, tool_choice, stream):
+    with openai.OpenAI(base_url=plain_server.url("/v1"), api_key="unused", max_retries=0, timeout=TIMEOUT_S) as c:
+        args = {"model": MODEL, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                "tools": [WEATHER, TIME], "tool_choice": tool_choice, "max_tokens": 120, "temperature": 0.0}
+        if stream:
+            calls, finish = {}, None
+            for chunk in c.chat.completions.create(**args, stream=True):
+                for call in chunk.choices[0].delta.tool_calls or () if chunk.choices else ():
+                    entry = calls.setdefault(call.index, {"name": None, "arguments": ""})
+                    entry["name"] = call.function.name or entry["name"]
+                    entry["arguments"] += call.function.arguments or ""
+                finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+            found = [(entry["name"], entry["arguments"]) for entry in calls.values()]
+        else:
+            out = c.chat.completions.create(**args)
+            finish = out.choices[0].finish_reason
+            assert out.choices[0].message.content is None
+            found = [(call.function.name, call.function.arguments) for call in out.choices[0].message.tool_calls]
+        # tool_choice auto on the same server: no parser reads anything, the text is content
+        auto = c.chat.completions.create(**{**args, "tool_choice": "auto", "max_tokens": 20})
+    assert finish == "tool_calls" and len(found) == 1, (finish, found)
+    name, arguments = found[0]
+    assert name == "get_time" or not isinstance(tool_choice, dict)
+    jsonschema.validate(json.loads(arguments), {"get_weather": WEATHER, "get_time": TIME}[name]["function"]["parameters"])
+    assert auto.choices[0].message.tool_calls is None and auto.choices[0].message.content
+
+
+def test_anthropic_forced_tool_use_without_a_tool_call_parser(plain_server: RunningServer):
+    anthropic = pytest.importorskip("anthropic")
+    function = WEATHER["function"]
+    with anthropic.Anthropic(base_url=plain_server.base_url, api_key="unused", max_retries=0, timeout=TIMEOUT_S) as c:
+        out = c.messages.create(model=MODEL, max_tokens=120, tool_choice={"type": "tool", "name": "get_weather"},
+                                messages=[{"role": "user", "content": "Weather in Rome?"}],
+                                tools=[{"name": function["name"], "input_schema": function["parameters"]}],
+                                extra_body={"temperature": 0.0})
+    blocks = [b for b in out.content if b.type == "tool_use"]
+    assert out.stop_reason == "tool_use" and len(blocks) == 1 and blocks[0].name == "get_weather", out
+    jsonschema.validate(blocks[0].input, function["parameters"])
