@@ -4,10 +4,9 @@ OpenAI's ``tool_choice: "required"`` or a named function (Anthropic's ``{"type":
 "tool"}``) is generated under a JSON constraint in the tool-call parser's format, so that the parser reads
 the call back. A server started without one (``--tool-call-parser`` not given and none registered for the
 model), or with one whose calls are not JSON, still honours a forced call, as vLLM does without
-``--enable-auto-tool-choice``: the constraint is
-the bare object ``{"name": ..., "arguments": {...}}`` (`PLAIN_JSON_CALL`), and `ForcedCallParser` turns that
-output into the call. It reads nothing else, so a server without a parser still returns every other
-response (``tool_choice: "auto"`` included) as plain content.
+``--enable-auto-tool-choice``: the constraint is the bare object ``{"name": ..., "arguments": {...}}``
+(`PLAIN_JSON_CALL`), and `ForcedCallParser` turns that output into the call. It reads nothing else, so such
+a server still returns every other response (``tool_choice: "auto"`` included) as plain content.
 """
 
 from __future__ import annotations
