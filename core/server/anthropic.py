@@ -60,7 +60,9 @@ def _messages_plan(req: ap.MessagesRequest, call_format: ToolCallFormat | None) 
     tools, template_kwargs = ap.chat_tools(req), ap.chat_template_kwargs(req)
     config = ap.generation_config(req, ap.forced_tool_call(req, tools, call_format))
     chat, names = ap.translate_messages(req)
-    return Plan([chat], config, {"tools": tools, "chat_template_kwargs": template_kwargs}, names, reasoning=True)
+    options = {"tools": tools, "chat_template_kwargs": template_kwargs,
+               "add_generation_prompt": not ap.is_prefill(chat)}
+    return Plan([chat], config, options, names, reasoning=True)
 
 
 async def _message_events(message_id: str, model: str, input_tokens: int, source: AsyncIterator[RequestOutput],
@@ -93,5 +95,6 @@ async def count_tokens(request: Request) -> dict[str, int]:
     chat, names = ap.translate_messages(req)
     with renamed_fields(names):
         ids = await state.engine.tokenize_async(chat, tools=ap.chat_tools(req),
-                                                chat_template_kwargs=ap.chat_template_kwargs(req))
+                                                chat_template_kwargs=ap.chat_template_kwargs(req),
+                                                add_generation_prompt=not ap.is_prefill(chat))
     return {"input_tokens": len(ids)}

@@ -174,6 +174,14 @@ def translate_messages(req: MessagesRequest | CountTokensRequest) -> tuple[list[
     return messages, names
 
 
+def is_prefill(chat: list[dict[str, Any]]) -> bool:
+    """Whether the translated conversation ends with an assistant turn of text (no tool calls): Anthropic's
+    prefill, which the response continues (rendered without a generation prompt, the template continuing
+    that text) rather than answers."""
+    last = chat[-1] if chat else {}
+    return last.get("role") == "assistant" and not last.get("tool_calls") and bool(last.get("content"))
+
+
 def chat_tools(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]] | None:
     """The request's tools as OpenAI function tools (what templates render); None when tool_choice is none."""
     kind = (req.tool_choice or {}).get("type", "auto")

@@ -54,3 +54,28 @@ def test_system_as_blocks_equals_system_as_string(http: httpx.Client):
     blocks = {**BODY, "system": [{"type": "text", "text": "Be brief."}],
               "messages": [{"role": "user", "content": [{"type": "text", "text": MESSAGES[0]["content"]}]}]}
     assert http.post("/v1/messages", json=blocks).json()["content"] == http.post("/v1/messages", json=BODY).json()["content"]
+
+
+def test_a_final_assistant_turn_is_a_prefill_the_response_continues(http: httpx.Client, model: str):
+    """Anthropic's prefill: the conversation is rendered without a generation prompt, the template continuing
+    the assistant's text (as OpenAI's add_generation_prompt false does), and only the continuation returns."""
+    prefill = [*MESSAGES, {"role": "assistant", "content": "Sure, here"}]
+    continued = http.post("/tokenize", json={"model": model, "messages": prefill,
+                                             "add_generation_prompt": False}).json()["count"]
+    answered = http.post("/tokenize", json={"model": model, "messages": prefill}).json()["count"]
+    assert continued != answered
+    assert http.post("/v1/messages/count_tokens", json={"messages": prefill}).json()["input_tokens"] == continued
+    message = http.post("/v1/messages", json={**BODY, "system": None, "messages": prefill}).json()
+    assert message["usage"]["input_tokens"] == continued and message["content"][0]["text"]
+
+
+def test_a_tool_round_trip(http: httpx.Client, model: str):
+    """A turn of tool_use blocks only (content None once translated), then its tool_result (a "tool" message);
+    the default model's template, which reads every message's content: test_server_structured_output.py."""
+    body = {**BODY, "tools": [{"name": "w", "input_schema": {"type": "object"}}], "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "w", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]}]}
+    response = http.post("/v1/messages", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["stop_reason"] == "max_tokens"

@@ -330,3 +330,26 @@ def test_anthropic_forced_tool_use_without_a_tool_call_parser(plain_server: Runn
     blocks = [b for b in out.content if b.type == "tool_use"]
     assert out.stop_reason == "tool_use" and len(blocks) == 1 and blocks[0].name == "get_weather", out
     jsonschema.validate(blocks[0].input, function["parameters"])
+
+
+def test_tool_round_trips_on_a_template_without_tool_support(plain_server: RunningServer):
+    """SmolLM2's template reads every message's content; a turn of tool calls only (OpenAI content None,
+    Anthropic tool_use blocks) renders with empty content, as vLLM does, where it was a 400."""
+    anthropic = pytest.importorskip("anthropic")
+    with openai.OpenAI(base_url=plain_server.url("/v1"), api_key="unused", max_retries=0, timeout=TIMEOUT_S) as c:
+        out = c.chat.completions.create(model=MODEL, max_tokens=8, tools=[WEATHER], messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "21 C and sunny"}])
+    assert out.choices[0].message.content
+    function = WEATHER["function"]
+    with anthropic.Anthropic(base_url=plain_server.base_url, api_key="unused", max_retries=0, timeout=TIMEOUT_S) as c:
+        message = c.messages.create(model=MODEL, max_tokens=8, tools=[
+            {"name": function["name"], "input_schema": function["parameters"]}], messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                               "input": {"city": "Paris", "unit": "C"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "21 C"}]}])
+    assert message.content and message.content[0].type == "text"

@@ -180,7 +180,15 @@ class JinjaChatTemplate(ChatTemplate):
         `template_kwargs` become template variables (a "documents" list is passed as transformers does)."""
         chat = normalize_messages(messages)
         final = None if add_generation_prompt else self._mark_continuation(chat)
-        rendered = self._render(chat, add_generation_prompt, tools, template_kwargs)
+        try:
+            rendered = self._render(chat, add_generation_prompt, tools, template_kwargs)
+        except InvalidRequestError:
+            if all("content" in message for message in chat):
+                raise
+            # a template that reads every message's content (SmolLM2's), given a turn of tool calls only:
+            # its content as empty text, as vLLM renders it, rather than a 400
+            chat = [{"content": "", **message} for message in chat]
+            rendered = self._render(chat, add_generation_prompt, tools, template_kwargs)
         return rendered if final is None else _cut_continuation(rendered, final)
 
     def _render(self, chat: list[dict[str, Any]], add_generation_prompt: bool,
