@@ -79,6 +79,8 @@ class GenerationConfig:
     adapter names a loaded LoRA adapter to run the request through (None: the base model; the backend
     must support adapters, core.adapters). speculative False opts the request out of speculative
     decoding (core.speculative) where the engine speculates; it never changes greedy output.
+    allowed_token_ids (vLLM's) are the only tokens sampled; truncate_prompt_tokens k keeps the prompt's
+    last k tokens (-1: the context window's size), as vLLM does.
     """
 
     n: int = 1
@@ -104,6 +106,8 @@ class GenerationConfig:
     structured_output: StructuredOutput | None = None
     adapter: str | None = None
     speculative: bool = True
+    allowed_token_ids: tuple[int, ...] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._normalise_sequences()
@@ -123,6 +127,11 @@ class GenerationConfig:
         if not isinstance(ids, (list, tuple)):
             raise _fail("stop_token_ids", ids, "a list of token ids")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, (list, tuple)) or not allowed:
+                raise _fail("allowed_token_ids", allowed, "a non-empty list of token ids")
+            object.__setattr__(self, "allowed_token_ids", tuple(allowed))
 
     def _validate_counts(self) -> None:
         _check_int("n", self.n, 1, MAX_N)
@@ -140,6 +149,10 @@ class GenerationConfig:
         _check_int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.truncate_prompt_tokens is not None:
+            _check_request_int("truncate_prompt_tokens", self.truncate_prompt_tokens, -1)
+            if self.truncate_prompt_tokens == 0:
+                raise _fail("truncate_prompt_tokens", 0, "a positive number of tokens, or -1")
 
     def _validate_sampling(self) -> None:
         if self.temperature is not None:
@@ -167,6 +180,8 @@ class GenerationConfig:
                 raise _fail("stop", s, "a non-empty string")
         for t in self.stop_token_ids:
             _check_request_int("stop_token_ids", t, 0)
+        for t in self.allowed_token_ids or ():
+            _check_request_int("allowed_token_ids", t, 0)
 
     def _validate_flags(self) -> None:
         for name in ("ignore_eos", "logprobs", "skip_special_tokens", "include_stop_str_in_output", "speculative"):

@@ -16,7 +16,7 @@ from core.backend import ModelInfo, Tokenizer, TokenLogprob
 from core.chat_template import ChatTemplate, validate_messages, validate_tools
 from core.config import GenerationConfig
 from core.content_format import AUTO, apply_content_format, resolve_content_format
-from core.errors import ContextTooLongError, InvalidRequestError
+from core.errors import ContextTooLongError, InvalidRequestError, UnsupportedError
 from core.media import ImageSource, MediaPolicy, extract_images, load_images
 from core.session import Session
 from core.special_tokens import ContentGuard
@@ -231,13 +231,14 @@ class RequestPreparer:
 
     def prepare(self, inputs: Inputs, config: GenerationConfig, **render_options: Any) -> PreparedRequest:
         """Everything the backend needs, or a clear request error."""
-        encoded = self.encode(inputs, **render_options)
+        encoded = self._truncated(self.encode(inputs, **render_options), config.truncate_prompt_tokens)
         prompt = encoded.token_ids
         if not prompt:
             raise InvalidRequestError("the prompt is empty after tokenization", param="prompt")
         max_new = self._max_new_tokens(len(prompt), config)
         self._check_logit_bias(config)
         self._check_token_ids(config.stop_token_ids, "stop_token_ids")  # banned before min_new_tokens
+        self._check_token_ids(config.allowed_token_ids or (), "allowed_token_ids")
         config = config.with_defaults(self.model.generation_defaults)
         stop_ids = set(config.stop_token_ids)
         if not config.ignore_eos:
@@ -246,6 +247,19 @@ class RequestPreparer:
         return PreparedRequest(prompt, config, max_new, frozenset(stop_ids), strings, encoded.multimodal,
                                encoded.text, render_options.get("tools"), _template_kwargs(render_options),
                                constraint=self._compile(config.structured_output))
+
+    def _truncated(self, encoded: Encoded, keep: int | None) -> Encoded:
+        """The prompt's last `keep` tokens (-1: the context window's size), its text decoded from them."""
+        if keep is None:
+            return encoded
+        keep = self.model.max_model_len if keep == -1 else keep
+        if len(encoded.token_ids) <= keep:
+            return encoded
+        if encoded.multimodal is not None:
+            raise UnsupportedError(f"truncate_prompt_tokens ({keep}) would cut a prompt that holds images",
+                                   param="truncate_prompt_tokens")
+        ids = encoded.token_ids[-keep:]
+        return encoded._replace(token_ids=ids, text=self.tokenizer.decode(list(ids)))
 
     def _compile(self, spec: StructuredOutput | None) -> Constraint | None:
         """The request's constraint compiled (once per distinct spec), on the preparing thread."""

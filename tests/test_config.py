@@ -17,7 +17,9 @@ from core.errors import InvalidRequestError
      ("logprobs", 1), ("logit_bias", {1: 200}), ("logit_bias", {-1: 1.0}), ("skip_special_tokens", None),
      # past int64: a backend's tensors would overflow (and fail every request of the batch step)
      ("top_k", 2**70), ("stop_token_ids", [2**70]), ("logit_bias", {2**70: 1.0}), ("max_new_tokens", 2**70),
-     ("min_new_tokens", 2**70)],
+     ("min_new_tokens", 2**70), ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", 5),
+     ("allowed_token_ids", [2**70]), ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2),
+     ("truncate_prompt_tokens", "10")],
 )
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(InvalidRequestError) as info:

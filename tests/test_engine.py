@@ -168,6 +168,29 @@ async def test_stop_token_ids_outside_the_vocabulary(engine, ids):
     assert len(engine.sessions) == 0
 
 
+async def test_allowed_token_ids_outside_the_vocabulary(engine):
+    with pytest.raises(InvalidRequestError, match="vocabulary") as info:
+        engine.generate("hi", GREEDY.replace(allowed_token_ids=(104, 999)))
+    assert info.value.param == "allowed_token_ids" and len(engine.sessions) == 0
+
+
+async def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(engine):
+    prompt = list(b"a long prompt")
+
+    async def prepared(inputs, keep):
+        request = await engine.prepare(inputs, GREEDY.replace(truncate_prompt_tokens=keep))
+        await collect(engine.generate(request))
+        return request
+
+    assert (await prepared(prompt, 4)).prompt_token_ids == tuple(prompt[-4:])
+    assert (await prepared(prompt, 99)).prompt_token_ids == tuple(prompt)
+    assert (await prepared(prompt, -1)).prompt_token_ids == tuple(prompt)  # -1: the context window
+    text = await prepared("a long prompt", 6)
+    assert text.prompt_text == engine.tokenizer.decode(list(text.prompt_token_ids)) and len(text.prompt_token_ids) == 6
+    await asyncio.sleep(0)
+    assert len(engine.sessions) == 0
+
+
 async def test_tool_definitions_are_checked_by_name():
     engine = AsyncEngine(FakeBackend(), chat_template=BracketTemplate())
     messages = [{"role": "user", "content": "hi"}]

@@ -49,6 +49,10 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    bad_words: list[str] | None = None  # refused (a 400) rather than ignored
+    use_beam_search: bool | None = None  # true is refused
     speculative: bool | None = None  # false: this request does not speculate (core.speculative)
     # vLLM's structured output (core.server.structured_fields)
     structured_outputs: dict[str, Any] | None = None

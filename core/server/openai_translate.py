@@ -26,7 +26,7 @@ Decode = Callable[[Sequence[int]], str]
 _RENAMED = {"min_tokens": "min_new_tokens"}
 _COPIED = ("n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
            "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-           "include_stop_str_in_output", "speculative")
+           "include_stop_str_in_output", "speculative", "allowed_token_ids", "truncate_prompt_tokens")
 VLLM_STRUCTURED_FIELDS = ("structured_outputs", *sf.GUIDED_FIELDS)
 
 
@@ -51,6 +51,11 @@ def logit_bias_by_id(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 def _sent_fields(req: SamplingFields) -> dict[str, Any]:
     """Generation fields the client sent (None means not sent, so model defaults apply)."""
+    if req.bad_words:
+        raise UnsupportedError("bad_words is not supported; ban single tokens with logit_bias (-100)",
+                               param="bad_words")
+    if req.use_beam_search:
+        raise UnsupportedError("beam search is not supported (use n and logprobs)", param="use_beam_search")
     fields: dict[str, Any] = {name: getattr(req, name) for name in _COPIED if getattr(req, name) is not None}
     fields.update({new: getattr(req, old) for old, new in _RENAMED.items() if getattr(req, old) is not None})
     if req.stop is not None:

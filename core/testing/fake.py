@@ -159,6 +159,8 @@ class FakeBackend(Backend):
             token = self.next_token(context, index)
         if step < cfg.min_new_tokens and token in request.stop_token_ids:
             token = 120  # 'x': never stop before min_new_tokens
+        if cfg.allowed_token_ids and token not in cfg.allowed_token_ids:
+            token = cfg.allowed_token_ids[token % len(cfg.allowed_token_ids)]  # as a sampler masks the rest
         context.append(token)
         self._grow(run, 1)
         generated = len(context) - len(request.prompt_token_ids)

@@ -172,3 +172,26 @@ def test_generation_config_defaults_apply_and_request_values_override(server, cl
     sampled = [client.completions.create(model=model, prompt="defaults", max_tokens=12, temperature=1.0,
                                          seed=s).choices[0].text for s in (1, 2)]
     assert len({greedy, *sampled}) == 3
+
+
+def test_vllm_allowed_token_ids_and_truncate_prompt_tokens(client: openai.OpenAI, model: str, http: httpx.Client):
+    allowed = http.post("/tokenize", json={"prompt": "ab", "add_special_tokens": False}).json()["tokens"]
+    out = client.completions.create(model=model, prompt="xyz", max_tokens=12, temperature=1.0, seed=3,
+                                    extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    ids = http.post("/tokenize", json={"prompt": out.choices[0].text, "add_special_tokens": False}).json()["tokens"]
+    assert out.usage.completion_tokens == 12 and set(ids) <= set(allowed), (out.choices[0].text, ids, allowed)
+    whole = client.completions.create(model=model, prompt="a longer prompt", **GREEDY)
+    cut = client.completions.create(model=model, prompt="a longer prompt", extra_body={"truncate_prompt_tokens": 3},
+                                    **GREEDY)
+    assert cut.usage.prompt_tokens == 3 < whole.usage.prompt_tokens
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2,
+                                          extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+
+
+@pytest.mark.parametrize(("field", "value"), [("bad_words", ["no"]), ("use_beam_search", True),
+                                              ("allowed_token_ids", [10**9]), ("truncate_prompt_tokens", 0)])
+def test_vllm_fields_not_served_are_400s_naming_them(http: httpx.Client, model: str, field, value):
+    response = http.post("/v1/chat/completions", json={"model": model, "messages": MESSAGES, "max_tokens": 2,
+                                                       field: value})
+    assert_openai_error(response, 400, field)

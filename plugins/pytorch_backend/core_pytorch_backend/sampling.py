@@ -6,7 +6,8 @@ re-exported here as the sampler's interface). :func:`sample` picks one token per
 per-row parameters, all rows at once:
 
 1. logits processors: repetition penalty (HF semantics), presence/frequency penalties (OpenAI
-   semantics), logit bias, banned tokens, then the structured-output mask of constrained rows (each
+   semantics), logit bias, banned tokens, allowed tokens (vLLM's allowed_token_ids), then the
+   structured-output mask of constrained rows (each
    row's matcher fills its row of one packed bitmask; tokens it does not allow become -inf);
 2. greedy rows (temperature 0) take the argmax of the processed logits;
 3. sampled rows are divided by their temperature, truncated by top-k/top-p (one shared sort) and
@@ -88,7 +89,20 @@ def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch
         banned = batch.banned
         _check_vocab(banned.max_id, vocab_size, "banned")
         out = out.index_put((banned.rows, banned.ids), banned.values.to(out.dtype))
+    if batch.allowed:
+        out = _keep_allowed(out, batch.allowed)
     return out
+
+
+def _keep_allowed(logits: torch.Tensor, allowed: tuple[tuple[int, torch.Tensor], ...]) -> torch.Tensor:
+    """-inf for every token outside each listed row's allowed ids (vLLM's allowed_token_ids)."""
+    vocab_size = logits.shape[-1]
+    keep = torch.zeros((len(allowed), vocab_size), dtype=torch.bool, device=logits.device)
+    for j, (_, ids) in enumerate(allowed):
+        _check_vocab(int(ids.max()), vocab_size, "allowed_token_ids")
+        keep[j, ids] = True
+    index = torch.tensor([row for row, _ in allowed], dtype=torch.long, device=logits.device)
+    return logits.index_copy(0, index, logits.index_select(0, index).masked_fill(~keep, -math.inf))
 
 
 def apply_constraints(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -35,6 +35,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     logit_bias: Mapping[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
 
     @classmethod
     def from_config(cls, config: Any) -> SamplingParams:
@@ -51,6 +52,7 @@ class SamplingParams:
         if isinstance(values["logprobs"], bool):  # GenerationConfig: a flag, and k in top_logprobs
             values["logprobs"] = getattr(config, "top_logprobs", 0) if values["logprobs"] else None
         values["logit_bias"] = dict(values["logit_bias"] or {}) or None
+        values["allowed_token_ids"] = tuple(values["allowed_token_ids"] or ()) or None
         return cls(**values)
 
     @property
@@ -194,6 +196,8 @@ class SamplingBatch:
     logprob_k: list[int]
     # Structured output: (row, matcher) of each constrained row.
     constrained: tuple[tuple[int, Any], ...] = ()
+    # (row, the only token ids it may sample) of each row with allowed_token_ids.
+    allowed: tuple[tuple[int, torch.Tensor], ...] = ()
 
     @classmethod
     def from_rows(cls, rows: Sequence[SamplingRow], device: torch.device | str = "cpu") -> SamplingBatch:
@@ -214,12 +218,14 @@ class SamplingBatch:
             logprob_rows=logprob_rows,
             logprob_k=[params[i].logprobs or 0 for i in logprob_rows],
             constrained=tuple((i, row.constraint) for i, row in enumerate(rows) if row.constraint is not None),
+            allowed=tuple((i, torch.tensor(p.allowed_token_ids, dtype=torch.long, device=device))
+                          for i, p in enumerate(params) if p.allowed_token_ids),
         )
 
     @property
     def needs_processing(self) -> bool:
-        """Whether any logits processor (penalty, bias, ban) is active in this batch."""
-        return bool(self.constrained) or any(
+        """Whether any logits processor (penalty, bias, ban, allowed tokens) is active in this batch."""
+        return bool(self.constrained or self.allowed) or any(
             x is not None for x in (self.repetition_tokens, self.output_tokens, self.logit_bias, self.banned)
         )
 

@@ -133,6 +133,28 @@ def test_banned_tokens_are_never_sampled():
     assert len(set(tokens)) > 3  # the remaining tokens are still all reachable
 
 
+def test_only_allowed_tokens_are_sampled_and_other_rows_are_untouched():
+    logits = torch.zeros(1, 8)
+    logits[0, :3] = 10.0  # the tokens outside the allowed set hold nearly all the mass
+    allowed = SamplingParams(temperature=1.5, allowed_token_ids=(3, 5, 6))
+    rows = [_row(allowed)] * 2000 + [_row(SamplingParams(temperature=0.0, allowed_token_ids=(6, 5))), _row(GREEDY)]
+    batch = _batch(*rows)
+    assert batch.needs_processing
+    tokens = sample(logits.expand(2002, 8).contiguous(), batch).token_ids
+    assert set(tokens[:2000]) == {3, 5, 6}  # every allowed token reachable, nothing else
+    assert tokens[2000] == 5 and tokens[2001] == 0  # greedy: the first of the equal allowed; untouched row
+    processed = apply_logits_processors(logits.expand(2, 8), _batch(_row(allowed), _row(GREEDY)))
+    assert torch.isinf(processed[0, [0, 1, 2, 4, 7]]).all() and torch.equal(processed[1], logits[0])
+
+
+def test_allowed_token_ids_come_from_a_generation_config():
+    from core import GenerationConfig
+
+    params = SamplingParams.from_config(GenerationConfig(temperature=0.0, allowed_token_ids=[4, 2]))
+    assert params.allowed_token_ids == (4, 2)
+    assert SamplingParams.from_config(GenerationConfig(temperature=0.0)).allowed_token_ids is None
+
+
 def test_out_of_vocab_bias_is_an_internal_error():
     batch = _batch(_row(SamplingParams(logit_bias={VOCAB: 1.0})))
     with pytest.raises(ValueError, match="outside the vocabulary"):
