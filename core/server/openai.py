@@ -105,6 +105,7 @@ def chat_plan(req: ChatCompletionRequest, call_format: ToolCallFormat | None = N
     """What a chat request asks the engine for (also what a Responses request runs as); `call_format`
     is the tool-call parser's, which a forced tool_choice is generated in (None: forcing is a 400)."""
     tools = tr.check_tool_choice(req)
+    tr.check_template_fields(req)
     config = tr.chat_generation_config(req, tr.forced_tool_call(req, tools, call_format))
     return Plan([req.messages], config, {"tools": tools, "chat_template_kwargs": req.chat_template_kwargs,
                                          "add_generation_prompt": req.add_generation_prompt}, reasoning=True)

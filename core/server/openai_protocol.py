@@ -75,6 +75,8 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: with add_generation_prompt false, as core does anyway
+    chat_template: str | None = None  # vLLM's per-request template: refused (a 400), never silently ignored
 
 
 class CompletionRequest(SamplingFields):

@@ -158,6 +158,20 @@ def completion_echo(req: CompletionRequest, prompt: str | list[int], token_ids: 
     return Echo(text, tuple(token_ids), req.logprobs, req.max_tokens == 0)
 
 
+def check_template_fields(req: ChatCompletionRequest) -> None:
+    """vLLM's template fields: ``continue_final_message`` (continue the final assistant message, which core
+    does whenever add_generation_prompt is false) and ``chat_template``, which a request may not set."""
+    if req.chat_template is not None:
+        raise UnsupportedError("a request cannot set its own chat_template; start the server with --chat-template",
+                               param="chat_template")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise InvalidRequestError("continue_final_message continues the final assistant message, so it needs "
+                                  "add_generation_prompt: false", param="continue_final_message")
+    if req.continue_final_message and req.messages[-1].get("role") != "assistant":
+        raise InvalidRequestError("continue_final_message needs the final message to be the assistant's",
+                                  param="continue_final_message")
+
+
 def check_tool_choice(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     """The tools to render into the prompt, checked; "none" hides them."""
     if req.tool_choice == "none":

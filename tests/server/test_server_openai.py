@@ -195,3 +195,17 @@ def test_vllm_fields_not_served_are_400s_naming_them(http: httpx.Client, model: 
     response = http.post("/v1/chat/completions", json={"model": model, "messages": MESSAGES, "max_tokens": 2,
                                                        field: value})
     assert_openai_error(response, 400, field)
+
+
+def test_vllm_continue_final_message_and_a_request_chat_template(http: httpx.Client, model: str):
+    prefill = [*MESSAGES, {"role": "assistant", "content": "Sure, here"}]
+    body = {"model": model, "messages": prefill, "max_tokens": 2, "add_generation_prompt": False}
+    continued = http.post("/tokenize", json={"messages": prefill, "add_generation_prompt": False}).json()["count"]
+    response = http.post("/v1/chat/completions", json={**body, "continue_final_message": True})
+    assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == continued
+    both = {**body, "continue_final_message": True, "add_generation_prompt": True}
+    assert_openai_error(http.post("/v1/chat/completions", json=both), 400, "continue_final_message")
+    not_last = {**body, "messages": MESSAGES, "continue_final_message": True}
+    assert_openai_error(http.post("/v1/chat/completions", json=not_last), 400, "continue_final_message")
+    template = {**body, "chat_template": "{{ messages[0]['content'] }}"}
+    assert_openai_error(http.post("/v1/chat/completions", json=template), 400, "chat_template")
