@@ -55,7 +55,7 @@ class _Packed(ctypes.Structure):  # csrc/decoder_stack.c core_packed
 class _Layer(ctypes.Structure):  # core_layer
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _Packed),
                 ("o", _Packed), ("gate_up", _Packed), ("down", _Packed), ("k_cache", _P), ("v_cache", _P),
-                ("window", _L), ("scale", _F)]
+                ("window", _L), ("scale", _F), ("rope", _I)]
 
 
 class _Decoder(ctypes.Structure):  # core_decoder
@@ -172,7 +172,7 @@ def describe(model: nn.Module) -> _Plan:
     layers = list(decoder.layers)
     first = layers[0]
     attention, mlp = first.self_attn, first.mlp
-    rotary = attention.rotary_emb
+    rotary = next((layer.self_attn.rotary_emb for layer in layers if layer.self_attn.rotary_emb is not None), None)
     dtype = first.input_layernorm.weight.dtype
     cache = attention.attn.k_cache
     if cache is None:
@@ -208,7 +208,7 @@ def _describe_layer(layer: nn.Module, index: int, spec: _Decoder, rotary: Rotary
                     keep: list[torch.Tensor]) -> _Layer:
     attention, mlp = layer.self_attn, layer.mlp
     if (type(layer) is not LlamaDecoderLayer or type(attention) is not LlamaAttention or type(mlp) is not LlamaMLP
-            or type(mlp.act_fn) is not SiluAndMul or attention.rotary_emb is not rotary):
+            or type(mlp.act_fn) is not SiluAndMul or attention.rotary_emb not in (rotary, None)):
         raise DoesNotFit(f"layer {index} is not models.llama's decoder layer with silu")
     attn = attention.attn
     if (attn.k_cache is None or attn.v_cache is None or attn.k_cache.dtype != cache.dtype
@@ -229,7 +229,7 @@ def _describe_layer(layer: nn.Module, index: int, spec: _Decoder, rotary: Rotary
                   qkv=_packed(attention.qkv_proj, index, keep), o=_packed(attention.o_proj, index, keep),
                   gate_up=_packed(mlp.gate_up_proj, index, keep), down=_packed(mlp.down_proj, index, keep),
                   k_cache=_ptr(attn.k_cache, keep), v_cache=_ptr(attn.v_cache, keep), window=attn.sliding_window or 0,
-                  scale=attn.scale)
+                  scale=attn.scale, rope=int(attention.rotary_emb is not None))
 
 
 def _packed(linear: nn.Module, index: int, keep: list[torch.Tensor]) -> _Packed:

@@ -19,12 +19,12 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3")
 
 
 def tiny_config(arch: str, **overrides):
     """A 2-layer, hidden-64, 4-head / 2-KV-head config of ``arch``."""
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, SmolLM3Config
 
     common = dict(
         vocab_size=TINY_VOCAB,
@@ -49,6 +49,8 @@ def tiny_config(arch: str, **overrides):
         "gemma3_text": (Gemma3TextConfig, dict(
             tie_word_embeddings=True, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
             layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=30.0)),
+        # The first layer without rotary (SmolLM3-3B: every fourth), the second with it.
+        "smollm3": (SmolLM3Config, dict(tie_word_embeddings=True, no_rope_layers=[0, 1])),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

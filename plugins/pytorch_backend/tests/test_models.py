@@ -16,7 +16,7 @@ from core_pytorch_backend.layers import allocate_kv_caches, unbind_kv_caches
 from core_pytorch_backend.loader import load_checkpoint
 
 NEW_TOKENS = 20
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3")
 
 
 def _step(model, chunks, computed, tables, block_size):
@@ -152,6 +152,10 @@ VARIANTS = {
     "qwen3-tied-one-kv-head": ("qwen3", dict(tie_word_embeddings=True, num_key_value_heads=1)),
     "qwen3-attention-bias": ("qwen3", dict(attention_bias=True)),
     "mistral-window-4": ("mistral", dict(sliding_window=4)),
+    "smollm3-rope-first-and-sliding": ("smollm3", dict(no_rope_layers=[1, 0], use_sliding_window=True,
+                                                       sliding_window=5, layer_types=["sliding_attention",
+                                                                                      "full_attention"])),
+    "smollm3-attention-bias": ("smollm3", dict(attention_bias=True, tie_word_embeddings=False)),
 }
 
 

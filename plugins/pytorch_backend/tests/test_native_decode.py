@@ -2,7 +2,8 @@
 
 Its oracle is the model's own modules on the native op set: the hidden states must be equal bit for bit
 (the same kernels on the same buffers), for every decoder it takes (Llama, Qwen2's q/k/v bias, Qwen3's
-q/k norms, Mistral's sliding window past its width), int8 and int4 weights, float32 and bfloat16.
+q/k norms, Mistral's sliding window past its width, SmolLM3's layers without rotary), int8 and int4 weights,
+float32 and bfloat16.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def _decode_both_ways(runner: ModelRunner, steps: int = 12) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "smollm3"])
 def test_the_stack_gives_the_modules_hidden_states_bit_for_bit(tiny_checkpoint_factory, native_packed, arch,
                                                                  quantization, dtype):
     runner = _runner(_load(tiny_checkpoint_factory(arch), quantization, dtype))

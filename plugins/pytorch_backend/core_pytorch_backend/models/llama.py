@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2); Qwen2/Qwen3/Mistral are thin variations of it."""
+"""Llama-family decoder (Llama 2/3, SmolLM2); Qwen2/Qwen3/Mistral/SmolLM3 are thin variations of it."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ class DecoderSpec:
     qk_norm: bool
     sliding_windows: tuple[int | None, ...]  # one per layer
     o_bias: bool = False  # Llama's and Qwen3's attention_bias covers o_proj too; Qwen2's q/k/v biases do not
+    rope_layers: tuple[bool, ...] | None = None  # per layer, whether it applies rotary (None: every layer)
 
 
 def head_dim_of(config: Any) -> int:
@@ -70,7 +71,8 @@ class LlamaAttention(nn.Module):
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, heads, kv_heads, bias=spec.qkv_bias)
         self.o_proj = Linear(heads * self.head_dim, config.hidden_size, bias=spec.o_bias)
-        self.rotary_emb = rotary  # one table shared by every layer of the model
+        # one table shared by every layer of the model; None in a layer without position encoding (SmolLM3)
+        self.rotary_emb = rotary if spec.rope_layers is None or spec.rope_layers[layer_index] else None
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
@@ -92,7 +94,8 @@ class LlamaAttention(nn.Module):
             t = q.shape[0]
             q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1)
             k = self.k_norm(k.reshape(t, -1, self.head_dim)).reshape(t, -1)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
 

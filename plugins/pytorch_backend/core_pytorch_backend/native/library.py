@@ -15,7 +15,7 @@ from pathlib import Path
 from .build import CpuBuildError, build_library, chosen_variant
 
 log = logging.getLogger(__name__)
-ABI_VERSION = 12  # csrc/packed_linear.c CORE_PACKED_ABI
+ABI_VERSION = 13  # csrc/packed_linear.c CORE_PACKED_ABI
 STATUS = {1: "bad arguments", 2: "out of memory", 3: "no AMX tiles (not an amx-bf16 build, or Linux refused them)"}
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float

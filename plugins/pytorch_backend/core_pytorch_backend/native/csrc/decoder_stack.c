@@ -36,6 +36,7 @@ typedef struct {
     void *k_cache, *v_cache; /* [slots, Hkv, D] of the cache dtype */
     int64_t window;          /* sliding window, 0: none */
     float scale;             /* softmax scale */
+    int32_t rope;            /* 1: rotary on q and k; 0: none (SmolLM3's no-rope layers) */
 } core_layer;
 
 typedef struct {
@@ -140,8 +141,13 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
         CHECK(core_rms_norm(kn, m->dtype, tokens * hkv, d, NULL, L->k_norm, m->dtype, m->eps, kn, NULL));
         q = qn, k = kn, q_stride = q_width, k_stride = kv_width;
     }
-    CHECK(core_rotary(q, k, m->dtype, tokens, hq, hkv, d, q_stride, k_stride, r->positions, m->cos, m->sin,
-                      m->table_dtype, m->max_position, q_rot, k_rot));
+    if (L->rope) {
+        CHECK(core_rotary(q, k, m->dtype, tokens, hq, hkv, d, q_stride, k_stride, r->positions, m->cos, m->sin,
+                          m->table_dtype, m->max_position, q_rot, k_rot));
+    } else { /* the same values the modules hand on unrotated, in the buffers the next kernels read */
+        copy_rows(q, q_stride, tokens, q_width, size, q_rot);
+        copy_rows(k, k_stride, tokens, kv_width, size, k_rot);
+    }
     CHECK(core_store_kv(k_rot, v, m->dtype, tokens, hkv, d, kv_width, qkv_width, r->slots, L->k_cache, L->v_cache,
                         m->cache_dtype, m->num_slots));
     CHECK(core_decode_attention(q_rot, m->dtype, tokens, hq, d, L->k_cache, L->v_cache, m->cache_dtype, m->block_size,

@@ -49,7 +49,7 @@
 #include <immintrin.h>
 #endif
 
-#define CORE_PACKED_ABI 12
+#define CORE_PACKED_ABI 13
 #define ERR_NO_TILES 3
 #define GROUP 32
 #define PAIR 64
