@@ -24,7 +24,14 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3")
 
 def tiny_config(arch: str, **overrides):
     """A 2-layer, hidden-64, 4-head / 2-KV-head config of ``arch``."""
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, SmolLM3Config
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        SmolLM3Config,
+    )
 
     common = dict(
         vocab_size=TINY_VOCAB,
