@@ -19,13 +19,14 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite")
 
 
 def tiny_config(arch: str, **overrides):
     """A 2-layer, hidden-64, 4-head / 2-KV-head config of ``arch``."""
     from transformers import (
         Gemma3TextConfig,
+        GraniteConfig,
         LlamaConfig,
         MistralConfig,
         Qwen2Config,
@@ -58,6 +59,9 @@ def tiny_config(arch: str, **overrides):
             layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=30.0)),
         # The first layer without rotary (SmolLM3-3B: every fourth), the second with it.
         "smollm3": (SmolLM3Config, dict(tie_word_embeddings=True, no_rope_layers=[0, 1])),
+        # Granite 3's multipliers, of its own sizes (embeddings x12, residual branches x0.22, ...)
+        "granite": (GraniteConfig, dict(tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                        attention_multiplier=0.0078125, logits_scaling=8.0)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

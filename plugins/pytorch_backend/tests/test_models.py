@@ -16,7 +16,7 @@ from core_pytorch_backend.layers import allocate_kv_caches, unbind_kv_caches
 from core_pytorch_backend.loader import load_checkpoint
 
 NEW_TOKENS = 20
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite")
 
 
 def _step(model, chunks, computed, tables, block_size):
@@ -227,3 +227,21 @@ def test_layers_share_one_rotary_table_per_configuration(tiny_checkpoint_factory
     tables = {id(m) for m in model.modules() if isinstance(m, RotaryEmbedding)}
     per_layer = {id(layer.self_attn.rotary_emb) for layer in model.model.layers}
     assert len(model.model.layers) > 1 and len(tables) == 1 and per_layer == tables
+
+
+@pytest.mark.parametrize("arch", ["granite", "gemma3_text"])  # logits_scaling; final_logit_softcapping
+@torch.inference_mode()
+def test_logits_match_transformers(arch, tiny_checkpoint_factory):
+    """Greedy parity cannot see a scale of the logits; sampling and logprobs do."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint_factory(arch)
+    ours = load_checkpoint(path, dtype="float32").model
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    (prompt,) = _prompts([11], seed=5)
+    allocate_kv_caches(ours, 4, 4)
+    meta = AttentionMetadata.build([0], [len(prompt)], [[2, 0, 3]], 4)
+    hidden = ours(torch.tensor(prompt), meta.positions(), meta)
+    unbind_kv_caches(ours)
+    expected = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours.compute_logits(hidden), expected, rtol=1e-4, atol=1e-4)

@@ -218,6 +218,8 @@ def test_models_it_does_not_take_are_refused_at_start_with_the_reason(tiny_check
     assert reference.decode_path is None and "native op set" in caplog.text
     gemma = _runner(_load(tiny_checkpoint_factory("gemma3_text"), "int8"))
     assert gemma.decode_path is None
+    granite = _runner(_load(tiny_checkpoint_factory("granite"), "int8"))  # its multipliers: the modules
+    assert granite.decode_path is None
     packed = _load(path, "int8")
     assert make_native_decode(packed, device=CPU, enabled=False) is None  # --enforce-eager
     runner = ModelRunner(packed, block_size=BLOCK, num_blocks=64, device=CPU, dtype=torch.float32)

@@ -12,6 +12,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "core_pytorch_backend.models.mistral:MistralForCausalLM",
     "Gemma3ForCausalLM": "core_pytorch_backend.models.gemma3:Gemma3ForCausalLM",
     "SmolLM3ForCausalLM": "core_pytorch_backend.models.smollm3:SmolLM3ForCausalLM",
+    "GraniteForCausalLM": "core_pytorch_backend.models.granite:GraniteForCausalLM",
     # Encoders: served on the pooling path (embeddings and scores), never generating.
     "BertModel": "core_pytorch_backend.models.bert:BertModel",
     # Vision-language checkpoints: their language model; the vision tower runs in core_vl_models.

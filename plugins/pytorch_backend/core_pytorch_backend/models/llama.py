@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2); Qwen2/Qwen3/Mistral/SmolLM3 are thin variations of it."""
+"""Llama-family decoder (Llama 2/3, SmolLM2); Qwen2/Qwen3/Mistral/SmolLM3/Granite are thin variations of it."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ class DecoderSpec:
     sliding_windows: tuple[int | None, ...]  # one per layer
     o_bias: bool = False  # Llama's and Qwen3's attention_bias covers o_proj too; Qwen2's q/k/v biases do not
     rope_layers: tuple[bool, ...] | None = None  # per layer, whether it applies rotary (None: every layer)
+    attention_scale: float | None = None  # the softmax scale (None: head_dim ** -0.5; Granite sets its own)
 
 
 def head_dim_of(config: Any) -> int:
@@ -82,7 +83,7 @@ class LlamaAttention(nn.Module):
             heads,
             kv_heads,
             self.head_dim,
-            self.head_dim**-0.5,
+            self.head_dim**-0.5 if spec.attention_scale is None else spec.attention_scale,
             ops,
             spec.sliding_windows[layer_index],
             layer_index,
@@ -132,12 +133,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    #: The decoder layer's class (Granite scales what each layer adds to the residual).
+    layer_class: type[nn.Module] = LlamaDecoderLayer
+
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         rotary = get_rope(config, head_dim_of(config), ops)  # built once: every layer shares the table
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, ops, spec, i, rotary) for i in range(config.num_hidden_layers)
+            self.layer_class(config, ops, spec, i, rotary) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
