@@ -16,7 +16,7 @@ from core_pytorch_backend.layers import allocate_kv_caches, unbind_kv_caches
 from core_pytorch_backend.loader import load_checkpoint
 
 NEW_TOKENS = 20
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3")
 
 
 def _step(model, chunks, computed, tables, block_size):
@@ -156,6 +156,7 @@ VARIANTS = {
                                                        sliding_window=5, layer_types=["sliding_attention",
                                                                                       "full_attention"])),
     "smollm3-attention-bias": ("smollm3", dict(attention_bias=True, tie_word_embeddings=False)),
+    "phi3-sliding-window": ("phi3", dict(sliding_window=6)),
 }
 
 
@@ -245,3 +246,15 @@ def test_logits_match_transformers(arch, tiny_checkpoint_factory):
     unbind_kv_caches(ours)
     expected = hf(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(ours.compute_logits(hidden), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_partial_rotary_and_longrope_are_refused_at_load(tiny_checkpoint_factory):
+    """Rotary on part of each head (Phi-4-mini's 0.75) or LongRoPE would give wrong text, not an error."""
+    partial = tiny_checkpoint_factory("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                              "partial_rotary_factor": 0.75})
+    with pytest.raises(NotImplementedError, match="partial_rotary_factor 0.75"):
+        load_checkpoint(partial, dtype="float32")
+    longrope = tiny_checkpoint_factory("phi3", original_max_position_embeddings=64, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8})
+    with pytest.raises(NotImplementedError, match="longrope"):
+        load_checkpoint(longrope, dtype="float32")

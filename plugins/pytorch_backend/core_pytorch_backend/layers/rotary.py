@@ -171,6 +171,9 @@ def context_positions(config: Any) -> int:
 def get_rope(config: Any, head_dim: int, ops: Any) -> RotaryEmbedding:
     """The rotary embedding an HF decoder config asks for (M-RoPE when it names an mrope_section)."""
     params = rope_parameters(config)
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if partial not in (None, 1, 1.0):  # Phi-4-mini's 0.75: rotary on part of each head, not done here
+        raise NotImplementedError(f"partial_rotary_factor {partial} is not supported (rotary on whole heads only)")
     max_positions = context_positions(config)
     section = params.get("mrope_section")
     if section:

@@ -1,0 +1,20 @@
+"""Phi-3 (Phi-3 / 3.5 mini, Phi-4-mini's family): Llama whose checkpoints store q/k/v and gate/up fused, as
+the model keeps them (``qkv_proj``, ``gate_up_proj``), with ``sliding_window`` on every layer when set.
+Rotary on whole heads with default, linear, llama3 or yarn frequencies (LongRoPE and partial rotary are
+refused at load, by layers.rotary)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .llama import DecoderSpec, LlamaForCausalLM
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    #: the fused weights have no q/k/v or gate/up shards of their own to split across ranks
+    tensor_parallel_plan = None
+
+    @classmethod
+    def decoder_spec(cls, config: Any) -> DecoderSpec:
+        window = getattr(config, "sliding_window", None)
+        return DecoderSpec(qkv_bias=False, qk_norm=False, sliding_windows=(window,) * config.num_hidden_layers)
