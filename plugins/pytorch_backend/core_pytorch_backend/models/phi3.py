@@ -1,7 +1,7 @@
-"""Phi-3 (Phi-3 / 3.5 mini, Phi-4-mini's family): Llama whose checkpoints store q/k/v and gate/up fused, as
+"""Phi-3 (Phi-3-mini-4k and Phi-3-medium-4k style): Llama whose checkpoints store q/k/v and gate/up fused, as
 the model keeps them (``qkv_proj``, ``gate_up_proj``), with ``sliding_window`` on every layer when set.
-Rotary on whole heads with default, linear, llama3 or yarn frequencies (LongRoPE and partial rotary are
-refused at load, by layers.rotary)."""
+Rotary on whole heads with default, linear, llama3 or yarn frequencies: the 128k variants' and Phi-3.5's
+LongRoPE and Phi-4-mini's partial rotary are refused at load (layers.rotary)."""
 
 from __future__ import annotations
 
