@@ -19,7 +19,7 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2")
 
 
 def tiny_config(arch: str, **overrides):
@@ -29,6 +29,7 @@ def tiny_config(arch: str, **overrides):
         GraniteConfig,
         LlamaConfig,
         MistralConfig,
+        Olmo2Config,
         Phi3Config,
         Qwen2Config,
         Qwen3Config,
@@ -64,6 +65,7 @@ def tiny_config(arch: str, **overrides):
         "granite": (GraniteConfig, dict(tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
                                         attention_multiplier=0.0078125, logits_scaling=8.0)),
         "phi3": (Phi3Config, dict(tie_word_embeddings=False)),  # fused qkv_proj / gate_up_proj weights
+        "olmo2": (Olmo2Config, dict(tie_word_embeddings=False)),  # post-norm layers, whole-width q/k norms
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")
