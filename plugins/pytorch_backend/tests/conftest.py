@@ -19,7 +19,7 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe")
 
 
 def tiny_config(arch: str, **overrides):
@@ -33,6 +33,7 @@ def tiny_config(arch: str, **overrides):
         Phi3Config,
         Qwen2Config,
         Qwen3Config,
+        Qwen3MoeConfig,
         SmolLM3Config,
     )
 
@@ -66,6 +67,9 @@ def tiny_config(arch: str, **overrides):
                                         attention_multiplier=0.0078125, logits_scaling=8.0)),
         "phi3": (Phi3Config, dict(tie_word_embeddings=False)),  # fused qkv_proj / gate_up_proj weights
         "olmo2": (Olmo2Config, dict(tie_word_embeddings=False)),  # post-norm layers, whole-width q/k norms
+        # 4 experts of 32, two a token; the second layer a dense MLP
+        "qwen3_moe": (Qwen3MoeConfig, dict(tie_word_embeddings=False, head_dim=16, num_experts=4,
+                                           num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

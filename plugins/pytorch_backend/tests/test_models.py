@@ -16,7 +16,7 @@ from core_pytorch_backend.layers import allocate_kv_caches, unbind_kv_caches
 from core_pytorch_backend.loader import load_checkpoint
 
 NEW_TOKENS = 20
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3", "olmo2")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe")
 
 
 def _step(model, chunks, computed, tables, block_size):
@@ -157,6 +157,8 @@ VARIANTS = {
                                                                                       "full_attention"])),
     "smollm3-attention-bias": ("smollm3", dict(attention_bias=True, tie_word_embeddings=False)),
     "phi3-sliding-window": ("phi3", dict(sliding_window=6)),
+    "qwen3-moe-normalized-top-3-every-layer": ("qwen3_moe", dict(norm_topk_prob=True, num_experts_per_tok=3,
+                                                                 mlp_only_layers=[])),
 }
 
 

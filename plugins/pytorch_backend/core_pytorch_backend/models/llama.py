@@ -101,9 +101,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, ops: Any):
+    def __init__(self, config: Any, ops: Any, intermediate_size: int | None = None):
         super().__init__()
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size  # an MoE expert's own (Qwen3-MoE)
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], ("gate", "up"), bias=bias)
         self.down_proj = Linear(inter, config.hidden_size, bias=bias)
