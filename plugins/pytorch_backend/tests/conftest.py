@@ -19,7 +19,7 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral")
 
 
 def tiny_config(arch: str, **overrides):
@@ -29,6 +29,7 @@ def tiny_config(arch: str, **overrides):
         GraniteConfig,
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
         Olmo2Config,
         Phi3Config,
         Qwen2Config,
@@ -70,6 +71,8 @@ def tiny_config(arch: str, **overrides):
         # 4 experts of 32, two a token; the second layer a dense MLP
         "qwen3_moe": (Qwen3MoeConfig, dict(tie_word_embeddings=False, head_dim=16, num_experts=4,
                                            num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])),
+        "mixtral": (MixtralConfig, dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+                                        intermediate_size=32, sliding_window=12)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

@@ -16,6 +16,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "Phi3ForCausalLM": "core_pytorch_backend.models.phi3:Phi3ForCausalLM",
     "Olmo2ForCausalLM": "core_pytorch_backend.models.olmo2:Olmo2ForCausalLM",
     "Qwen3MoeForCausalLM": "core_pytorch_backend.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "MixtralForCausalLM": "core_pytorch_backend.models.mixtral:MixtralForCausalLM",
     # Encoders: served on the pooling path (embeddings and scores), never generating.
     "BertModel": "core_pytorch_backend.models.bert:BertModel",
     # Vision-language checkpoints: their language model; the vision tower runs in core_vl_models.

@@ -1,0 +1,37 @@
+"""A sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router scores the experts, each token runs through
+its ``top_k`` best (softmax probabilities, renormalized over those when ``normalize``), and their outputs are
+summed with those weights, expert by expert in index order, as transformers does. Each expert is a SwiGLU
+``LlamaMLP`` (gate_up_proj, down_proj), so it is quantized and multiplied like any projection; the router
+stays float."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .llama import LlamaMLP
+
+
+class SparseMoeBlock(nn.Module):
+    """``experts`` SwiGLU MLPs of ``expert_size``; the router's weight is ``gate.weight`` [experts, hidden]."""
+
+    def __init__(self, config: Any, ops: Any, experts: int, top_k: int, expert_size: int, normalize: bool) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.hidden_size, experts, bias=False)  # the router
+        self.experts = nn.ModuleList(LlamaMLP(config, ops, expert_size) for _ in range(experts))
+        self.top_k, self.normalize = top_k, normalize
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(nn.functional.linear(hidden, self.gate.weight).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(hidden.dtype)
+        out = torch.zeros_like(hidden)
+        for expert in torch.unique(chosen).tolist():  # ascending, as transformers sums them
+            tokens, slot = torch.where(chosen == expert)
+            part = self.experts[expert](hidden[tokens]) * weights[tokens, slot, None]
+            out.index_add_(0, tokens, part.to(out.dtype))
+        return out
