@@ -103,7 +103,8 @@ async def chat_completions(request: Request) -> Response:
 
 def chat_plan(req: ChatCompletionRequest, call_format: ToolCallFormat | None = None) -> Plan:
     """What a chat request asks the engine for (also what a Responses request runs as); `call_format`
-    is the tool-call parser's, which a forced tool_choice is generated in (None: forcing is a 400)."""
+    is the tool-call parser's, which a forced tool_choice is generated in (None: the bare JSON object that
+    core.forced_tool_call reads)."""
     tools = tr.check_tool_choice(req)
     tr.check_template_fields(req)
     config = tr.chat_generation_config(req, tr.forced_tool_call(req, tools, call_format))

@@ -103,7 +103,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: Any, ops: Any, intermediate_size: int | None = None):
         super().__init__()
-        inter = intermediate_size or config.intermediate_size  # an MoE expert's own (Qwen3-MoE)
+        inter = intermediate_size or config.intermediate_size  # an MoE expert's own size
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], ("gate", "up"), bias=bias)
         self.down_proj = Linear(inter, config.hidden_size, bias=bias)
@@ -117,9 +117,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
         super().__init__()
         self.self_attn = LlamaAttention(config, ops, spec, layer_index, rotary)
-        self.mlp = LlamaMLP(config, ops)
+        self.mlp = self.make_mlp(config, ops, layer_index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    def make_mlp(self, config: Any, ops: Any, layer_index: int) -> nn.Module:
+        """The layer's MLP (the MoE models' layers build their experts here)."""
+        return LlamaMLP(config, ops)
 
     def forward(self, positions, hidden, residual, meta):
         if residual is None:

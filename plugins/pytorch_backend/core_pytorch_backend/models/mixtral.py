@@ -8,9 +8,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ..layers import RotaryEmbedding
+from torch import nn
+
 from ..quant.attach import QuantizedShards
-from .llama import DecoderSpec, LlamaDecoderLayer, LlamaModel
+from .llama import LlamaDecoderLayer, LlamaModel
 from .mistral import MistralForCausalLM
 from .sparse_moe import SparseMoeBlock
 
@@ -18,10 +19,9 @@ RENAMED = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
-        super().__init__(config, ops, spec, layer_index, rotary)
-        self.mlp = SparseMoeBlock(config, ops, config.num_local_experts, config.num_experts_per_tok,
-                                  config.intermediate_size, normalize=True)
+    def make_mlp(self, config: Any, ops: Any, layer_index: int) -> nn.Module:
+        return SparseMoeBlock(config, ops, config.num_local_experts, config.num_experts_per_tok,
+                              config.intermediate_size, normalize=True)
 
 
 class MixtralModel(LlamaModel):

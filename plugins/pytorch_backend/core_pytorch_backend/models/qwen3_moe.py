@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..layers import RotaryEmbedding
-from .llama import DecoderSpec, LlamaDecoderLayer, LlamaModel
+from torch import nn
+
+from .llama import LlamaDecoderLayer, LlamaModel
 from .qwen3 import Qwen3ForCausalLM
 from .sparse_moe import SparseMoeBlock
 
@@ -19,11 +20,11 @@ def is_sparse_layer(config: Any, index: int) -> bool:
 
 
 class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
-        super().__init__(config, ops, spec, layer_index, rotary)
-        if is_sparse_layer(config, layer_index):
-            self.mlp = SparseMoeBlock(config, ops, config.num_experts, config.num_experts_per_tok,
-                                      config.moe_intermediate_size, bool(getattr(config, "norm_topk_prob", False)))
+    def make_mlp(self, config: Any, ops: Any, layer_index: int) -> nn.Module:
+        if not is_sparse_layer(config, layer_index):
+            return super().make_mlp(config, ops, layer_index)
+        return SparseMoeBlock(config, ops, config.num_experts, config.num_experts_per_tok,
+                              config.moe_intermediate_size, bool(getattr(config, "norm_topk_prob", False)))
 
 
 class Qwen3MoeModel(LlamaModel):
