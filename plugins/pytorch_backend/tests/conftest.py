@@ -19,12 +19,13 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2")
 
 
 def tiny_config(arch: str, **overrides):
     """A 2-layer, hidden-64, 4-head / 2-KV-head config of ``arch``."""
     from transformers import (
+        Gemma2Config,
         Gemma3TextConfig,
         GraniteConfig,
         LlamaConfig,
@@ -73,6 +74,11 @@ def tiny_config(arch: str, **overrides):
                                            num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])),
         "mixtral": (MixtralConfig, dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
                                         intermediate_size=32, sliding_window=12)),
+        # Gemma 3's tiny layout without q/k norms, its attention scores soft-capped low enough to matter
+        "gemma2": (Gemma2Config, dict(
+            tie_word_embeddings=True, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=2.0,
+            final_logit_softcapping=30.0)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

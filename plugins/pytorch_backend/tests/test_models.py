@@ -16,7 +16,7 @@ from core_pytorch_backend.layers import allocate_kv_caches, unbind_kv_caches
 from core_pytorch_backend.loader import load_checkpoint
 
 NEW_TOKENS = 20
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2")
 
 
 def _step(model, chunks, computed, tables, block_size):
@@ -232,7 +232,7 @@ def test_layers_share_one_rotary_table_per_configuration(tiny_checkpoint_factory
     assert len(model.model.layers) > 1 and len(tables) == 1 and per_layer == tables
 
 
-@pytest.mark.parametrize("arch", ["granite", "gemma3_text"])  # logits_scaling; final_logit_softcapping
+@pytest.mark.parametrize("arch", ["granite", "gemma3_text", "gemma2"])  # logits_scaling; softcapping
 @torch.inference_mode()
 def test_logits_match_transformers(arch, tiny_checkpoint_factory):
     """Greedy parity cannot see a scale of the logits; sampling and logprobs do."""

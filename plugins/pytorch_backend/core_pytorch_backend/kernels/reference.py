@@ -41,8 +41,10 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each new token over its sequence's whole cached context.
+    """Causal attention of each new token over its sequence's whole cached context; ``softcap`` caps
+    each score as ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2).
 
     ``query`` is [T, Hq, D] (Hq a multiple of Hkv); the new tokens' K/V must already be in the
     cache. Single-token sequences (decode) run as one padded batch; longer chunks one by one.
@@ -52,10 +54,10 @@ def paged_attention(
     """
     plan = _decode_plan(meta, k_cache.shape[1], query.device)
     if plan is not None and plan.rows is None:  # a pure decode step: every row is a decode row
-        return _decode_attention(query, k_cache, v_cache, plan, scale, sliding_window)
-    out = paged_chunks(query, k_cache, v_cache, meta, scale, sliding_window)
+        return _decode_attention(query, k_cache, v_cache, plan, scale, sliding_window, softcap)
+    out = paged_chunks(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
     if plan is not None:
-        out[plan.rows] = _decode_attention(query[plan.rows], k_cache, v_cache, plan, scale, sliding_window)
+        out[plan.rows] = _decode_attention(query[plan.rows], k_cache, v_cache, plan, scale, sliding_window, softcap)
     return out
 
 
@@ -66,6 +68,7 @@ def paged_chunks(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``paged_attention``'s rows of the sequences with more than one new token; the rows of the others
     (decode rows) are left for the caller to fill."""
@@ -87,6 +90,7 @@ def paged_chunks(
             scale,
             sliding_window,
             spans[b] if spans else (),
+            softcap,
         )
     return out
 
@@ -147,7 +151,7 @@ def _decode_mask(plan: _DecodePlan, block_size: int, window: int | None, dtype: 
     return mask
 
 
-def _decode_attention(q, k_cache, v_cache, plan: _DecodePlan, scale, window) -> torch.Tensor:
+def _decode_attention(q, k_cache, v_cache, plan: _DecodePlan, scale, window, softcap=None) -> torch.Tensor:
     """q [B, Hq, D], one new token per sequence, as one masked SDPA over padded contexts."""
     b, hq, d = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -156,11 +160,11 @@ def _decode_attention(q, k_cache, v_cache, plan: _DecodePlan, scale, window) -> 
     v = v_cache.index_select(0, plan.blocks).view(b, length, hkv, d).transpose(1, 2)
     # Grouped-query attention without copying K/V per query head: the G query heads that share a
     # KV head become G query rows of that head.
-    out = _sdpa(q.view(b, hkv, hq // hkv, d), k, v, _decode_mask(plan, block_size, window, q.dtype), scale)
+    out = _sdpa(q.view(b, hkv, hq // hkv, d), k, v, _decode_mask(plan, block_size, window, q.dtype), scale, softcap)
     return out.reshape(b, hq, d)
 
 
-def _chunk_attention(q, k_cache, v_cache, table, seq_len, scale, window, spans=()) -> torch.Tensor:
+def _chunk_attention(q, k_cache, v_cache, table, seq_len, scale, window, spans=(), softcap=None) -> torch.Tensor:
     """q [n, Hq, D]: the last n tokens of one sequence of seq_len tokens (prefill or a chunk).
 
     ``spans``: ``[start, end)`` ranges whose tokens attend to each other both ways. The sliding window
@@ -187,15 +191,20 @@ def _chunk_attention(q, k_cache, v_cache, table, seq_len, scale, window, spans=(
         mask &= j > pos - window
     # The G query heads of one KV head, stacked as G * n query rows of that head (no K/V copies).
     rows = q.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * n, d)
-    out = _sdpa(rows, k[None], v[None], mask.repeat(group, 1)[None, None], scale)  # [1, Hkv, G*n, D]
+    out = _sdpa(rows, k[None], v[None], mask.repeat(group, 1)[None, None], scale, softcap)  # [1, Hkv, G*n, D]
     return out.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
 
 
-def _sdpa(q, k, v, mask, scale) -> torch.Tensor:
-    """SDPA over [B, H, Lq, D] queries and [B, H, L, D] keys/values (same number of heads)."""
+def _sdpa(q, k, v, mask, scale, softcap=None) -> torch.Tensor:
+    """SDPA over [B, H, Lq, D] queries and [B, H, L, D] keys/values (same number of heads); with ``softcap``
+    written out as transformers' eager Gemma 2 attention computes it (SDPA has no score hook)."""
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-2, -1)) * scale / softcap) * softcap
+    scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def rms_norm(

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..attention_metadata import AttentionMetadata
+from ..kernels import reference
 
 
 class Attention(nn.Module):
@@ -26,6 +27,7 @@ class Attention(nn.Module):
         ops: Any,
         sliding_window: int | None = None,
         layer_index: int = 0,
+        softcap: float | None = None,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -37,6 +39,7 @@ class Attention(nn.Module):
         self.ops = ops
         self.sliding_window = sliding_window
         self.layer_index = layer_index
+        self.softcap = softcap  # scores soft-capped (Gemma 2): the reference op, whatever the op set
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -67,7 +70,11 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         self.ops.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)
+        if self.softcap:
+            out = reference.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
+                                            self.softcap)
+        else:
+            out = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)
         return out.reshape(t, self.num_heads * self.head_dim)
 
 

@@ -17,6 +17,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "Olmo2ForCausalLM": "core_pytorch_backend.models.olmo2:Olmo2ForCausalLM",
     "Qwen3MoeForCausalLM": "core_pytorch_backend.models.qwen3_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "core_pytorch_backend.models.mixtral:MixtralForCausalLM",
+    "Gemma2ForCausalLM": "core_pytorch_backend.models.gemma2:Gemma2ForCausalLM",
     # Encoders: served on the pooling path (embeddings and scores), never generating.
     "BertModel": "core_pytorch_backend.models.bert:BertModel",
     # Vision-language checkpoints: their language model; the vision tower runs in core_vl_models.

@@ -11,8 +11,10 @@ What differs from Llama, following transformers' ``modeling_gemma3``:
 - sliding-window layers (``layer_types``) with their own rotary base (10,000) beside the global layers'
   (``rope_parameters`` per layer type, or the older ``rope_local_base_freq``); one rotary table per
   layer type, shared by the layers of that type;
-- optional final logit soft-capping. Attention-logit soft-capping (Gemma 2) and all-bidirectional
-  attention (EmbeddingGemma) are refused with a clear error.
+- optional final and attention-logit soft-capping (the attention scores' through the reference op:
+  layers.attention); all-bidirectional attention (EmbeddingGemma) is refused with a clear error.
+
+Gemma 2 (models/gemma2.py) is this decoder without the q/k norms, with one rotary table for every layer.
 
 The tokens of one image attend to each other both ways: the vision processor marks the request, the
 backend passes the spans to the attention op (``AttentionMetadata.bidirectional_spans``) and the
@@ -66,8 +68,6 @@ class GemmaRMSNorm(nn.Module):
 
 def check_supported(config: Any) -> None:
     """NotImplementedError naming the config field this implementation does not support."""
-    if getattr(config, "attn_logit_softcapping", None):
-        raise NotImplementedError("Gemma 3: attn_logit_softcapping is not supported (Gemma 3 checkpoints set None)")
     if getattr(config, "use_bidirectional_attention", False):
         raise NotImplementedError("Gemma 3: use_bidirectional_attention (an encoder, e.g. EmbeddingGemma) "
                                   "is not supported by a generation backend")
@@ -96,18 +96,19 @@ class Gemma3Attention(nn.Module):
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, heads, kv_heads, bias=spec.qkv_bias)
         self.o_proj = Linear(heads * self.head_dim, config.hidden_size, bias=spec.qkv_bias)
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, ops)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, ops)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, ops) if spec.qk_norm else None
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, ops) if spec.qk_norm else None
         self.rotary_emb = rotary_emb  # shared by the layers of this layer type
         scale = float(config.query_pre_attn_scalar) ** -0.5
         self.attn = Attention(heads, kv_heads, self.head_dim, scale, ops, spec.sliding_windows[layer_index],
-                              layer_index)
+                              layer_index, softcap=getattr(config, "attn_logit_softcapping", None))
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         t = q.shape[0]
-        q = self.q_norm(q.reshape(t, -1, self.head_dim))
-        k = self.k_norm(k.reshape(t, -1, self.head_dim))
+        q, k = q.reshape(t, -1, self.head_dim), k.reshape(t, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta))
 
@@ -164,11 +165,15 @@ class Gemma3Model(LlamaModel):
         head_dim = head_dim_of(config)
         max_positions = context_positions(config)
         ropes = {t: RotaryEmbedding(head_dim, max_positions, params, ops)
-                 for t, params in rope_parameters_by_layer_type(config).items()}
+                 for t, params in self.rope_parameters_by_layer_type(config).items()}
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(config, ops, spec, i, ropes[t]) for i, t in enumerate(layer_types_of(config))
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    @staticmethod
+    def rope_parameters_by_layer_type(config: Any) -> dict[str, dict[str, Any]]:
+        return rope_parameters_by_layer_type(config)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings times sqrt(hidden_size), the factor rounded to the weights' dtype first."""
