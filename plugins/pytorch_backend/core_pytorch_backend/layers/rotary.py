@@ -3,7 +3,12 @@ multimodal rotary embedding (M-RoPE: temporal, height and width positions on sec
 
 Each is computed as transformers' ``modeling_rope_utils`` computes it (the parity oracle), from the
 config's rope settings alone. ``dynamic`` (NTK) is refused: its frequencies change with the longest
-sequence in a batch, which a KV cache written at other frequencies cannot follow."""
+sequence in a batch, which a KV cache written at other frequencies cannot follow. So is ``longrope``
+(Phi-3.5, the 128k Phi-3 models): transformers switches from its short to its long factors for every
+position once a sequence passes ``original_max_position_embeddings``, recomputing the cache then (Phi-3's
+``prepare_inputs_for_generation``); a table of short factors below that position and long ones above (what
+a paged cache could hold) matched it only while the sequence stayed short and rotated early keys and late
+queries at different frequencies after (tried on a tiny Phi-3: generation diverged at the crossing)."""
 
 from __future__ import annotations
 
