@@ -19,7 +19,7 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe")
 
 
 def tiny_config(arch: str, **overrides):
@@ -34,6 +34,7 @@ def tiny_config(arch: str, **overrides):
         Olmo2Config,
         Phi3Config,
         Qwen2Config,
+        Qwen2MoeConfig,
         Qwen3Config,
         Qwen3MoeConfig,
         SmolLM3Config,
@@ -72,6 +73,9 @@ def tiny_config(arch: str, **overrides):
         # 4 experts of 32, two a token; the second layer a dense MLP
         "qwen3_moe": (Qwen3MoeConfig, dict(tie_word_embeddings=False, head_dim=16, num_experts=4,
                                            num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])),
+        # 4 routed experts of 32, two a token, and a shared expert of 48 behind its sigmoid gate
+        "qwen2_moe": (Qwen2MoeConfig, dict(tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=32, shared_expert_intermediate_size=48)),
         "mixtral": (MixtralConfig, dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
                                         intermediate_size=32, sliding_window=12)),
         # Gemma 3's tiny layout without q/k norms, its attention scores soft-capped low enough to matter

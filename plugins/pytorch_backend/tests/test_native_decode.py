@@ -222,7 +222,7 @@ def test_models_it_does_not_take_are_refused_at_start_with_the_reason(tiny_check
     assert granite.decode_path is None
     olmo2 = _runner(_load(tiny_checkpoint_factory("olmo2"), "int8"))  # post-norm layers: the modules
     assert olmo2.decode_path is None
-    for moe in ("qwen3_moe", "mixtral"):  # sparse experts: the modules
+    for moe in ("qwen3_moe", "qwen2_moe", "mixtral"):  # sparse experts: the modules
         assert _runner(_load(tiny_checkpoint_factory(moe), "int8")).decode_path is None
     packed = _load(path, "int8")
     assert make_native_decode(packed, device=CPU, enabled=False) is None  # --enforce-eager

@@ -16,6 +16,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "Phi3ForCausalLM": "core_pytorch_backend.models.phi3:Phi3ForCausalLM",
     "Olmo2ForCausalLM": "core_pytorch_backend.models.olmo2:Olmo2ForCausalLM",
     "Qwen3MoeForCausalLM": "core_pytorch_backend.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM": "core_pytorch_backend.models.qwen2_moe:Qwen2MoeForCausalLM",
     "MixtralForCausalLM": "core_pytorch_backend.models.mixtral:MixtralForCausalLM",
     "Gemma2ForCausalLM": "core_pytorch_backend.models.gemma2:Gemma2ForCausalLM",
     # Encoders: served on the pooling path (embeddings and scores), never generating.

@@ -1,4 +1,4 @@
-"""A sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router scores the experts, each token runs through
+"""A sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral): a router scores the experts, each token runs through
 its ``top_k`` best (softmax probabilities, renormalized over those when ``normalize``), and their outputs are
 summed with those weights, expert by expert in index order, as transformers does. Each expert is a SwiGLU
 ``LlamaMLP`` (gate_up_proj, down_proj), so it is quantized and multiplied like any projection; the router
@@ -15,13 +15,21 @@ from .llama import LlamaMLP
 
 
 class SparseMoeBlock(nn.Module):
-    """``experts`` SwiGLU MLPs of ``expert_size``; the router's weight is ``gate.weight`` [experts, hidden]."""
+    """``experts`` SwiGLU MLPs of ``expert_size``; the router's weight is ``gate.weight`` [experts, hidden].
+    ``shared_size``: also a shared expert every token runs through (Qwen2-MoE's ``shared_expert``), its
+    output scaled by ``sigmoid(shared_expert_gate(x))`` and added to the routed experts'."""
 
-    def __init__(self, config: Any, ops: Any, experts: int, top_k: int, expert_size: int, normalize: bool) -> None:
+    def __init__(self, config: Any, ops: Any, experts: int, top_k: int, expert_size: int, normalize: bool,
+                 shared_size: int | None = None) -> None:
         super().__init__()
         self.gate = nn.Linear(config.hidden_size, experts, bias=False)  # the router
         self.experts = nn.ModuleList(LlamaMLP(config, ops, expert_size) for _ in range(experts))
         self.top_k, self.normalize = top_k, normalize
+        if shared_size:
+            self.shared_expert = LlamaMLP(config, ops, shared_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(nn.functional.linear(hidden, self.gate.weight).float(), dim=-1)
@@ -34,4 +42,7 @@ class SparseMoeBlock(nn.Module):
             tokens, slot = torch.where(chosen == expert)
             part = self.experts[expert](hidden[tokens]) * weights[tokens, slot, None]
             out.index_add_(0, tokens, part.to(out.dtype))
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(nn.functional.linear(hidden, self.shared_expert_gate.weight))
+            out = out + gate * self.shared_expert(hidden)
         return out
