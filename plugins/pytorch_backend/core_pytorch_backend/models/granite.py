@@ -17,11 +17,7 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
         self.residual_multiplier = float(config.residual_multiplier)
 
     def forward(self, positions, hidden, residual, meta):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.normed_input(hidden, residual)
         hidden = self.self_attn(hidden, positions, meta) * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden) * self.residual_multiplier, residual  # the next norm adds it to the residual

@@ -125,12 +125,14 @@ class LlamaDecoderLayer(nn.Module):
         """The layer's MLP (the MoE models' layers build their experts here)."""
         return LlamaMLP(config, ops)
 
-    def forward(self, positions, hidden, residual, meta):
+    def normed_input(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the input norm of ``hidden + residual``, that sum); the first layer's residual is its input."""
         if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            return self.input_layernorm(hidden), hidden
+        return self.input_layernorm(hidden, residual)
+
+    def forward(self, positions, hidden, residual, meta):
+        hidden, residual = self.normed_input(hidden, residual)
         hidden = self.self_attn(hidden, positions, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual

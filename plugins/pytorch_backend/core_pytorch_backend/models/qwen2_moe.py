@@ -4,30 +4,11 @@ shared expert of ``shared_expert_intermediate_size`` behind a sigmoid gate (mode
 
 from __future__ import annotations
 
-from typing import Any
-
-from torch import nn
-
-from .llama import LlamaDecoderLayer, LlamaModel
 from .qwen2 import Qwen2ForCausalLM
-from .qwen3_moe import is_sparse_layer
-from .sparse_moe import SparseMoeBlock
-
-
-class Qwen2MoeDecoderLayer(LlamaDecoderLayer):
-    def make_mlp(self, config: Any, ops: Any, layer_index: int) -> nn.Module:
-        if not is_sparse_layer(config, layer_index):
-            return super().make_mlp(config, ops, layer_index)
-        return SparseMoeBlock(config, ops, config.num_experts, config.num_experts_per_tok,
-                              config.moe_intermediate_size, bool(getattr(config, "norm_topk_prob", False)),
-                              shared_size=config.shared_expert_intermediate_size)
-
-
-class Qwen2MoeModel(LlamaModel):
-    layer_class = Qwen2MoeDecoderLayer
+from .sparse_moe import QwenMoeModel
 
 
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
-    model_class = Qwen2MoeModel
+    model_class = QwenMoeModel
     #: experts are not split across ranks
     tensor_parallel_plan = None

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .llama import LlamaMLP
+from .llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 
 class SparseMoeBlock(nn.Module):
@@ -46,3 +46,26 @@ class SparseMoeBlock(nn.Module):
             gate = torch.sigmoid(nn.functional.linear(hidden, self.shared_expert_gate.weight))
             out = out + gate * self.shared_expert(hidden)
         return out
+
+
+def is_sparse_layer(config: Any, index: int) -> bool:
+    """Whether layer ``index`` of a Qwen MoE config has experts: every ``decoder_sparse_step``-th layer not in
+    ``mlp_only_layers`` (the others a dense MLP of ``intermediate_size``)."""
+    return (index not in (getattr(config, "mlp_only_layers", None) or ()) and config.num_experts > 0
+            and (index + 1) % config.decoder_sparse_step == 0)
+
+
+class QwenMoeDecoderLayer(LlamaDecoderLayer):
+    """Qwen2-MoE's and Qwen3-MoE's layer: experts of ``moe_intermediate_size`` where ``is_sparse_layer``
+    (with Qwen2-MoE's shared expert where the config sizes one)."""
+
+    def make_mlp(self, config: Any, ops: Any, layer_index: int) -> nn.Module:
+        if not is_sparse_layer(config, layer_index):
+            return super().make_mlp(config, ops, layer_index)
+        return SparseMoeBlock(config, ops, config.num_experts, config.num_experts_per_tok,
+                              config.moe_intermediate_size, bool(getattr(config, "norm_topk_prob", False)),
+                              shared_size=getattr(config, "shared_expert_intermediate_size", None))
+
+
+class QwenMoeModel(LlamaModel):
+    layer_class = QwenMoeDecoderLayer
