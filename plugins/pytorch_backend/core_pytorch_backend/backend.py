@@ -55,8 +55,8 @@ class PytorchOptions:
     :param enforce_eager: run every step through the model's modules: no CUDA graphs on a GPU, no native
         decode stack on the CPU (``--enforce-eager``).
     :param amx_rows: on a CPU with AMX tiles, which rows the packed weights multiply on them
-        (native/tile_rows.py, ``--amx-rows``): ``prompt`` (prompt tokens) or ``all`` (every decoder row,
-        generated tokens too, in the native decode stack as well).
+        (native/tile_rows.py, ``--amx-rows``): ``prompt`` (prompt tokens) or ``all`` (every row,
+        generated tokens' and the LM head's too, in the native decode stack as well).
     """
 
     kv_cache_memory_fraction: float = 0.85

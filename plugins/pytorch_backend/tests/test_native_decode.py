@@ -194,18 +194,43 @@ def test_a_step_marks_its_prompt_tokens_rows_and_then_never_takes_the_stack(tiny
 
 
 @pytest.mark.skipif(available() is None or not available().uses_amx, reason="no AMX tiles here")
+@pytest.mark.parametrize("row_groups", [False, True])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_with_every_row_marked_the_stack_multiplies_on_the_tiles_as_the_modules_do(tiny_checkpoint_factory,
-                                                                                  native_packed, quantization):
+                                                                                  native_packed, monkeypatch,
+                                                                                  quantization, row_groups):
     """--amx-rows all: the stack's packed matmuls take the tile loop (decoder.tiles), bit for bit the modules'
-    NativeWeight on the tiles, and not the VNNI loop's results."""
+    NativeWeight on the tiles, and not the VNNI loop's results; also where the step is large enough for the
+    row-group path (which the tiles skip: all the rows in one call, each weight dequantized once)."""
+    if row_groups:
+        monkeypatch.setattr("core_pytorch_backend.native_decode.GROUP_ROWS", 1)
+        monkeypatch.setattr("core_pytorch_backend.native_decode.row_group_from", lambda: 2)
     runner = _runner(_load(tiny_checkpoint_factory("llama"), quantization))
-    with tile_rows.prompt_token_rows(tile_rows.TileRows(3)):
+    with _threads(2), tile_rows.prompt_token_rows(tile_rows.TileRows(3)):
         _decode_both_ways(runner, steps=3)
     step = _step([n + 3 for n in PROMPT_LENS], [1, 1, 1], seed=9)
     with tile_rows.prompt_token_rows(tile_rows.TileRows(3)):
         tiled = runner.decode_path.run(runner.model, step)
     assert not torch.equal(tiled, runner.decode_path.run(runner.model, step))
+
+
+@pytest.mark.skipif(available() is None or not available().uses_amx, reason="no AMX tiles here")
+def test_the_lm_head_takes_the_tiles_under_the_all_rule_and_the_vnni_loop_under_prompt(tiny_checkpoint_factory,
+                                                                                       native_packed):
+    runner = _runner(_load(tiny_checkpoint_factory("llama"), "int8"))
+    head = runner.model.lm_head.weight  # a NativeWeight
+    hidden = torch.randn(5, head.shape[1], generator=torch.Generator().manual_seed(3))
+    vnni, tiles = head.linear(hidden, None, tiles=False), head.linear(hidden, None, tiles=True)
+    assert not torch.equal(vnni, tiles)
+    assert torch.equal(runner.logits(hidden), vnni)  # the prompt rule: no row of the head is a prompt token's
+    runner.tile_rule = "all"
+    assert torch.equal(runner.logits(hidden), tiles)
+    prefill = _step([0, 0, 0], PROMPT_LENS, seed=0)  # a step's sampling rows too
+    runner.zero_blocks(range(50))
+    with torch.inference_mode(), tile_rows.prompt_token_rows(tile_rows.TileRows(sum(PROMPT_LENS))):
+        last = runner.model(prefill.input_ids, prefill.positions, prefill.meta).index_select(0, prefill.sample_indices)
+    runner.zero_blocks(range(50))
+    assert torch.equal(runner.execute(prefill), head.linear(last, None, tiles=True))
 
 
 def test_models_it_does_not_take_are_refused_at_start_with_the_reason(tiny_checkpoint_factory, native_packed,
