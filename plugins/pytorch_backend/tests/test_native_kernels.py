@@ -255,6 +255,42 @@ def tile_kernels(kernels):
     return kernels
 
 
+def _tile_arithmetic(codes: AffineWeight, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """`tdpbf16ps`'s arithmetic exactly (DESIGN.md): the weights and activations rounded as in _bf16_oracle;
+    per group of 32 inputs (one tile product of 16 pairs) two float32 chains from zero, over the pairs' first
+    and second elements in order (each product of two bfloat16 values is exact in float32, so each step
+    rounds once, as an FMA), and the row's sum += first + second."""
+    scale = np.repeat(codes.scale.astype(np.float64), codes.group_size, axis=1)[:, : codes.q.shape[1]]
+    offset = np.repeat(codes.offset.astype(np.float64), codes.group_size, axis=1)[:, : codes.q.shape[1]]
+    k = codes.q.shape[1]
+    padded = (k + 31) // 32 * 32
+    weights = torch.zeros(codes.q.shape[0], padded)
+    weights[:, :k] = torch.from_numpy((codes.q.astype(np.float64) * scale + offset).astype(np.float32)).bfloat16().float()
+    acts = torch.zeros(x.shape[0], padded)
+    acts[:, :k] = x.bfloat16().float()
+    total = torch.zeros(x.shape[0], codes.q.shape[0])
+    for group in range(padded // 32):
+        first, second = torch.zeros_like(total), torch.zeros_like(total)
+        for pair in range(16):
+            at = 32 * group + 2 * pair
+            first = first + acts[:, at, None] * weights[None, :, at]
+            second = second + acts[:, at + 1, None] * weights[None, :, at + 1]
+        total = total + (first + second)
+    return total + bias
+
+
+@TILES
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 33])
+def test_the_tile_loop_gives_the_tiles_arithmetic_bit_for_bit(tile_kernels, bits, rows):
+    """The tile loop's results are exactly the arithmetic _tile_arithmetic writes down (what a vector loop
+    must do to give the same results: DESIGN.md, the AMX tile loop)."""
+    codes = _weight(72, 1536, bits)
+    weight = NativeWeight.from_affine(codes, tile_kernels)
+    x, bias = torch.randn(rows, 1536), torch.randn(72)
+    assert torch.equal(weight.linear(x, bias, tiles=True), _tile_arithmetic(codes, x, bias))
+
+
 @TILES
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("shape", [(48, 256), (40, 96), (16, 32), (72, 128), (576, 1536)])
