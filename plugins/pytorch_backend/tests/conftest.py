@@ -19,7 +19,8 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
+         "gemma")
 
 
 def tiny_config(arch: str, **overrides):
@@ -27,6 +28,7 @@ def tiny_config(arch: str, **overrides):
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
+        GemmaConfig,
         GraniteConfig,
         LlamaConfig,
         MistralConfig,
@@ -83,6 +85,7 @@ def tiny_config(arch: str, **overrides):
             tie_word_embeddings=True, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
             layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=2.0,
             final_logit_softcapping=30.0)),
+        "gemma": (GemmaConfig, dict(tie_word_embeddings=True, head_dim=16)),  # Llama's layout, Gemma's parts
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

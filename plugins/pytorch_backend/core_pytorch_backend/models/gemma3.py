@@ -99,7 +99,7 @@ class Gemma3Attention(nn.Module):
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, ops) if spec.qk_norm else None
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, ops) if spec.qk_norm else None
         self.rotary_emb = rotary_emb  # shared by the layers of this layer type
-        scale = float(config.query_pre_attn_scalar) ** -0.5
+        scale = float(getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5  # Gemma: head_dim
         self.attn = Attention(heads, kv_heads, self.head_dim, scale, ops, spec.sliding_windows[layer_index],
                               layer_index, softcap=getattr(config, "attn_logit_softcapping", None))
 
@@ -114,12 +114,13 @@ class Gemma3Attention(nn.Module):
 
 
 class Gemma3MLP(nn.Module):
-    def __init__(self, config: Any, ops: Any):
+    def __init__(self, config: Any, ops: Any, activation: str | None = None):
         super().__init__()
         inter = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], ("gate", "up"))
         self.down_proj = Linear(inter, config.hidden_size)
-        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or "gelu_pytorch_tanh"
+        act = (activation or getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+               or "gelu_pytorch_tanh")
         self.act_fn = get_act_and_mul(act, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
