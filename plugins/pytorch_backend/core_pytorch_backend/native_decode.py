@@ -184,6 +184,8 @@ def describe(model: nn.Module) -> _Plan:
         raise DoesNotFit(f"{head_dim}-wide heads in groups of {heads // kv_heads}")
     if not isinstance(rotary, RotaryEmbedding) or rotary.cos_cache.dtype not in _STEP_DTYPES:
         raise DoesNotFit("an unsupported rotary embedding")
+    if rotary.rotary_dim != rotary.head_dim:
+        raise DoesNotFit("rotary on part of each head (partial_rotary_factor)")
     keep: list[torch.Tensor] = [rotary.cos_cache, rotary.sin_cache]
     spec = _Decoder(hidden=first.input_layernorm.weight.shape[0], heads=heads, kv_heads=kv_heads,
                     head_dim=head_dim, inter=mlp.down_proj.input_size, dtype=DTYPE_CODES[dtype],

@@ -20,7 +20,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
-         "gemma")
+         "gemma", "stablelm")
 
 
 def tiny_config(arch: str, **overrides):
@@ -40,6 +40,7 @@ def tiny_config(arch: str, **overrides):
         Qwen3Config,
         Qwen3MoeConfig,
         SmolLM3Config,
+        StableLmConfig,
     )
 
     common = dict(
@@ -86,6 +87,8 @@ def tiny_config(arch: str, **overrides):
             layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=2.0,
             final_logit_softcapping=30.0)),
         "gemma": (GemmaConfig, dict(tie_word_embeddings=True, head_dim=16)),  # Llama's layout, Gemma's parts
+        # LayerNorm, q/k/v biases, rotary on a quarter of each head (StableLM 2 1.6B's layout)
+        "stablelm": (StableLmConfig, dict(tie_word_embeddings=False, use_qkv_bias=True)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

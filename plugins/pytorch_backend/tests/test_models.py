@@ -17,7 +17,7 @@ from core_pytorch_backend.loader import load_checkpoint
 
 NEW_TOKENS = 20
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
-         "gemma")
+         "gemma", "stablelm")
 
 
 def _step(model, chunks, computed, tables, block_size):
@@ -158,6 +158,11 @@ VARIANTS = {
                                                                                       "full_attention"])),
     "smollm3-attention-bias": ("smollm3", dict(attention_bias=True, tie_word_embeddings=False)),
     "phi3-sliding-window": ("phi3", dict(sliding_window=6)),
+    # StableLM 2 12B's layout: a LayerNorm per head of q and k, attention and MLP on one input norm
+    "stablelm-parallel-qk-layernorm": ("stablelm", dict(use_parallel_residual=True, qk_layernorm=True)),
+    # rotary on the first 12 of each head's 16 values (Phi-4-mini's 0.75), the rest passed through
+    "phi3-partial-rotary": ("phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                          "partial_rotary_factor": 0.75})),
     "qwen3-moe-normalized-top-3-every-layer": ("qwen3_moe", dict(norm_topk_prob=True, num_experts_per_tok=3,
                                                                  mlp_only_layers=[])),
 }
@@ -251,12 +256,12 @@ def test_logits_match_transformers(arch, tiny_checkpoint_factory):
     torch.testing.assert_close(ours.compute_logits(hidden), expected, rtol=1e-4, atol=1e-4)
 
 
-def test_partial_rotary_and_longrope_are_refused_at_load(tiny_checkpoint_factory):
-    """Rotary on part of each head (Phi-4-mini's 0.75) or LongRoPE would give wrong text, not an error."""
-    partial = tiny_checkpoint_factory("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                              "partial_rotary_factor": 0.75})
-    with pytest.raises(NotImplementedError, match="partial_rotary_factor 0.75"):
-        load_checkpoint(partial, dtype="float32")
+def test_longrope_and_odd_partial_rotary_are_refused_at_load(tiny_checkpoint_factory):
+    """LongRoPE would give wrong text past its original context (layers/rotary.py), not an error."""
+    odd = tiny_checkpoint_factory("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                          "partial_rotary_factor": 0.35})
+    with pytest.raises(NotImplementedError, match="partial_rotary_factor 0.35 gives 5 rotated"):
+        load_checkpoint(odd, dtype="float32")
     longrope = tiny_checkpoint_factory("phi3", original_max_position_embeddings=64, rope_parameters={
         "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8})
     with pytest.raises(NotImplementedError, match="longrope"):

@@ -249,6 +249,9 @@ def test_models_it_does_not_take_are_refused_at_start_with_the_reason(tiny_check
     assert olmo2.decode_path is None
     for moe in ("qwen3_moe", "qwen2_moe", "mixtral"):  # sparse experts: the modules
         assert _runner(_load(tiny_checkpoint_factory(moe), "int8")).decode_path is None
+    partial = tiny_checkpoint_factory("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                              "partial_rotary_factor": 0.75})
+    assert _runner(_load(partial, "int8")).decode_path is None  # rotary on part of each head: the modules
     packed = _load(path, "int8")
     assert make_native_decode(packed, device=CPU, enabled=False) is None  # --enforce-eager
     runner = ModelRunner(packed, block_size=BLOCK, num_blocks=64, device=CPU, dtype=torch.float32)

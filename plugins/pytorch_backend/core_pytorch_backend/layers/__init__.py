@@ -11,12 +11,13 @@ from .attention import (
 )
 from .embedding import LMHead, VocabEmbedding
 from .linear import Linear, MergedLinear, QKVLinear
-from .norm import RMSNorm
+from .norm import LayerNorm, RMSNorm
 from .rotary import RotaryEmbedding, get_rope, rope_parameters
 
 __all__ = [
     "Attention",
     "LMHead",
+    "LayerNorm",
     "Linear",
     "MergedLinear",
     "QKVLinear",

@@ -108,15 +108,21 @@ def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds float32 cos/sin tables for every position; ``forward(positions, q, k)`` rotates q and k."""
+    """Holds float32 cos/sin tables for every position; ``forward(positions, q, k)`` rotates q and k.
 
-    def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any], ops: Any):
+    ``rotary_dim`` below ``head_dim`` (``partial_rotary_factor``: StableLM's 0.25, Phi-4-mini's 0.75)
+    rotates each head's first ``rotary_dim`` values, with frequencies of that width, and passes the rest
+    through, as transformers does."""
+
+    def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any], ops: Any,
+                 rotary_dim: int | None = None):
         super().__init__()
         self.ops = ops
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
         # where YaRN's factor or original context is missing, context_positions left max_positions at
         # max_position_embeddings: the value transformers falls back on
-        inv_freq, scaling = rope_frequencies(head_dim, params, max_positions)
+        inv_freq, scaling = rope_frequencies(self.rotary_dim, params, max_positions)
         t = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
         freqs = torch.outer(t, inv_freq.to(t.device))
         cos, sin = freqs.cos(), freqs.sin()
@@ -130,7 +136,13 @@ class RotaryEmbedding(nn.Module):
         q_shape, k_shape = q.shape, k.shape
         q = q.reshape(q.shape[0], -1, self.head_dim)
         k = k.reshape(k.shape[0], -1, self.head_dim)
-        q, k = self.ops.apply_rotary(q, k, positions, self.cos_cache, self.sin_cache)
+        if self.rotary_dim == self.head_dim:
+            q, k = self.ops.apply_rotary(q, k, positions, self.cos_cache, self.sin_cache)
+        else:
+            part = self.rotary_dim
+            q_rot, k_rot = self.ops.apply_rotary(q[..., :part].contiguous(), k[..., :part].contiguous(), positions,
+                                                 self.cos_cache, self.sin_cache)
+            q, k = torch.cat((q_rot, q[..., part:]), dim=-1), torch.cat((k_rot, k[..., part:]), dim=-1)
         return q.reshape(q_shape), k.reshape(k_shape)
 
 
@@ -176,12 +188,26 @@ def context_positions(config: Any) -> int:
 def get_rope(config: Any, head_dim: int, ops: Any) -> RotaryEmbedding:
     """The rotary embedding an HF decoder config asks for (M-RoPE when it names an mrope_section)."""
     params = rope_parameters(config)
-    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
-    if partial not in (None, 1, 1.0):  # Phi-4-mini's 0.75: rotary on part of each head, not done here
-        raise NotImplementedError(f"partial_rotary_factor {partial} is not supported (rotary on whole heads only)")
     max_positions = context_positions(config)
     section = params.get("mrope_section")
+    rotary_dim = rotary_dim_of(config, head_dim)
     if section:
+        if rotary_dim != head_dim:
+            raise NotImplementedError("M-RoPE with a partial_rotary_factor is not supported")
         return MRotaryEmbedding(head_dim, max_positions, params, ops, list(section))
-    return RotaryEmbedding(head_dim, max_positions, params, ops)
+    return RotaryEmbedding(head_dim, max_positions, params, ops, rotary_dim)
+
+
+def rotary_dim_of(config: Any, head_dim: int) -> int:
+    """The values of each head that rotary rotates: ``head_dim * partial_rotary_factor`` (transformers'
+    ``rope_parameters`` or the config's own field; 1 where neither sets it)."""
+    params = rope_parameters(config)
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if partial in (None, 1, 1.0):
+        return head_dim
+    rotary_dim = int(head_dim * float(partial))
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise NotImplementedError(f"partial_rotary_factor {partial} gives {rotary_dim} rotated values of a head of "
+                                  f"{head_dim}: an even number from 2 to the head's width is supported")
+    return rotary_dim
 

@@ -1,7 +1,8 @@
 """Phi-3 (Phi-3-mini-4k and Phi-3-medium-4k style): Llama whose checkpoints store q/k/v and gate/up fused, as
 the model keeps them (``qkv_proj``, ``gate_up_proj``), with ``sliding_window`` on every layer when set.
-Rotary on whole heads with default, linear, llama3 or yarn frequencies: the 128k variants' and Phi-3.5's
-LongRoPE and Phi-4-mini's partial rotary are refused at load (layers.rotary)."""
+Rotary with default, linear, llama3 or yarn frequencies, on whole heads or part of each
+(``partial_rotary_factor``); the LongRoPE of the 128k variants, Phi-3.5 and Phi-4-mini is refused at load
+(layers.rotary)."""
 
 from __future__ import annotations
 
