@@ -20,7 +20,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
-         "gemma", "stablelm")
+         "gemma", "stablelm", "starcoder2")
 
 
 def tiny_config(arch: str, **overrides):
@@ -41,6 +41,7 @@ def tiny_config(arch: str, **overrides):
         Qwen3MoeConfig,
         SmolLM3Config,
         StableLmConfig,
+        Starcoder2Config,
     )
 
     common = dict(
@@ -89,6 +90,8 @@ def tiny_config(arch: str, **overrides):
         "gemma": (GemmaConfig, dict(tie_word_embeddings=True, head_dim=16)),  # Llama's layout, Gemma's parts
         # LayerNorm, q/k/v biases, rotary on a quarter of each head (StableLM 2 1.6B's layout)
         "stablelm": (StableLmConfig, dict(tie_word_embeddings=False, use_qkv_bias=True)),
+        # LayerNorm, biases everywhere, an ungated GELU-tanh MLP, every layer in a window of 6
+        "starcoder2": (Starcoder2Config, dict(tie_word_embeddings=True, sliding_window=6)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

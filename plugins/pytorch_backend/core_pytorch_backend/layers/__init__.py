@@ -1,6 +1,6 @@
 """Building blocks of the pytorch backend's models; each receives the ops namespace it runs on."""
 
-from .activation import SiluAndMul, get_act_and_mul
+from .activation import Activation, SiluAndMul, get_act_and_mul
 from .attention import (
     Attention,
     allocate_kv_caches,
@@ -15,6 +15,7 @@ from .norm import LayerNorm, RMSNorm
 from .rotary import RotaryEmbedding, get_rope, rope_parameters
 
 __all__ = [
+    "Activation",
     "Attention",
     "LMHead",
     "LayerNorm",

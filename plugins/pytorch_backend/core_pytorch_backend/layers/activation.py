@@ -1,10 +1,12 @@
-"""Gated activations of a merged [gate | up] projection: ``act(gate) * up``."""
+"""Gated activations of a merged [gate | up] projection, ``act(gate) * up``, and plain ones (``act(x)``)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -42,3 +44,27 @@ def get_act_and_mul(hidden_act: str, ops: Any) -> nn.Module:
             f"hidden_act {hidden_act!r} is not supported (supported: {', '.join(sorted(ACT_AND_MUL))})"
         )
     return layer(ops)
+
+
+def _gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's tanh GELU, written as transformers' ``NewGELUActivation`` writes it (the same values)."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+# HF ``hidden_act`` names -> the ungated activation, the same torch calls as transformers' ACT2FN.
+ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "gelu_new": _gelu_new,
+               "silu": F.silu, "swish": F.silu, "relu": F.relu}
+
+
+class Activation(nn.Module):
+    """An ungated activation (StarCoder 2's MLP: ``c_proj(act(c_fc(x)))``)."""
+
+    def __init__(self, hidden_act: str):
+        super().__init__()
+        if hidden_act not in ACTIVATIONS:
+            raise NotImplementedError(
+                f"hidden_act {hidden_act!r} is not supported (supported: {', '.join(sorted(ACTIVATIONS))})")
+        self.hidden_act = hidden_act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ACTIVATIONS[self.hidden_act](x)

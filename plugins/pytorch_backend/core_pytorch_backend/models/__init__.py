@@ -21,6 +21,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "core_pytorch_backend.models.gemma2:Gemma2ForCausalLM",
     "GemmaForCausalLM": "core_pytorch_backend.models.gemma:GemmaForCausalLM",
     "StableLmForCausalLM": "core_pytorch_backend.models.stablelm:StableLmForCausalLM",
+    "Starcoder2ForCausalLM": "core_pytorch_backend.models.starcoder2:Starcoder2ForCausalLM",
     # Encoders: served on the pooling path (embeddings and scores), never generating.
     "BertModel": "core_pytorch_backend.models.bert:BertModel",
     # Vision-language checkpoints: their language model; the vision tower runs in core_vl_models.

@@ -149,7 +149,11 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             self.layer_class(config, ops, spec, i, rotary) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.norm = self.make_norm(config, ops)
+
+    def make_norm(self, config: Any, ops: Any) -> nn.Module:
+        """The final norm (and models that use LayerNorm build theirs here)."""
+        return RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings (models that scale them override this)."""

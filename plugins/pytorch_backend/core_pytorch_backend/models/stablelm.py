@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from ..attention_metadata import AttentionMetadata
-from ..layers import LayerNorm, RotaryEmbedding, VocabEmbedding, get_rope
-from .llama import DecoderSpec, LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, head_dim_of
+from ..layers import LayerNorm, RotaryEmbedding
+from .llama import DecoderSpec, LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 
 class LayerNormPerHead(nn.Module):
@@ -71,13 +71,10 @@ class StableLmDecoderLayer(nn.Module):
 
 
 class StableLmModel(LlamaModel):
-    def __init__(self, config: Any, ops: Any, spec: DecoderSpec):
-        nn.Module.__init__(self)  # not LlamaModel's: its final norm is an RMSNorm
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        rotary = get_rope(config, head_dim_of(config), ops)
-        self.layers = nn.ModuleList(StableLmDecoderLayer(config, ops, spec, i, rotary)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps)
+    layer_class = StableLmDecoderLayer
+
+    def make_norm(self, config: Any, ops: Any) -> nn.Module:
+        return LayerNorm(config.hidden_size, config.layer_norm_eps)
 
 
 class StableLmForCausalLM(LlamaForCausalLM):
