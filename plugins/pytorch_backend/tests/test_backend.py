@@ -245,9 +245,9 @@ def test_a_checkpoint_setting_no_layer_implements_is_a_clear_start_up_error(tiny
     """`core serve` prints a CoreError as one line (a NotImplementedError was a traceback)."""
     from core.errors import UnsupportedError
 
-    path = tiny_checkpoint_factory("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0,
-                                                             "rope_theta": 10000.0})
-    with pytest.raises(UnsupportedError, match="rope_type 'dynamic' is not supported"):
+    path = tiny_checkpoint_factory("phi3", original_max_position_embeddings=64, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8})
+    with pytest.raises(UnsupportedError, match="rope_type 'longrope' is not supported"):
         make_backend(path)
 
 

@@ -121,13 +121,14 @@ def test_chunked_prefill_with_cached_prefix(pair):
             "rope_theta": 10000.0,
         },
         {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},  # within max_position_embeddings
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0},
         {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 12, "rope_theta": 500.0,
          "beta_fast": 16, "beta_slow": 2, "mscale": 0.8, "mscale_all_dim": 0.6, "truncate": False},
         {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 20, "rope_theta": 10000.0,
          "attention_factor": 1.3},
     ],
-    ids=["llama3", "linear", "yarn", "yarn-mscale-untruncated", "yarn-attention-factor"],
+    ids=["llama3", "linear", "dynamic", "yarn", "yarn-mscale-untruncated", "yarn-attention-factor"],
 )
 def test_rope_scaling_parity(rope, tiny_checkpoint_factory):
     from transformers import AutoModelForCausalLM

@@ -2,8 +2,10 @@
 multimodal rotary embedding (M-RoPE: temporal, height and width positions on sections of the head).
 
 Each is computed as transformers' ``modeling_rope_utils`` computes it (the parity oracle), from the
-config's rope settings alone. ``dynamic`` (NTK) is refused: its frequencies change with the longest
-sequence in a batch, which a KV cache written at other frequencies cannot follow. So is ``longrope``
+config's rope settings alone. ``dynamic`` (NTK) has the default frequencies up to
+``max_position_embeddings``, where transformers starts changing them with the longest sequence (which a
+KV cache written at other frequencies cannot follow): that is the context served for it
+(``context_positions``), so its text is transformers' throughout. ``longrope`` is refused
 (Phi-3.5, the 128k Phi-3 models): transformers switches from its short to its long factors for every
 position once a sequence passes ``original_max_position_embeddings``, recomputing the cache then (Phi-3's
 ``prepare_inputs_for_generation``); a table of short factors below that position and long ones above (what
@@ -18,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn")
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -95,10 +97,10 @@ def rope_frequencies(head_dim: int, params: dict[str, Any], max_positions: int) 
 
 
 def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
-    """The inverse frequencies of the rope types that scale nothing else (default, linear, llama3)."""
+    """The inverse frequencies of the rope types that scale nothing else (default, dynamic, linear, llama3)."""
     rope_type = params["rope_type"]
     inv_freq = default_inv_freq(head_dim, float(params["rope_theta"]))
-    if rope_type == "default":
+    if rope_type in ("default", "dynamic"):  # dynamic: the default ones within max_position_embeddings
         return inv_freq
     if rope_type == "linear":
         return inv_freq / params["factor"]
