@@ -20,7 +20,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
-         "gemma", "stablelm", "starcoder2")
+         "gemma", "stablelm", "starcoder2", "gpt_neox")
 
 
 def tiny_config(arch: str, **overrides):
@@ -29,6 +29,7 @@ def tiny_config(arch: str, **overrides):
         Gemma2Config,
         Gemma3TextConfig,
         GemmaConfig,
+        GPTNeoXConfig,
         GraniteConfig,
         LlamaConfig,
         MistralConfig,
@@ -92,6 +93,8 @@ def tiny_config(arch: str, **overrides):
         "stablelm": (StableLmConfig, dict(tie_word_embeddings=False, use_qkv_bias=True)),
         # LayerNorm, biases everywhere, an ungated GELU-tanh MLP, every layer in a window of 6
         "starcoder2": (Starcoder2Config, dict(tie_word_embeddings=True, sliding_window=6)),
+        # Pythia's layout: q/k/v fused head by head, rotary on a quarter of each head, parallel residual
+        "gpt_neox": (GPTNeoXConfig, dict(tie_word_embeddings=False, num_key_value_heads=None)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

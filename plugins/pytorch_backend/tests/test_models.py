@@ -17,7 +17,7 @@ from core_pytorch_backend.loader import load_checkpoint
 
 NEW_TOKENS = 20
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
-         "gemma", "stablelm", "starcoder2")
+         "gemma", "stablelm", "starcoder2", "gpt_neox")
 
 
 def _step(model, chunks, computed, tables, block_size):
@@ -161,6 +161,7 @@ VARIANTS = {
     "phi3-sliding-window": ("phi3", dict(sliding_window=6)),
     # StableLM 2 12B's layout: a LayerNorm per head of q and k, attention and MLP on one input norm
     "stablelm-parallel-qk-layernorm": ("stablelm", dict(use_parallel_residual=True, qk_layernorm=True)),
+    "gpt-neox-sequential-residual": ("gpt_neox", dict(use_parallel_residual=False)),
     # rotary on the first 12 of each head's 16 values (Phi-4-mini's 0.75), the rest passed through
     "phi3-partial-rotary": ("phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                           "partial_rotary_factor": 0.75})),
@@ -240,7 +241,7 @@ def test_layers_share_one_rotary_table_per_configuration(tiny_checkpoint_factory
 
 
 # logits_scaling; soft caps; activations and norms whose small differences greedy tokens may not show
-@pytest.mark.parametrize("arch", ["granite", "gemma3_text", "gemma2", "gemma", "stablelm", "starcoder2"])
+@pytest.mark.parametrize("arch", ["granite", "gemma3_text", "gemma2", "gemma", "stablelm", "starcoder2", "gpt_neox"])
 @torch.inference_mode()
 def test_logits_match_transformers(arch, tiny_checkpoint_factory):
     """Greedy parity cannot see a scale of the logits; sampling and logprobs do."""
@@ -268,3 +269,25 @@ def test_longrope_and_odd_partial_rotary_are_refused_at_load(tiny_checkpoint_fac
         "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8})
     with pytest.raises(NotImplementedError, match="longrope"):
         load_checkpoint(longrope, dtype="float32")
+
+
+def test_gpt_neox_reads_either_head_name_and_skips_older_buffers(tiny_checkpoint_factory, tmp_path):
+    """transformers saves the LM head as embed_out (Pythia's name); a file may name it lm_head, and older
+    ones keep the causal mask and rotary buffers beside the weights: the same text from each."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_checkpoint_factory("gpt_neox")
+    older = tmp_path / "older"
+    shutil.copytree(path, older)
+    (weights,) = older.glob("*.safetensors")
+    tensors = load_file(weights)
+    tensors["lm_head.weight"] = tensors.pop("embed_out.weight")
+    tensors["gpt_neox.layers.0.attention.bias"] = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+    tensors["gpt_neox.layers.0.attention.masked_bias"] = torch.tensor(-1e9)
+    tensors["gpt_neox.layers.0.attention.rotary_emb.inv_freq"] = torch.ones(2)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    prompts = _prompts([9], seed=3)
+    expected = paged_greedy(load_checkpoint(path, dtype="float32").model, prompts)
+    assert paged_greedy(load_checkpoint(older, dtype="float32").model, prompts) == expected

@@ -22,6 +22,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "GemmaForCausalLM": "core_pytorch_backend.models.gemma:GemmaForCausalLM",
     "StableLmForCausalLM": "core_pytorch_backend.models.stablelm:StableLmForCausalLM",
     "Starcoder2ForCausalLM": "core_pytorch_backend.models.starcoder2:Starcoder2ForCausalLM",
+    "GPTNeoXForCausalLM": "core_pytorch_backend.models.gpt_neox:GPTNeoXForCausalLM",
     # Encoders: served on the pooling path (embeddings and scores), never generating.
     "BertModel": "core_pytorch_backend.models.bert:BertModel",
     # Vision-language checkpoints: their language model; the vision tower runs in core_vl_models.
