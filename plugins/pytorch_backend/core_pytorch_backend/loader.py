@@ -46,8 +46,9 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("auto", "none", *QUANTIZE_MODES)
-# 2: the dequantized weights are optional (packed serving needs none); 3: head_dim from the file (gguf_config)
-GGUF_CACHE_VERSION = 3
+# 2: the dequantized weights are optional (packed serving needs none); 3: head_dim from the file (gguf_config);
+# 4: rope base and rotated width from the file
+GGUF_CACHE_VERSION = 4
 _COMPLETE_MARKER = ".complete"
 _WEIGHTS_MARKER = ".weights-complete"
 
@@ -408,10 +409,12 @@ def gguf_fingerprint(gguf: Path) -> str:
 
 
 def gguf_config(gguf: Path) -> Any:
-    """transformers' config of a GGUF file, with the attention heads' width the file states
-    (``{arch}.attention.key_length``) where the config has a ``head_dim`` and says otherwise: transformers'
-    GGUF mapping for some architectures lacks that key (Qwen3's, in transformers 5.x: a file whose heads are
-    not 128 wide got 128, and its q/k norms' weights did not fit)."""
+    """transformers' config of a GGUF file, completed from the file where transformers' GGUF mapping for its
+    architecture lacks a key the file states: the attention heads' width (``{arch}.attention.key_length``;
+    Qwen3's mapping in transformers 5.x: a file whose heads are not 128 wide got 128, and its q/k norms'
+    weights did not fit), the rotary base (``{arch}.rope.freq_base``; StarCoder 2's and StableLM's: a
+    StarCoder 2 file got the config class's default of 10,000, not its own) and the values of each head
+    rotary turns (``{arch}.rope.dimension_count``; StableLM's: the default quarter whatever the file said)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -424,7 +427,28 @@ def gguf_config(gguf: Path) -> Any:
         log.info("%s: head_dim %d from the file's %s.attention.key_length (transformers' config said %d)",
                  gguf.name, key_length, architecture, config.head_dim)
         config.head_dim = key_length
+    _rope_from_file(config, metadata, architecture, gguf.name)
     return config
+
+
+def _rope_from_file(config: Any, metadata: dict[str, Any], architecture: str, name: str) -> None:
+    """The file's rotary base and rotated width into ``config.rope_parameters`` where they differ (one table
+    for every layer only: Gemma's per-layer-type settings are mapped by transformers)."""
+    from .layers.rotary import rope_parameters, rotary_dim_of
+    from .models.llama import head_dim_of
+
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or any(isinstance(value, dict) for value in params.values()):
+        return
+    theta = metadata.get(f"{architecture}.rope.freq_base")
+    if isinstance(theta, (int, float)) and theta > 0 and float(theta) != float(rope_parameters(config)["rope_theta"]):
+        log.info("%s: rope_theta %s from the file's %s.rope.freq_base", name, theta, architecture)
+        params["rope_theta"] = float(theta)
+    rotated, head_dim = metadata.get(f"{architecture}.rope.dimension_count"), head_dim_of(config)
+    if isinstance(rotated, int) and 0 < rotated < head_dim and rotated != rotary_dim_of(config, head_dim):
+        log.info("%s: rotary on %d of each head's %d values from the file's %s.rope.dimension_count", name,
+                 rotated, head_dim, architecture)
+        params["partial_rotary_factor"] = rotated / head_dim
 
 
 def _convert_gguf_metadata(gguf: Path, out: Path) -> None:

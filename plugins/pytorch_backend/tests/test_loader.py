@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -233,9 +234,9 @@ def test_converting_a_gguf_files_config_and_tokenizer_reads_its_metadata_once(de
     assert (tmp_path / "config.json").is_file() and (tmp_path / "tokenizer.json").is_file()
 
 
-def _qwen3_gguf(hf_folder, tokenizer_source, target):
-    """A float32 GGUF of the Qwen3 checkpoint in ``hf_folder`` as llama.cpp's converter writes one (Qwen3 q/k
-    rows as they are, the heads' width in ``qwen3.attention.key_length``), with the tokenizer fields of the
+def _tiny_gguf(hf_folder, tokenizer_source, target, architecture: str, hyperparameters) -> Path:
+    """A float32 GGUF of the checkpoint in ``hf_folder`` as llama.cpp's converter writes one for
+    ``architecture`` (``hyperparameters(writer, config)`` writes its keys), with the tokenizer fields of the
     GGUF ``tokenizer_source``."""
     import gguf
     from safetensors.torch import load_file
@@ -243,29 +244,39 @@ def _qwen3_gguf(hf_folder, tokenizer_source, target):
 
     config = AutoConfig.from_pretrained(hf_folder)
     reader = gguf.GGUFReader(tokenizer_source)
-    writer = gguf.GGUFWriter(target, "qwen3")
+    writer = gguf.GGUFWriter(target, architecture)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    hyperparameters(writer, config)
     for name, field in reader.fields.items():
         if name.startswith("tokenizer."):
             sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, config.num_hidden_layers)
+    arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == architecture)
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for name, tensor in load_file(hf_folder / "model.safetensors").items():
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.float().numpy())
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return target
+
+
+def _qwen3_gguf(hf_folder, tokenizer_source, target):
+    """Qwen3 as llama.cpp's converter writes it: q/k rows as they are, the heads' width in
+    ``qwen3.attention.key_length``."""
+    def keys(writer, config):
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+
+    return _tiny_gguf(hf_folder, tokenizer_source, target, "qwen3", keys)
 
 
 @pytest.mark.slow
@@ -293,3 +304,51 @@ def test_a_qwen3_gguf_whose_heads_are_not_128_wide_loads_and_matches_transformer
     with core.pipeline(str(path)) as pipe:
         response = pipe.infer(prompt, max_new_tokens=12, temperature=0.0, ignore_eos=True)
     assert list(response.token_ids) == expected.tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["starcoder2", "stablelm"])
+def test_a_gguf_whose_rope_base_and_rotated_width_transformers_drops_matches_transformers(
+        arch, default_gguf_path, tmp_path, monkeypatch):
+    """transformers' GGUF mapping for StarCoder 2 and StableLM reads neither ``rope.freq_base`` nor
+    ``rope.dimension_count``, which llama.cpp's converter writes: the loader takes both from the file, and
+    greedy output equals transformers' float32 ``generate`` on the checkpoint the file was written from."""
+    from transformers import AutoModelForCausalLM, StableLmConfig, Starcoder2Config
+
+    import core
+
+    monkeypatch.setenv("CORE_CACHE_DIR", str(tmp_path / "cache"))
+    sizes = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    if arch == "starcoder2":  # rope_theta 100,000 (the class's default is 10,000)
+        config = Starcoder2Config(**sizes, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    else:  # half of each head rotated (the class's default is a quarter), base 50,000
+        config = StableLmConfig(**sizes, use_qkv_bias=True, rope_parameters={
+            "rope_type": "default", "rope_theta": 50000.0, "partial_rotary_factor": 0.5})
+    reference = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # weights large enough for attention, and so rotary, to matter
+        generator = torch.Generator().manual_seed(0)
+        for name, weight in reference.named_parameters():
+            noise = torch.randn(weight.shape, generator=generator) * 0.1
+            weight.copy_(1.0 + noise if "norm" in name else noise)
+    reference.save_pretrained(tmp_path / "hf")
+    head_dim = config.hidden_size // config.num_attention_heads
+
+    def keys(writer, config):
+        writer.add_layer_norm_eps(getattr(config, "norm_epsilon", None) or config.layer_norm_eps)
+        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+        writer.add_rope_dimension_count(int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0)))
+
+    path = _tiny_gguf(tmp_path / "hf", default_gguf_path, tmp_path / f"tiny-{arch}.gguf", arch, keys)
+    prompt = [1, 504, 3458, 282, 4649, 314, 7042, 28, 284, 260] * 6  # positions far enough for the base to tell
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+        expected_logits = reference(torch.tensor([prompt])).logits[0, -1]
+    with core.pipeline(str(path), quantization="none") as pipe:
+        response = pipe.infer(prompt, max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True,
+                              top_logprobs=5)
+    assert list(response.token_ids) == expected.tolist()
+    top = torch.log_softmax(expected_logits.float(), -1).topk(5)
+    first = response.choices[0].logprobs[0]
+    assert [token for token, _ in first.top] == top.indices.tolist()
+    torch.testing.assert_close(torch.tensor([value for _, value in first.top]), top.values, rtol=1e-4, atol=1e-4)
