@@ -36,7 +36,7 @@ from .native.packed_weight import NativeWeight
 from .quant.attach import MODES as QUANTIZE_MODES
 from .quant.attach import attach_quantized, quantize_model
 from .quant.gguf_file import gguf_weights
-from .quant.gguf_index import read_gguf_metadata
+from .quant.gguf_index import read_gguf_index, read_gguf_metadata
 from .quant.kernel_choice import PackedKernel, packed_kernel
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("auto", "none", *QUANTIZE_MODES)
 # 2: the dequantized weights are optional (packed serving needs none); 3: head_dim from the file (gguf_config);
-# 4: rope base and rotated width from the file
+# 4: rope base, rotated width and frequency divisors from the file
 GGUF_CACHE_VERSION = 4
 _COMPLETE_MARKER = ".complete"
 _WEIGHTS_MARKER = ".weights-complete"
@@ -428,7 +428,34 @@ def gguf_config(gguf: Path) -> Any:
                  gguf.name, key_length, architecture, config.head_dim)
         config.head_dim = key_length
     _rope_from_file(config, metadata, architecture, gguf.name)
+    _rope_factors_from_file(config, gguf)
     return config
+
+
+#: llama.cpp's converter writes Llama 3.1's rope scaling (``llama3``) as this tensor of per-frequency divisors
+#: and no keys; Phi-3's LongRoPE as the other two
+ROPE_FACTORS_TENSOR, LONGROPE_TENSORS = "rope_freqs.weight", ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _rope_factors_from_file(config: Any, gguf: Path) -> None:
+    """The file's per-frequency rotary divisors into ``config.rope_parameters["rope_freq_factors"]``
+    (layers.rotary divides the frequencies by them, as llama.cpp does): transformers' GGUF loading reads no
+    such tensor, so a Llama 3.1 / 3.2 file ran at unscaled frequencies. LongRoPE's factors are refused."""
+    import numpy as np
+
+    tensors = {tensor.name: tensor for tensor in read_gguf_index(gguf).tensors}
+    if any(name in tensors for name in LONGROPE_TENSORS):
+        raise NotImplementedError(f"{gguf.name}: LongRoPE (its {' and '.join(LONGROPE_TENSORS)}) is not supported")
+    factors = tensors.get(ROPE_FACTORS_TENSOR)
+    if factors is None:
+        return
+    params = getattr(config, "rope_parameters", None)
+    if (not isinstance(params, dict) or any(isinstance(value, dict) for value in params.values())
+            or params.get("rope_type", "default") != "default"):
+        raise NotImplementedError(f"{gguf.name}: {ROPE_FACTORS_TENSOR} beside rope settings {params!r}")
+    params["rope_freq_factors"] = np.asarray(factors.data, dtype=np.float32).reshape(-1).tolist()
+    log.info("%s: %d rotary frequency divisors from the file's %s", gguf.name, len(params["rope_freq_factors"]),
+             ROPE_FACTORS_TENSOR)
 
 
 def _rope_from_file(config: Any, metadata: dict[str, Any], architecture: str, name: str) -> None:

@@ -234,10 +234,12 @@ def test_converting_a_gguf_files_config_and_tokenizer_reads_its_metadata_once(de
     assert (tmp_path / "config.json").is_file() and (tmp_path / "tokenizer.json").is_file()
 
 
-def _tiny_gguf(hf_folder, tokenizer_source, target, architecture: str, hyperparameters) -> Path:
+def _tiny_gguf(hf_folder, tokenizer_source, target, architecture: str, hyperparameters, extra=None,
+               reorder=None) -> Path:
     """A float32 GGUF of the checkpoint in ``hf_folder`` as llama.cpp's converter writes one for
-    ``architecture`` (``hyperparameters(writer, config)`` writes its keys), with the tokenizer fields of the
-    GGUF ``tokenizer_source``."""
+    ``architecture`` (``hyperparameters(writer, config)`` writes its keys; ``extra``: more tensors by GGUF
+    name; ``reorder(name, tensor, config)``: a tensor's rows as the converter orders them), with the
+    tokenizer fields of the GGUF ``tokenizer_source``."""
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -259,7 +261,10 @@ def _tiny_gguf(hf_folder, tokenizer_source, target, architecture: str, hyperpara
     arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == architecture)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for name, tensor in load_file(hf_folder / "model.safetensors").items():
+        tensor = reorder(name, tensor, config) if reorder else tensor
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
+    for name, array in (extra or {}).items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -341,6 +346,91 @@ def test_a_gguf_whose_rope_base_and_rotated_width_transformers_drops_matches_tra
 
     path = _tiny_gguf(tmp_path / "hf", default_gguf_path, tmp_path / f"tiny-{arch}.gguf", arch, keys)
     prompt = [1, 504, 3458, 282, 4649, 314, 7042, 28, 284, 260] * 6  # positions far enough for the base to tell
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+        expected_logits = reference(torch.tensor([prompt])).logits[0, -1]
+    with core.pipeline(str(path), quantization="none") as pipe:
+        response = pipe.infer(prompt, max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True,
+                              top_logprobs=5)
+    assert list(response.token_ids) == expected.tolist()
+    top = torch.log_softmax(expected_logits.float(), -1).topk(5)
+    first = response.choices[0].logprobs[0]
+    assert [token for token, _ in first.top] == top.indices.tolist()
+    torch.testing.assert_close(torch.tensor([value for _, value in first.top]), top.values, rtol=1e-4, atol=1e-4)
+
+
+def _llama3_divisors(config) -> list[float]:
+    """The per-frequency divisors llama.cpp's converter writes for Llama 3.1's rope scaling (rope_freqs)."""
+    import math
+
+    rope = config.rope_parameters
+    head_dim = config.hidden_size // config.num_attention_heads
+    frequencies = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    low, high = rope["original_max_position_embeddings"] / rope["low_freq_factor"], \
+        rope["original_max_position_embeddings"] / rope["high_freq_factor"]
+    divisors = []
+    for frequency in frequencies.tolist():
+        wavelength = 2 * math.pi / frequency
+        if wavelength < high:
+            divisors.append(1.0)
+        elif wavelength > low:
+            divisors.append(rope["factor"])
+        else:
+            smooth = (rope["original_max_position_embeddings"] / wavelength - rope["low_freq_factor"]) / (
+                rope["high_freq_factor"] - rope["low_freq_factor"])
+            divisors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return divisors
+
+
+@pytest.mark.slow
+def test_a_llama_3_gguf_applies_its_rotary_divisors_as_transformers_applies_llama3_scaling(
+        default_gguf_path, tmp_path, monkeypatch):
+    """llama.cpp writes Llama 3.1's rope scaling as a rope_freqs tensor of divisors and no keys, and
+    transformers' GGUF loading reads neither: the loader divides the frequencies by them, and the text and
+    logprobs equal transformers' on the checkpoint with its llama3 scaling."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import core
+
+    monkeypatch.setenv("CORE_CACHE_DIR", str(tmp_path / "cache"))
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, rope_parameters={
+                             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    reference = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # weights large enough for attention, and so rotary, to matter
+        generator = torch.Generator().manual_seed(0)
+        for name, weight in reference.named_parameters():
+            noise = torch.randn(weight.shape, generator=generator) * 0.1
+            weight.copy_(1.0 + noise if "norm" in name else noise)
+    reference.save_pretrained(tmp_path / "hf")
+    head_dim = config.hidden_size // config.num_attention_heads
+
+    def keys(writer, config):
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+        writer.add_rope_dimension_count(head_dim)
+
+    def interleaved(name, tensor, config):  # llama.cpp's q/k rows for its rotary layout (the loader undoes it)
+        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+        count = next((n for part, n in heads.items() if f".{part}." in name), None)
+        if count is None:
+            return tensor
+        return tensor.reshape(count, 2, tensor.shape[0] // count // 2, *tensor.shape[1:]).swapaxes(1, 2).reshape(
+            tensor.shape)
+
+    divisors = np.array(_llama3_divisors(config), dtype=np.float32)
+    path = _tiny_gguf(tmp_path / "hf", default_gguf_path, tmp_path / "tiny-llama3.gguf", "llama", keys,
+                      extra={"rope_freqs.weight": divisors}, reorder=interleaved)
+    assert loader.gguf_config(path).rope_parameters["rope_freq_factors"] == divisors.tolist()
+    longrope = _tiny_gguf(tmp_path / "hf", default_gguf_path, tmp_path / "tiny-longrope.gguf", "llama", keys,
+                          extra={"rope_factors_long.weight": divisors, "rope_factors_short.weight": divisors},
+                          reorder=interleaved)
+    with pytest.raises(NotImplementedError, match="LongRoPE"):  # Phi-3.5's factors: refused, not ignored
+        loader.gguf_config(longrope)
+    prompt = [1, 504, 3458, 282, 4649, 314, 7042, 28, 284, 260] * 6
     with torch.no_grad():
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
         expected_logits = reference(torch.tensor([prompt])).logits[0, -1]

@@ -101,12 +101,22 @@ def compute_inv_freq(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
     rope_type = params["rope_type"]
     inv_freq = default_inv_freq(head_dim, float(params["rope_theta"]))
     if rope_type in ("default", "dynamic"):  # dynamic: the default ones within max_position_embeddings
-        return inv_freq
+        return _divided(inv_freq, params.get("rope_freq_factors"))
     if rope_type == "linear":
         return inv_freq / params["factor"]
     if rope_type == "llama3":
         return llama3_inv_freq(inv_freq, params)
     raise NotImplementedError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+
+
+def _divided(inv_freq: torch.Tensor, factors: list[float] | None) -> torch.Tensor:
+    """``inv_freq`` divided by a GGUF file's per-frequency divisors (``rope_freq_factors``: what llama.cpp's
+    converter writes for Llama 3.1's rope scaling, loader.gguf_config), where the file has them."""
+    if factors is None:
+        return inv_freq
+    if len(factors) != inv_freq.shape[0]:
+        raise NotImplementedError(f"{len(factors)} rotary frequency divisors for {inv_freq.shape[0]} frequencies")
+    return inv_freq / torch.tensor(factors, dtype=inv_freq.dtype)
 
 
 class RotaryEmbedding(nn.Module):
