@@ -20,7 +20,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
-         "gemma", "stablelm", "starcoder2", "gpt_neox")
+         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo")
 
 
 def tiny_config(arch: str, **overrides):
@@ -35,6 +35,7 @@ def tiny_config(arch: str, **overrides):
         MistralConfig,
         MixtralConfig,
         Olmo2Config,
+        OlmoConfig,
         Phi3Config,
         Qwen2Config,
         Qwen2MoeConfig,
@@ -95,6 +96,7 @@ def tiny_config(arch: str, **overrides):
         "starcoder2": (Starcoder2Config, dict(tie_word_embeddings=True, sliding_window=6)),
         # Pythia's layout: q/k/v fused head by head, rotary on a quarter of each head, parallel residual
         "gpt_neox": (GPTNeoXConfig, dict(tie_word_embeddings=False, num_key_value_heads=None)),
+        "olmo": (OlmoConfig, dict(tie_word_embeddings=False)),  # weightless LayerNorms
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

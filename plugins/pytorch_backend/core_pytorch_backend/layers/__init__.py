@@ -11,7 +11,7 @@ from .attention import (
 )
 from .embedding import LMHead, VocabEmbedding
 from .linear import Linear, MergedLinear, QKVLinear
-from .norm import LayerNorm, RMSNorm
+from .norm import LayerNorm, ParameterFreeLayerNorm, RMSNorm
 from .rotary import RotaryEmbedding, get_rope, rope_parameters
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "LayerNorm",
     "Linear",
     "MergedLinear",
+    "ParameterFreeLayerNorm",
     "QKVLinear",
     "RMSNorm",
     "RotaryEmbedding",

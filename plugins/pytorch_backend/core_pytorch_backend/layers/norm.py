@@ -1,4 +1,4 @@
-"""RMSNorm and LayerNorm, with vLLM-style fused residual add."""
+"""RMSNorm and LayerNorms, with vLLM-style fused residual add."""
 
 from __future__ import annotations
 
@@ -36,4 +36,20 @@ class LayerNorm(nn.Module):
             x = x + residual
             residual = x
         out = F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        return out if residual is None else (out, residual)
+
+
+class ParameterFreeLayerNorm(nn.Module):
+    """OLMo's LayerNorm: no weight or bias, computed in float32 and rounded to x's dtype once (as
+    transformers' ``OlmoLayerNorm``), with the residual protocol of RMSNorm."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.hidden_size, self.eps = hidden_size, eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        out = F.layer_norm(x.float(), (self.hidden_size,), None, None, self.eps).to(x.dtype)
         return out if residual is None else (out, residual)

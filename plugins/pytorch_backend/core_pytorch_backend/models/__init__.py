@@ -23,6 +23,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "StableLmForCausalLM": "core_pytorch_backend.models.stablelm:StableLmForCausalLM",
     "Starcoder2ForCausalLM": "core_pytorch_backend.models.starcoder2:Starcoder2ForCausalLM",
     "GPTNeoXForCausalLM": "core_pytorch_backend.models.gpt_neox:GPTNeoXForCausalLM",
+    "OlmoForCausalLM": "core_pytorch_backend.models.olmo:OlmoForCausalLM",
     # Encoders: served on the pooling path (embeddings and scores), never generating.
     "BertModel": "core_pytorch_backend.models.bert:BertModel",
     # Vision-language checkpoints: their language model; the vision tower runs in core_vl_models.
