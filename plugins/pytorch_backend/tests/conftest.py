@@ -20,7 +20,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
-         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo")
+         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi")
 
 
 def tiny_config(arch: str, **overrides):
@@ -37,6 +37,7 @@ def tiny_config(arch: str, **overrides):
         Olmo2Config,
         OlmoConfig,
         Phi3Config,
+        PhiConfig,
         Qwen2Config,
         Qwen2MoeConfig,
         Qwen3Config,
@@ -97,6 +98,8 @@ def tiny_config(arch: str, **overrides):
         # Pythia's layout: q/k/v fused head by head, rotary on a quarter of each head, parallel residual
         "gpt_neox": (GPTNeoXConfig, dict(tie_word_embeddings=False, num_key_value_heads=None)),
         "olmo": (OlmoConfig, dict(tie_word_embeddings=False)),  # weightless LayerNorms
+        # one norm for attention and MLP side by side, rotary on half of each head, an LM head with a bias
+        "phi": (PhiConfig, dict(tie_word_embeddings=False, num_key_value_heads=None)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

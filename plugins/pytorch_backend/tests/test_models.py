@@ -17,7 +17,7 @@ from core_pytorch_backend.loader import load_checkpoint
 
 NEW_TOKENS = 20
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
-         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo")
+         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi")
 
 
 def _step(model, chunks, computed, tables, block_size):
@@ -163,6 +163,7 @@ VARIANTS = {
     "stablelm-parallel-qk-layernorm": ("stablelm", dict(use_parallel_residual=True, qk_layernorm=True)),
     "gpt-neox-sequential-residual": ("gpt_neox", dict(use_parallel_residual=False)),
     "olmo-clip-qkv": ("olmo", dict(clip_qkv=0.5)),  # OLMo-7B-0424's clamp, tight enough to bite here
+    "phi-qk-layernorm-tied": ("phi", dict(qk_layernorm=True, tie_word_embeddings=True)),  # the head's bias apart
     # rotary on the first 12 of each head's 16 values (Phi-4-mini's 0.75), the rest passed through
     "phi3-partial-rotary": ("phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                           "partial_rotary_factor": 0.75})),
@@ -242,7 +243,7 @@ def test_layers_share_one_rotary_table_per_configuration(tiny_checkpoint_factory
 
 
 # logits_scaling; soft caps; activations and norms whose small differences greedy tokens may not show
-@pytest.mark.parametrize("arch", ["granite", "gemma3_text", "gemma2", "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo"])
+@pytest.mark.parametrize("arch", ["granite", "gemma3_text", "gemma2", "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi"])
 @torch.inference_mode()
 def test_logits_match_transformers(arch, tiny_checkpoint_factory):
     """Greedy parity cannot see a scale of the logits; sampling and logprobs do."""

@@ -24,6 +24,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "Starcoder2ForCausalLM": "core_pytorch_backend.models.starcoder2:Starcoder2ForCausalLM",
     "GPTNeoXForCausalLM": "core_pytorch_backend.models.gpt_neox:GPTNeoXForCausalLM",
     "OlmoForCausalLM": "core_pytorch_backend.models.olmo:OlmoForCausalLM",
+    "PhiForCausalLM": "core_pytorch_backend.models.phi:PhiForCausalLM",
     # Encoders: served on the pooling path (embeddings and scores), never generating.
     "BertModel": "core_pytorch_backend.models.bert:BertModel",
     # Vision-language checkpoints: their language model; the vision tower runs in core_vl_models.

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from ..attention_metadata import AttentionMetadata
-from ..layers import Activation, Attention, LayerNorm, Linear, RotaryEmbedding
+from ..layers import Attention, LayerNorm, Linear, RotaryEmbedding
 from ..quant.attach import QuantizedShards
-from .llama import DecoderSpec, LlamaForCausalLM, LlamaModel, head_dim_of
+from .llama import DecoderSpec, LayerNormModel, LlamaForCausalLM, head_dim_of
+from .ungated_mlp import UngatedMLP
 
 RENAMED = (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.final_layer_norm.", "model.norm."),
            ("gpt_neox.layers.", "model.layers."), (".attention.", ".self_attn."), ("embed_out.", "lm_head."))
@@ -42,17 +43,6 @@ class GPTNeoXAttention(nn.Module):
         return self.dense(self.attn(q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), meta))
 
 
-class GPTNeoXMLP(nn.Module):
-    def __init__(self, config: Any):
-        super().__init__()
-        self.dense_h_to_4h = Linear(config.hidden_size, config.intermediate_size, bias=True)
-        self.dense_4h_to_h = Linear(config.intermediate_size, config.hidden_size, bias=True)
-        self.act = Activation(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
-
-
 class GPTNeoXLayer(nn.Module):
     """In the Llama layers' (hidden, residual) protocol, with transformers' order of the sums: parallel,
     (mlp + attn) is handed on beside the layer's input, which the next norm adds last; sequential, as Llama."""
@@ -60,7 +50,8 @@ class GPTNeoXLayer(nn.Module):
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
         super().__init__()
         self.self_attn = GPTNeoXAttention(config, ops, layer_index, rotary)
-        self.mlp = GPTNeoXMLP(config)
+        self.mlp = UngatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                              ("dense_h_to_4h", "dense_4h_to_h"))
         self.input_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
         self.post_attention_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
         self.parallel = bool(config.use_parallel_residual)
@@ -75,21 +66,13 @@ class GPTNeoXLayer(nn.Module):
         return self.mlp(normed), residual
 
 
-class GPTNeoXModel(LlamaModel):
+class GPTNeoXModel(LayerNormModel):
     layer_class = GPTNeoXLayer
-
-    def make_norm(self, config: Any, ops: Any) -> nn.Module:
-        return LayerNorm(config.hidden_size, config.layer_norm_eps)
 
 
 class GPTNeoXForCausalLM(LlamaForCausalLM):
     model_class = GPTNeoXModel
     tensor_parallel_plan = None  # q/k/v fused head by head: the Llama plan's shards do not apply
-
-    def __init__(self, config: Any, ops: Any):
-        if getattr(config, "num_key_value_heads", None) is None:  # every head has its own k and v
-            config.num_key_value_heads = config.num_attention_heads
-        super().__init__(config, ops)
 
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:

@@ -12,6 +12,7 @@ from torch import nn
 from ..attention_metadata import AttentionMetadata
 from ..layers import (
     Attention,
+    LayerNorm,
     Linear,
     LMHead,
     MergedLinear,
@@ -176,6 +177,13 @@ class LlamaModel(nn.Module):
         return hidden
 
 
+class LayerNormModel(LlamaModel):
+    """A LlamaModel whose final norm is a LayerNorm of ``layer_norm_eps`` (StableLM, GPT-NeoX, Phi)."""
+
+    def make_norm(self, config: Any, ops: Any) -> nn.Module:
+        return LayerNorm(config.hidden_size, config.layer_norm_eps)
+
+
 class LlamaForCausalLM(nn.Module):
     """``forward(input_ids [T], positions [T], meta) -> hidden [T, H]``; ``compute_logits`` -> float32."""
 
@@ -183,6 +191,8 @@ class LlamaForCausalLM(nn.Module):
     uses_mrope = False
     #: The decoder stack, built as ``model_class(config, ops, spec)`` (Gemma 3 has its own).
     model_class: type[nn.Module] = LlamaModel
+    #: Whether the LM head has a bias (Phi's)
+    lm_head_bias = False
     #: How ``--tensor-parallel-size`` shards the HF weights (distributed/plan.py): module-name suffix ->
     #: column / kv_column / row / vocab; the rest (norms) is replicated. None: the class cannot be sharded.
     tensor_parallel_plan: dict[str, str] | None = {
@@ -193,12 +203,15 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: Any, ops: Any):
         super().__init__()
+        if getattr(config, "num_key_value_heads", None) is None:  # GPT-NeoX, Phi: every head its own k and v
+            config.num_key_value_heads = config.num_attention_heads
         self.config = config
         self.ops = ops
         spec = self.decoder_spec(config)
         self.model = self.model_class(config, ops, spec)
         tie = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, self.model.embed_tokens if tie else None)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, self.model.embed_tokens if tie else None,
+                              bias=self.lm_head_bias)
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
@@ -235,7 +248,7 @@ class LlamaForCausalLM(nn.Module):
         pending = {name: {None} for name in params}
         quantized: QuantizedShards = {}
         for name, tensor in weights:
-            if name.endswith(SKIPPED_SUFFIXES) or (self.lm_head.tied and name.startswith("lm_head.")):
+            if name.endswith(SKIPPED_SUFFIXES) or (self.lm_head.tied and name == "lm_head.weight"):
                 continue
             target, shard = _resolve(name, params)
             module_name, param_name = target.rsplit(".", 1)

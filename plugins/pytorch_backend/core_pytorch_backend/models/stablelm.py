@@ -14,7 +14,7 @@ from torch import nn
 
 from ..attention_metadata import AttentionMetadata
 from ..layers import LayerNorm, RotaryEmbedding
-from .llama import DecoderSpec, LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
+from .llama import DecoderSpec, LayerNormModel, LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
 class LayerNormPerHead(nn.Module):
@@ -70,11 +70,8 @@ class StableLmDecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
 
-class StableLmModel(LlamaModel):
+class StableLmModel(LayerNormModel):
     layer_class = StableLmDecoderLayer
-
-    def make_norm(self, config: Any, ops: Any) -> nn.Module:
-        return LayerNorm(config.hidden_size, config.layer_norm_eps)
 
 
 class StableLmForCausalLM(LlamaForCausalLM):

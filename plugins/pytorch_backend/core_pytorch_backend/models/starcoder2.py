@@ -7,23 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
-from ..layers import Activation, LayerNorm, Linear, RotaryEmbedding
+from ..layers import LayerNorm, RotaryEmbedding
 from .llama import DecoderSpec, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-
-
-class Starcoder2MLP(nn.Module):
-    def __init__(self, config: Any):
-        super().__init__()
-        bias = bool(getattr(config, "use_bias", True))
-        self.c_fc = Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.c_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act = Activation(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.act(self.c_fc(x)))
+from .ungated_mlp import UngatedMLP
 
 
 class Starcoder2DecoderLayer(LlamaDecoderLayer):
@@ -32,7 +20,8 @@ class Starcoder2DecoderLayer(LlamaDecoderLayer):
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
         nn.Module.__init__(self)  # not LlamaDecoderLayer's: its norms are RMSNorms, its MLP gated
         self.self_attn = LlamaAttention(config, ops, spec, layer_index, rotary)
-        self.mlp = Starcoder2MLP(config)
+        self.mlp = UngatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, ("c_fc", "c_proj"),
+                              bias=bool(getattr(config, "use_bias", True)))
         self.input_layernorm = LayerNorm(config.hidden_size, config.norm_epsilon)
         self.post_attention_layernorm = LayerNorm(config.hidden_size, config.norm_epsilon)
 
