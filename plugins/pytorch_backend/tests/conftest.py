@@ -20,7 +20,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
-         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi")
+         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt")
 
 
 def tiny_config(arch: str, **overrides):
@@ -36,6 +36,7 @@ def tiny_config(arch: str, **overrides):
         MixtralConfig,
         Olmo2Config,
         OlmoConfig,
+        OPTConfig,
         Phi3Config,
         PhiConfig,
         Qwen2Config,
@@ -100,6 +101,8 @@ def tiny_config(arch: str, **overrides):
         "olmo": (OlmoConfig, dict(tie_word_embeddings=False)),  # weightless LayerNorms
         # one norm for attention and MLP side by side, rotary on half of each head, an LM head with a bias
         "phi": (PhiConfig, dict(tie_word_embeddings=False, num_key_value_heads=None)),
+        # learned positions, LayerNorms, biases, a ReLU MLP of ffn_dim
+        "opt": (OPTConfig, dict(tie_word_embeddings=True, num_key_value_heads=None, ffn_dim=128, word_embed_proj_dim=64)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

@@ -17,7 +17,7 @@ from core_pytorch_backend.loader import load_checkpoint
 
 NEW_TOKENS = 20
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
-         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi")
+         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt")
 
 
 def _step(model, chunks, computed, tables, block_size):
@@ -243,7 +243,7 @@ def test_layers_share_one_rotary_table_per_configuration(tiny_checkpoint_factory
 
 
 # logits_scaling; soft caps; activations and norms whose small differences greedy tokens may not show
-@pytest.mark.parametrize("arch", ["granite", "gemma3_text", "gemma2", "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi"])
+@pytest.mark.parametrize("arch", ["granite", "gemma3_text", "gemma2", "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt"])
 @torch.inference_mode()
 def test_logits_match_transformers(arch, tiny_checkpoint_factory):
     """Greedy parity cannot see a scale of the logits; sampling and logprobs do."""
@@ -293,3 +293,11 @@ def test_gpt_neox_reads_either_head_name_and_skips_older_buffers(tiny_checkpoint
     prompts = _prompts([9], seed=3)
     expected = paged_greedy(load_checkpoint(path, dtype="float32").model, prompts)
     assert paged_greedy(load_checkpoint(older, dtype="float32").model, prompts) == expected
+
+
+@pytest.mark.parametrize("overrides, match", [(dict(do_layer_norm_before=False), "do_layer_norm_before"),
+                                              (dict(word_embed_proj_dim=32), "word_embed_proj_dim")])
+def test_opt_layouts_it_does_not_run_are_refused_at_load(overrides, match, tiny_checkpoint_factory):
+    """opt-350m's post-norm layers and projected embeddings would give wrong text, not an error."""
+    with pytest.raises(NotImplementedError, match=match):
+        load_checkpoint(tiny_checkpoint_factory("opt", **overrides), dtype="float32")

@@ -25,6 +25,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "GPTNeoXForCausalLM": "core_pytorch_backend.models.gpt_neox:GPTNeoXForCausalLM",
     "OlmoForCausalLM": "core_pytorch_backend.models.olmo:OlmoForCausalLM",
     "PhiForCausalLM": "core_pytorch_backend.models.phi:PhiForCausalLM",
+    "OPTForCausalLM": "core_pytorch_backend.models.opt:OPTForCausalLM",
     # Encoders: served on the pooling path (embeddings and scores), never generating.
     "BertModel": "core_pytorch_backend.models.bert:BertModel",
     # Vision-language checkpoints: their language model; the vision tower runs in core_vl_models.

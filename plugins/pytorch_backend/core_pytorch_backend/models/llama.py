@@ -169,7 +169,10 @@ class LlamaModel(nn.Module):
         return hidden
 
     def forward(self, input_ids, positions, meta, embed_overrides=None):
-        hidden = self.embed_inputs(input_ids, embed_overrides)
+        return self.run_layers(self.embed_inputs(input_ids, embed_overrides), positions, meta)
+
+    def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The layers and the final norm over the first layer's input ``hidden``."""
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
