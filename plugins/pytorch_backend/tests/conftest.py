@@ -20,7 +20,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
-         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt")
+         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2")
 
 
 def tiny_config(arch: str, **overrides):
@@ -29,6 +29,7 @@ def tiny_config(arch: str, **overrides):
         Gemma2Config,
         Gemma3TextConfig,
         GemmaConfig,
+        GPT2Config,
         GPTNeoXConfig,
         GraniteConfig,
         LlamaConfig,
@@ -103,6 +104,8 @@ def tiny_config(arch: str, **overrides):
         "phi": (PhiConfig, dict(tie_word_embeddings=False, num_key_value_heads=None)),
         # learned positions, LayerNorms, biases, a ReLU MLP of ffn_dim
         "opt": (OPTConfig, dict(tie_word_embeddings=True, num_key_value_heads=None, ffn_dim=128, word_embed_proj_dim=64)),
+        # learned positions, q/k/v fused in Conv1D weights ([in, out]), a GELU MLP, the head tied to wte
+        "gpt2": (GPT2Config, dict(tie_word_embeddings=True, num_key_value_heads=None, n_inner=128)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

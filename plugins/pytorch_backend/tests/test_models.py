@@ -17,7 +17,7 @@ from core_pytorch_backend.loader import load_checkpoint
 
 NEW_TOKENS = 20
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
-         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt")
+         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2")
 
 
 def _step(model, chunks, computed, tables, block_size):
@@ -242,14 +242,20 @@ def test_layers_share_one_rotary_table_per_configuration(tiny_checkpoint_factory
     assert len(model.model.layers) > 1 and len(tables) == 1 and per_layer == tables
 
 
-# logits_scaling; soft caps; activations and norms whose small differences greedy tokens may not show
-@pytest.mark.parametrize("arch", ["granite", "gemma3_text", "gemma2", "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt"])
+# logits_scaling; soft caps; activations, norms and scales whose small differences greedy tokens may not show
+LOGIT_CASES = {arch: (arch, {}) for arch in ("granite", "gemma3_text", "gemma2", "gemma", "stablelm", "starcoder2",
+                                               "gpt_neox", "olmo", "phi", "opt", "gpt2")}
+LOGIT_CASES["gpt2-scaled-by-inverse-layer"] = ("gpt2", dict(scale_attn_by_inverse_layer_idx=True))
+
+
+@pytest.mark.parametrize("case", list(LOGIT_CASES))
 @torch.inference_mode()
-def test_logits_match_transformers(arch, tiny_checkpoint_factory):
+def test_logits_match_transformers(case, tiny_checkpoint_factory):
     """Greedy parity cannot see a scale of the logits; sampling and logprobs do."""
     from transformers import AutoModelForCausalLM
 
-    path = tiny_checkpoint_factory(arch)
+    arch, overrides = LOGIT_CASES[case]
+    path = tiny_checkpoint_factory(arch, **overrides)
     ours = load_checkpoint(path, dtype="float32").model
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     (prompt,) = _prompts([11], seed=5)
@@ -258,7 +264,8 @@ def test_logits_match_transformers(arch, tiny_checkpoint_factory):
     hidden = ours(torch.tensor(prompt), meta.positions(), meta)
     unbind_kv_caches(ours)
     expected = hf(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(ours.compute_logits(hidden), expected, rtol=1e-4, atol=1e-4)
+    scale = expected.abs().max().item()  # small logits (a tiny GPT-2's) must not hide in the absolute tolerance
+    torch.testing.assert_close(ours.compute_logits(hidden), expected, rtol=1e-4, atol=1e-5 * scale)
 
 
 def test_longrope_and_odd_partial_rotary_are_refused_at_load(tiny_checkpoint_factory):

@@ -26,6 +26,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "OlmoForCausalLM": "core_pytorch_backend.models.olmo:OlmoForCausalLM",
     "PhiForCausalLM": "core_pytorch_backend.models.phi:PhiForCausalLM",
     "OPTForCausalLM": "core_pytorch_backend.models.opt:OPTForCausalLM",
+    "GPT2LMHeadModel": "core_pytorch_backend.models.gpt2:GPT2LMHeadModel",
     # Encoders: served on the pooling path (embeddings and scores), never generating.
     "BertModel": "core_pytorch_backend.models.bert:BertModel",
     # Vision-language checkpoints: their language model; the vision tower runs in core_vl_models.
