@@ -475,7 +475,8 @@ def _rope_from_file(config: Any, metadata: dict[str, Any], architecture: str, na
     if isinstance(rotated, int) and 0 < rotated < head_dim and rotated != rotary_dim_of(config, head_dim):
         log.info("%s: rotary on %d of each head's %d values from the file's %s.rope.dimension_count", name,
                  rotated, head_dim, architecture)
-        params["partial_rotary_factor"] = rotated / head_dim
+        factor = rotated / head_dim
+        params["partial_rotary_factor"] = factor if int(head_dim * factor) == rotated else (rotated + 0.5) / head_dim
 
 
 def _convert_gguf_metadata(gguf: Path, out: Path) -> None:
