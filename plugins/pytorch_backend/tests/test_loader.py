@@ -311,45 +311,19 @@ def test_a_qwen3_gguf_whose_heads_are_not_128_wide_loads_and_matches_transformer
     assert list(response.token_ids) == expected.tolist()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ["starcoder2", "stablelm"])
-def test_a_gguf_whose_rope_base_and_rotated_width_transformers_drops_matches_transformers(
-        arch, default_gguf_path, tmp_path, monkeypatch):
-    """transformers' GGUF mapping for StarCoder 2 and StableLM reads neither ``rope.freq_base`` nor
-    ``rope.dimension_count``, which llama.cpp's converter writes: the loader takes both from the file, and
-    greedy output equals transformers' float32 ``generate`` on the checkpoint the file was written from."""
-    from transformers import AutoModelForCausalLM, StableLmConfig, Starcoder2Config
+def _assert_served_as_transformers_runs(folder: Path, gguf: Path) -> None:
+    """``core.pipeline`` on ``gguf`` continues a prompt as transformers' float32 ``generate`` does on the
+    checkpoint ``folder`` it was written from, with the first token's top-5 logprobs within 1e-4."""
+    from transformers import AutoModelForCausalLM
 
     import core
 
-    monkeypatch.setenv("CORE_CACHE_DIR", str(tmp_path / "cache"))
-    sizes = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
-    if arch == "starcoder2":  # rope_theta 100,000 (the class's default is 10,000)
-        config = Starcoder2Config(**sizes, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
-    else:  # half of each head rotated (the class's default is a quarter), base 50,000
-        config = StableLmConfig(**sizes, use_qkv_bias=True, rope_parameters={
-            "rope_type": "default", "rope_theta": 50000.0, "partial_rotary_factor": 0.5})
-    reference = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # weights large enough for attention, and so rotary, to matter
-        generator = torch.Generator().manual_seed(0)
-        for name, weight in reference.named_parameters():
-            noise = torch.randn(weight.shape, generator=generator) * 0.1
-            weight.copy_(1.0 + noise if "norm" in name else noise)
-    reference.save_pretrained(tmp_path / "hf")
-    head_dim = config.hidden_size // config.num_attention_heads
-
-    def keys(writer, config):
-        writer.add_layer_norm_eps(getattr(config, "norm_epsilon", None) or config.layer_norm_eps)
-        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-        writer.add_rope_dimension_count(int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0)))
-
-    path = _tiny_gguf(tmp_path / "hf", default_gguf_path, tmp_path / f"tiny-{arch}.gguf", arch, keys)
-    prompt = [1, 504, 3458, 282, 4649, 314, 7042, 28, 284, 260] * 6  # positions far enough for the base to tell
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompt = [1, 504, 3458, 282, 4649, 314, 7042, 28, 284, 260] * 6  # positions far enough for rotary to tell
     with torch.no_grad():
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
         expected_logits = reference(torch.tensor([prompt])).logits[0, -1]
-    with core.pipeline(str(path), quantization="none") as pipe:
+    with core.pipeline(str(gguf), quantization="none") as pipe:
         response = pipe.infer(prompt, max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True,
                               top_logprobs=5)
     assert list(response.token_ids) == expected.tolist()
@@ -357,6 +331,35 @@ def test_a_gguf_whose_rope_base_and_rotated_width_transformers_drops_matches_tra
     first = response.choices[0].logprobs[0]
     assert [token for token, _ in first.top] == top.indices.tolist()
     torch.testing.assert_close(torch.tensor([value for _, value in first.top]), top.values, rtol=1e-4, atol=1e-4)
+
+
+#: the tiny checkpoints of conftest with the default GGUF's vocabulary (its tokenizer fields go in the file)
+GGUF_SIZES = dict(vocab_size=49152, max_position_embeddings=512)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["starcoder2", "stablelm"])
+def test_a_gguf_whose_rope_base_and_rotated_width_transformers_drops_matches_transformers(
+        arch, default_gguf_path, make_tiny_checkpoint, tmp_path, monkeypatch):
+    """transformers' GGUF mapping for StarCoder 2 and StableLM reads neither ``rope.freq_base`` nor
+    ``rope.dimension_count``, which llama.cpp's converter writes: the loader takes both from the file, and
+    greedy output equals transformers' float32 ``generate`` on the checkpoint the file was written from."""
+    monkeypatch.setenv("CORE_CACHE_DIR", str(tmp_path / "cache"))
+    if arch == "starcoder2":  # rope_theta 100,000 (the class's default is 10,000); llama.cpp keeps no window
+        folder = make_tiny_checkpoint(arch, tmp_path, **GGUF_SIZES, sliding_window=None,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    else:  # half of each head rotated (the class's default is a quarter), base 50,000
+        folder = make_tiny_checkpoint(arch, tmp_path, **GGUF_SIZES, rope_parameters={
+            "rope_type": "default", "rope_theta": 50000.0, "partial_rotary_factor": 0.5})
+
+    def keys(writer, config):
+        head_dim = config.hidden_size // config.num_attention_heads
+        writer.add_layer_norm_eps(getattr(config, "norm_epsilon", None) or config.layer_norm_eps)
+        writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+        writer.add_rope_dimension_count(int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0)))
+
+    _assert_served_as_transformers_runs(folder, _tiny_gguf(folder, default_gguf_path, tmp_path / f"{arch}.gguf",
+                                                           arch, keys))
 
 
 def _llama3_divisors(config) -> list[float]:
@@ -384,34 +387,22 @@ def _llama3_divisors(config) -> list[float]:
 
 @pytest.mark.slow
 def test_a_llama_3_gguf_applies_its_rotary_divisors_as_transformers_applies_llama3_scaling(
-        default_gguf_path, tmp_path, monkeypatch):
+        default_gguf_path, make_tiny_checkpoint, tmp_path, monkeypatch):
     """llama.cpp writes Llama 3.1's rope scaling as a rope_freqs tensor of divisors and no keys, and
     transformers' GGUF loading reads neither: the loader divides the frequencies by them, and the text and
     logprobs equal transformers' on the checkpoint with its llama3 scaling."""
     import numpy as np
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    import core
+    from transformers import AutoConfig
 
     monkeypatch.setenv("CORE_CACHE_DIR", str(tmp_path / "cache"))
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=False, rope_parameters={
-                             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
-    reference = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # weights large enough for attention, and so rotary, to matter
-        generator = torch.Generator().manual_seed(0)
-        for name, weight in reference.named_parameters():
-            noise = torch.randn(weight.shape, generator=generator) * 0.1
-            weight.copy_(1.0 + noise if "norm" in name else noise)
-    reference.save_pretrained(tmp_path / "hf")
-    head_dim = config.hidden_size // config.num_attention_heads
+    folder = make_tiny_checkpoint("llama", tmp_path, **GGUF_SIZES, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16})
 
     def keys(writer, config):
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
         writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-        writer.add_rope_dimension_count(head_dim)
+        writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
 
     def interleaved(name, tensor, config):  # llama.cpp's q/k rows for its rotary layout (the loader undoes it)
         heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
@@ -421,24 +412,13 @@ def test_a_llama_3_gguf_applies_its_rotary_divisors_as_transformers_applies_llam
         return tensor.reshape(count, 2, tensor.shape[0] // count // 2, *tensor.shape[1:]).swapaxes(1, 2).reshape(
             tensor.shape)
 
-    divisors = np.array(_llama3_divisors(config), dtype=np.float32)
-    path = _tiny_gguf(tmp_path / "hf", default_gguf_path, tmp_path / "tiny-llama3.gguf", "llama", keys,
+    divisors = np.array(_llama3_divisors(AutoConfig.from_pretrained(folder)), dtype=np.float32)
+    path = _tiny_gguf(folder, default_gguf_path, tmp_path / "llama3.gguf", "llama", keys,
                       extra={"rope_freqs.weight": divisors}, reorder=interleaved)
     assert loader.gguf_config(path).rope_parameters["rope_freq_factors"] == divisors.tolist()
-    longrope = _tiny_gguf(tmp_path / "hf", default_gguf_path, tmp_path / "tiny-longrope.gguf", "llama", keys,
+    longrope = _tiny_gguf(folder, default_gguf_path, tmp_path / "longrope.gguf", "llama", keys,
                           extra={"rope_factors_long.weight": divisors, "rope_factors_short.weight": divisors},
                           reorder=interleaved)
     with pytest.raises(NotImplementedError, match="LongRoPE"):  # Phi-3.5's factors: refused, not ignored
         loader.gguf_config(longrope)
-    prompt = [1, 504, 3458, 282, 4649, 314, 7042, 28, 284, 260] * 6
-    with torch.no_grad():
-        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
-        expected_logits = reference(torch.tensor([prompt])).logits[0, -1]
-    with core.pipeline(str(path), quantization="none") as pipe:
-        response = pipe.infer(prompt, max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True,
-                              top_logprobs=5)
-    assert list(response.token_ids) == expected.tolist()
-    top = torch.log_softmax(expected_logits.float(), -1).topk(5)
-    first = response.choices[0].logprobs[0]
-    assert [token for token, _ in first.top] == top.indices.tolist()
-    torch.testing.assert_close(torch.tensor([value for _, value in first.top]), top.values, rtol=1e-4, atol=1e-4)
+    _assert_served_as_transformers_runs(folder, path)
