@@ -36,7 +36,7 @@ from .native.packed_weight import NativeWeight
 from .quant.attach import MODES as QUANTIZE_MODES
 from .quant.attach import attach_quantized, quantize_model
 from .quant.gguf_file import gguf_weights
-from .quant.gguf_index import read_gguf_index, read_gguf_metadata
+from .quant.gguf_index import TensorEntry, read_gguf_index
 from .quant.kernel_choice import PackedKernel, packed_kernel
 
 if TYPE_CHECKING:
@@ -418,8 +418,8 @@ def gguf_config(gguf: Path) -> Any:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    metadata = read_gguf_metadata(gguf)
-    architecture = metadata.get("general.architecture")
+    index = read_gguf_index(gguf)
+    metadata, architecture = index.metadata, index.architecture
     key_length = metadata.get(f"{architecture}.attention.key_length")
     value_length = metadata.get(f"{architecture}.attention.value_length", key_length)
     if (isinstance(key_length, int) and key_length > 0 and key_length == value_length
@@ -428,7 +428,7 @@ def gguf_config(gguf: Path) -> Any:
                  gguf.name, key_length, architecture, config.head_dim)
         config.head_dim = key_length
     _rope_from_file(config, metadata, architecture, gguf.name)
-    _rope_factors_from_file(config, gguf)
+    _rope_factors_from_file(config, index.tensors, gguf.name)
     return config
 
 
@@ -437,24 +437,24 @@ def gguf_config(gguf: Path) -> Any:
 ROPE_FACTORS_TENSOR, LONGROPE_TENSORS = "rope_freqs.weight", ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def _rope_factors_from_file(config: Any, gguf: Path) -> None:
+def _rope_factors_from_file(config: Any, tensors: list[TensorEntry], name: str) -> None:
     """The file's per-frequency rotary divisors into ``config.rope_parameters["rope_freq_factors"]``
     (layers.rotary divides the frequencies by them, as llama.cpp does): transformers' GGUF loading reads no
     such tensor, so a Llama 3.1 / 3.2 file ran at unscaled frequencies. LongRoPE's factors are refused."""
     import numpy as np
 
-    tensors = {tensor.name: tensor for tensor in read_gguf_index(gguf).tensors}
-    if any(name in tensors for name in LONGROPE_TENSORS):
-        raise NotImplementedError(f"{gguf.name}: LongRoPE (its {' and '.join(LONGROPE_TENSORS)}) is not supported")
-    factors = tensors.get(ROPE_FACTORS_TENSOR)
+    by_name = {tensor.name: tensor for tensor in tensors}
+    if any(longrope in by_name for longrope in LONGROPE_TENSORS):
+        raise NotImplementedError(f"{name}: LongRoPE (its {' and '.join(LONGROPE_TENSORS)}) is not supported")
+    factors = by_name.get(ROPE_FACTORS_TENSOR)
     if factors is None:
         return
     params = getattr(config, "rope_parameters", None)
     if (not isinstance(params, dict) or any(isinstance(value, dict) for value in params.values())
             or params.get("rope_type", "default") != "default"):
-        raise NotImplementedError(f"{gguf.name}: {ROPE_FACTORS_TENSOR} beside rope settings {params!r}")
+        raise NotImplementedError(f"{name}: {ROPE_FACTORS_TENSOR} beside rope settings {params!r}")
     params["rope_freq_factors"] = np.asarray(factors.data, dtype=np.float32).reshape(-1).tolist()
-    log.info("%s: %d rotary frequency divisors from the file's %s", gguf.name, len(params["rope_freq_factors"]),
+    log.info("%s: %d rotary frequency divisors from the file's %s", name, len(params["rope_freq_factors"]),
              ROPE_FACTORS_TENSOR)
 
 

@@ -254,6 +254,8 @@ class ModelRunner:
         every row, as the decoder's), else the VNNI loop (the ``prompt`` rule: a row there is no prompt
         token's own, and the VNNI loop is 3x faster at a few rows) (native/tile_rows.py)."""
         head_rows = tile_rows.marked(self.tile_rule, (), hidden.shape[0]) if self.marks_tile_rows else None
+        if head_rows is None:  # nothing is marked outside a forward pass: no context to enter every step
+            return self.model.compute_logits(hidden)
         with tile_rows.prompt_token_rows(head_rows):
             return self.model.compute_logits(hidden)
 

@@ -35,21 +35,20 @@ class LayerNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        out = F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        out = self.normalized(x)
         return out if residual is None else (out, residual)
 
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
-class ParameterFreeLayerNorm(nn.Module):
+
+class ParameterFreeLayerNorm(LayerNorm):
     """OLMo's LayerNorm: no weight or bias, computed in float32 and rounded to x's dtype once (as
-    transformers' ``OlmoLayerNorm``), with the residual protocol of RMSNorm."""
+    transformers' ``OlmoLayerNorm``)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5):
-        super().__init__()
-        self.hidden_size, self.eps = hidden_size, eps
+    def __init__(self, eps: float = 1e-5):
+        nn.Module.__init__(self)  # not LayerNorm's: no parameters
+        self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is not None:
-            x = x + residual
-            residual = x
-        out = F.layer_norm(x.float(), (self.hidden_size,), None, None, self.eps).to(x.dtype)
-        return out if residual is None else (out, residual)
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), (x.shape[-1],), None, None, self.eps).to(x.dtype)

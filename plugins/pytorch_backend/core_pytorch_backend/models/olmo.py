@@ -34,15 +34,15 @@ class OlmoDecoderLayer(LlamaDecoderLayer):
         nn.Module.__init__(self)  # not LlamaDecoderLayer's: its norms have weights
         self.self_attn = OlmoAttention(config, ops, spec, layer_index, rotary)
         self.mlp = self.make_mlp(config, ops, layer_index)
-        self.input_layernorm = ParameterFreeLayerNorm(config.hidden_size)
-        self.post_attention_layernorm = ParameterFreeLayerNorm(config.hidden_size)
+        self.input_layernorm = ParameterFreeLayerNorm()
+        self.post_attention_layernorm = ParameterFreeLayerNorm()
 
 
 class OlmoModel(LlamaModel):
     layer_class = OlmoDecoderLayer
 
     def make_norm(self, config: Any, ops: Any) -> nn.Module:
-        return ParameterFreeLayerNorm(config.hidden_size)
+        return ParameterFreeLayerNorm()
 
 
 class OlmoForCausalLM(LlamaForCausalLM):

@@ -37,6 +37,7 @@ class TensorEntry:
 class GGUFIndex:
     architecture: str
     tensors: list[TensorEntry]
+    metadata: dict[str, Any]  # scalar and string values by key (an array's value is None)
 
 
 class _Cursor:
@@ -78,11 +79,6 @@ class _Cursor:
         return self.read(SCALARS[kind])
 
 
-def read_gguf_metadata(path: Path) -> dict[str, Any]:
-    """The GGUF file's metadata: its scalar and string values by key (an array's value is None)."""
-    return _read_metadata(np.memmap(path, dtype=np.uint8, mode="r"), path)[0]
-
-
 def _read_metadata(mapped: np.memmap, path: Path) -> tuple[dict[str, Any], _Cursor, int]:
     """(metadata, the cursor at the tensor table, the number of tensors)."""
     cursor = _Cursor(memoryview(mapped))
@@ -100,7 +96,7 @@ def _read_metadata(mapped: np.memmap, path: Path) -> tuple[dict[str, Any], _Curs
 
 
 def read_gguf_index(path: Path) -> GGUFIndex:
-    """The architecture and tensor table of the GGUF file at ``path``."""
+    """The architecture, tensor table and metadata of the GGUF file at ``path``."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
@@ -113,7 +109,7 @@ def read_gguf_index(path: Path) -> GGUFIndex:
     alignment = int(metadata.get("general.alignment") or DEFAULT_ALIGNMENT)
     start = -(-cursor.pos // alignment) * alignment
     tensors = [_entry(mapped, start, info, GGML_QUANT_SIZES) for info in infos]
-    return GGUFIndex(str(metadata.get("general.architecture", "")), tensors)
+    return GGUFIndex(str(metadata.get("general.architecture", "")), tensors, metadata)
 
 
 def _entry(mapped: np.memmap, start: int, info, quant_sizes) -> TensorEntry:
