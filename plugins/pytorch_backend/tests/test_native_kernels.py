@@ -493,6 +493,41 @@ def test_paged_attention_matches_the_reference(ops, dtypes, window, case, heads)
     torch.testing.assert_close(mine, oracle, **tol)
 
 
+@pytest.mark.parametrize("dtypes", ATTENTION_DTYPES)
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 1, 128)])
+def test_a_prompt_rows_attention_does_not_depend_on_its_chunk(ops, dtypes, window, heads):
+    """A prompt's rows get the same bits whether its prefill runs in one chunk, in chunks over its cached
+    prefix, or beside other sequences (csrc/chunk_attention.c: key tiles at absolute positions, a row's
+    sums independent of the rows it shares a task or a tile with): greedy output must not depend on
+    prefix caching, the chunk size or batch neighbours. Chunks of two rows or more: a one-token chunk is
+    routed as a decode row (by its query length), whose arithmetic is decode attention's (DESIGN.md)."""
+    hq, hkv, d = heads
+    dtype, cache_dtype = ATTENTION_DTYPES[dtypes]
+    block_size, length = 16, 300
+    generator = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(40, block_size, hkv, d, generator=generator).to(cache_dtype)
+    v_cache = torch.randn(40, block_size, hkv, d, generator=generator).to(cache_dtype)
+    query = torch.randn(length, hq, d, generator=generator).to(dtype)
+    table = list(range(39, 39 - -(-length // block_size), -1))  # blocks out of order
+
+    def attend(splits: list[int], neighbour: bool) -> torch.Tensor:
+        rows = []
+        for begin, end in zip([0, *splits], [*splits, length], strict=True):
+            computed, new, tables, queries = [begin], [end - begin], [table], [query[begin:end]]
+            if neighbour:  # another sequence's chunk first, over the same blocks (its rows are discarded)
+                computed, new, tables = [7, *computed], [33, *new], [table[:3], *tables]
+                queries.insert(0, torch.randn(33, hq, d, generator=generator).to(dtype))
+            meta = AttentionMetadata.build(computed, new, tables, block_size)
+            out = ops.paged_attention(torch.cat(queries), k_cache, v_cache, meta, d**-0.5, window)
+            rows.append(out[-(end - begin):])
+        return torch.cat(rows)
+
+    whole = attend([], False)
+    for splits, neighbour in [([2], False), ([100, 117, 250], False), ([64], True), ([], True), ([298], False)]:
+        assert torch.equal(attend(splits, neighbour), whole), (splits, neighbour)
+
+
 def test_the_cpu_gets_the_native_op_set():
     assert select_ops("cpu").name == "native"
     assert select_ops("cpu", kind="reference").name == "reference"

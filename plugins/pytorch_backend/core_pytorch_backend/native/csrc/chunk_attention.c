@@ -13,7 +13,8 @@
  * flash-attention recurrence). Key tiles start at multiples of KEYS whatever the query tile, so a row's
  * sums run in the same order in any chunk. e^x is fast_exp (relative error ~2e-7). Over a bfloat16
  * cache with heads of 64 or 128, the avx512-bf16 and amx-bf16 builds take the same tasks and tiles in
- * bfloat16 dot products instead (run_task_bf16 below).
+ * bfloat16 dot products instead (run_task_bf16 below), and the amx-bf16 build, where Linux grants the
+ * tiles, larger tasks on the AMX tiles (run_task_amx).
  */
 #include <math.h>
 #include <stdint.h>
@@ -21,6 +22,7 @@
 #include <omp.h>
 
 #include "common.h"
+#include "amx.h"
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #endif
@@ -220,14 +222,12 @@ static inline void transpose16(__m512i r[16]) {
     }
 }
 
-/* key tile [j0, j0 + KEYS) of KV head `head` into s->kt and s->vt (positions past `last`: zero) */
-static inline __attribute__((always_inline)) void load_keys_bf16(const uint16_t *k_cache, const uint16_t *v_cache,
-                                                                  const int32_t *table, int64_t block_size,
-                                                                  int64_t hkv, int64_t head, int64_t d, int64_t j0,
-                                                                  int64_t last, bf16_scratch *s) {
+/* the cache rows of keys [j0, j0 + count) of KV head `head` into k[] and v[] (positions past `last`: zeros) */
+static inline void key_rows(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table, int64_t block_size,
+                            int64_t hkv, int64_t head, int64_t d, int64_t j0, int64_t last, int count,
+                            const uint16_t **k, const uint16_t **v) {
     static const uint16_t zeros[MAX_CHUNK_HEAD_DIM];
-    const uint16_t *k[KEYS], *v[KEYS];
-    for (int jj = 0; jj < KEYS; ++jj) {
+    for (int jj = 0; jj < count; ++jj) {
         if (j0 + jj > last) {
             k[jj] = v[jj] = zeros;
             continue;
@@ -235,19 +235,69 @@ static inline __attribute__((always_inline)) void load_keys_bf16(const uint16_t 
         const int64_t at = (slot_of(table, j0 + jj, block_size) * hkv + head) * d;
         k[jj] = k_cache + at, v[jj] = v_cache + at;
     }
-    for (int64_t p0 = 0; p0 < d / 2; p0 += 16) { /* 16 pairs (32 elements) of every key, transposed */
+}
+
+/* 16 keys' pairs, transposed: kt[p] lane j <- key j's pair p (D / 2 vectors) */
+static inline void transposed_pairs(const uint16_t *const *k, int64_t d, __m512i *kt) {
+    for (int64_t p0 = 0; p0 < d / 2; p0 += 16) {
         __m512i r[16];
-        for (int jj = 0; jj < KEYS; ++jj) r[jj] = _mm512_loadu_si512((const void *)(k[jj] + 2 * p0));
+        for (int jj = 0; jj < 16; ++jj) r[jj] = _mm512_loadu_si512((const void *)(k[jj] + 2 * p0));
         transpose16(r);
-        for (int i = 0; i < 16; ++i) s->kt[p0 + i] = r[i];
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512((void *)(kt + p0 + i), r[i]);
     }
-    for (int jp = 0; jp < KEYS / 2; ++jp)
+}
+
+/* the values of keys 2 jp and 2 jp + 1 interleaved into pairs (unpack lo / hi of each 32 outputs):
+ * vt[jp * pair_apart + t * column_apart] for t < D / 16 */
+static inline void interleaved_values(const uint16_t *const *v, int pairs, int64_t d, __m512i *vt, int64_t pair_apart,
+                                      int64_t column_apart) {
+    for (int jp = 0; jp < pairs; ++jp)
         for (int64_t c = 0; c < d / 32; ++c) {
             const __m512i a = _mm512_loadu_si512((const void *)(v[2 * jp] + 32 * c)),
                           b = _mm512_loadu_si512((const void *)(v[2 * jp + 1] + 32 * c));
-            s->vt[jp][2 * c] = _mm512_unpacklo_epi16(a, b);
-            s->vt[jp][2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+            _mm512_storeu_si512((void *)(vt + jp * pair_apart + 2 * c * column_apart), _mm512_unpacklo_epi16(a, b));
+            _mm512_storeu_si512((void *)(vt + jp * pair_apart + (2 * c + 1) * column_apart), _mm512_unpackhi_epi16(a, b));
         }
+}
+
+/* key tile [j0, j0 + KEYS) of KV head `head` into s->kt and s->vt (positions past `last`: zero) */
+static inline __attribute__((always_inline)) void load_keys_bf16(const uint16_t *k_cache, const uint16_t *v_cache,
+                                                                  const int32_t *table, int64_t block_size,
+                                                                  int64_t hkv, int64_t head, int64_t d, int64_t j0,
+                                                                  int64_t last, bf16_scratch *s) {
+    const uint16_t *k[KEYS], *v[KEYS];
+    key_rows(k_cache, v_cache, table, block_size, hkv, head, d, j0, last, KEYS, k, v);
+    transposed_pairs(k, d, s->kt);
+    interleaved_values(v, KEYS / 2, d, s->vt[0], BF16_MAX_SUMS, 1);
+}
+
+/* a vector's normalized V sums (each 32 outputs as two vectors in the interleaved lane order: lo's lane i
+ * holds output 8 (i / 4) + i % 4 of its 32, hi's the one 4 after it) into out's row at `at` */
+static inline void store_sums(const float *acc, float sum, int64_t d, void *out, int q_dtype, int64_t at) {
+    const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23),
+                  second16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
+    float result[MAX_CHUNK_HEAD_DIM];
+    for (int64_t c = 0; c < d / 32; ++c) {
+        const __m512 lo = _mm512_loadu_ps(acc + 32 * c), hi = _mm512_loadu_ps(acc + 32 * c + 16);
+        _mm512_storeu_ps(result + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first16, hi), inv));
+        _mm512_storeu_ps(result + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second16, hi), inv));
+    }
+    store_row(out, q_dtype, at, d, result);
+}
+
+/* a query as bfloat16 (q_dtype's row at `at`): a float32 one as its rounding and the rounding of the rest */
+static inline void bf16_query(const void *q, int q_dtype, int64_t at, int64_t d, uint16_t *query, uint16_t *rest) {
+    if (q_dtype == DT_BF16) {
+        memcpy(query, (const uint16_t *)q + at, (size_t)d * sizeof(uint16_t));
+        return;
+    }
+    const float *qf = (const float *)q + at;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) {
+        query[i] = f32_to_bf16(qf[i]);
+        rest[i] = f32_to_bf16(qf[i] - bf16_to_f32(query[i]));
+    }
 }
 
 /* Scores of vectors [first, first + QK_BLOCK) against the key tile, merged into their running softmax:
@@ -341,18 +391,7 @@ static inline __attribute__((always_inline)) void run_task_bf16_d(const void *q,
         const int64_t row = query_start[task.seq] + task.first + real / group;
         const int64_t at = (row * hq + task.head * group + real % group) * d;
         pos[vec] = first_pos + real / group;
-        uint16_t *query = (uint16_t *)s->q[vec];
-        if (q_dtype == DT_BF16) {
-            memcpy(query, (const uint16_t *)q + at, (size_t)d * sizeof(uint16_t));
-        } else {
-            const float *qf = (const float *)q + at;
-            uint16_t *rest = (uint16_t *)s->q_rest[vec];
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i) {
-                query[i] = f32_to_bf16(qf[i]);
-                rest[i] = f32_to_bf16(qf[i] - bf16_to_f32(query[i]));
-            }
-        }
+        bf16_query(q, q_dtype, at, d, (uint16_t *)s->q[vec], (uint16_t *)s->q_rest[vec]);
         for (int64_t t = 0; t < sums; ++t) s->acc[vec][t] = _mm512_setzero_ps();
         s->top[vec] = -INFINITY, s->sum[vec] = 0.f;
     }
@@ -368,20 +407,9 @@ static inline __attribute__((always_inline)) void run_task_bf16_d(const void *q,
             else for (int v = 0; v < count; ++v) weigh_values_bf16(s, vec + v, 1, (int)sums);
         }
     }
-    /* lo's lane i holds output 8 (i / 4) + i % 4 of its 32, hi's the one 4 after it (weighted_values_bf16) */
-    const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23),
-                  second16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int64_t vec = 0; vec < vectors; ++vec) {
         const int64_t row = query_start[task.seq] + task.first + vec / group;
-        const int64_t head = task.head * group + vec % group;
-        const __m512 inv = _mm512_set1_ps(s->sum[vec] > 0.f ? 1.f / s->sum[vec] : 0.f);
-        float result[MAX_CHUNK_HEAD_DIM];
-        for (int64_t c = 0; c < d / 32; ++c) {
-            const __m512 lo = s->acc[vec][2 * c], hi = s->acc[vec][2 * c + 1];
-            _mm512_storeu_ps(result + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first16, hi), inv));
-            _mm512_storeu_ps(result + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second16, hi), inv));
-        }
-        store_row(out, q_dtype, (row * hq + head) * d, d, result);
+        store_sums((const float *)s->acc[vec], s->sum[vec], d, out, q_dtype, (row * hq + task.head * group + vec % group) * d);
     }
 }
 
@@ -397,6 +425,159 @@ static void run_task_bf16(const void *q, int q_dtype, int64_t hq, int64_t d, con
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* The same attention on the AMX tiles (the amx-bf16 build, a bfloat16 cache, heads of 64 or 128, where
+ * Linux granted the tiles): tasks of up to AMX_VECTORS query vectors, in tiles of 16, and key tiles of
+ * AMX_KEYS. A vector tile's scores against a key tile are `tdpbf16ps` products of its queries (a float32
+ * query as its bfloat16 rounding plus the rounding of the rest, as in run_task_bf16; 32 dimensions a
+ * product, in order, the rest's product after the rounding's) by the keys' pairs, transposed once a key
+ * tile for every vector tile of the task (the B tiles of run_task_bf16's kt). The scores leave the tiles
+ * for the softmax recurrence (the scale, the mask, the running maximum and sum, e^x as fast_exp, the
+ * weights rounded to bfloat16, as run_task_bf16), and the weights go back as one A tile that multiplies
+ * the values' pairs (vt's interleaved layout) into float32 tiles: V sums from zero for the key tile, added
+ * to the running ones after their rescale. A row's results depend on its query, its keys and the key
+ * tiles' bounds (multiples of AMX_KEYS), never on the other rows of its tile, task or chunk, so a row's
+ * sums run in the same order in any chunk; not run_task_bf16's order (the tiles sum their products in
+ * their own order), so the two loops are not bit for bit the same. */
+#define AMX_KEYS 32
+#define AMX_VECTORS 128 /* query vectors a task: AMX_VECTORS / G rows */
+#define AMX_MAX_D 128
+
+typedef struct {
+    uint16_t q[2][AMX_VECTORS][AMX_MAX_D]; /* each vector's bfloat16 query and a float32 query's rest */
+    float acc[AMX_VECTORS][AMX_MAX_D];     /* V sums, each 32 outputs in vt's lane order (lo then hi) */
+    float top[AMX_VECTORS], sum[AMX_VECTORS];
+    uint32_t kt[2][AMX_MAX_D / 2][16];     /* B tiles of scores: [key half][pair][key] */
+    uint32_t vt[AMX_MAX_D / 16][16][16];   /* B tiles of values: [16 outputs][key pair][output lane] */
+    float scores[AMX_ROWS][AMX_KEYS];
+    uint16_t weights[AMX_ROWS][AMX_KEYS];  /* the A tile of a vector tile's softmax weights */
+    float rescale[AMX_ROWS];
+    float sums[2][AMX_ROWS][16];           /* a key tile's V sums of 32 outputs */
+} amx_scratch;
+
+/* key tile [j0, j0 + AMX_KEYS) of KV head `head` into s->kt and s->vt (positions past `last`: zero) */
+static void amx_load_keys(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table, int64_t block_size,
+                          int64_t hkv, int64_t head, int64_t d, int64_t j0, int64_t last, amx_scratch *s) {
+    const uint16_t *k[AMX_KEYS], *v[AMX_KEYS];
+    key_rows(k_cache, v_cache, table, block_size, hkv, head, d, j0, last, AMX_KEYS, k, v);
+    for (int half = 0; half < 2; ++half) transposed_pairs(k + 16 * half, d, (__m512i *)s->kt[half]);
+    interleaved_values(v, AMX_KEYS / 2, d, (__m512i *)s->vt[0][0], 1, 16);
+}
+
+/* The softmax recurrence of the 16 vectors from `first` over the key tile's scores (in s->scores): their
+ * weights into s->weights and the factors of their running V sums into s->rescale */
+static void amx_softmax(amx_scratch *s, int64_t first, int64_t j0, const int64_t *pos, int64_t window, float scale) {
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int i = 0; i < AMX_ROWS; ++i) {
+        const int64_t vec = first + i;
+        __m512 score[2];
+        __mmask16 keep[2];
+        for (int half = 0; half < 2; ++half) {
+            score[half] = _mm512_mul_ps(_mm512_load_ps(s->scores[i] + 16 * half), _mm512_set1_ps(scale));
+            const __m512i j = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(j0 + 16 * half)), lanes);
+            keep[half] = _mm512_cmple_epi32_mask(j, _mm512_set1_epi32((int32_t)pos[i]));
+            if (window > 0) keep[half] &= _mm512_cmpgt_epi32_mask(j, _mm512_set1_epi32((int32_t)(pos[i] - window)));
+        }
+        if (!keep[0] && !keep[1]) {
+            s->rescale[i] = 1.f;
+            memset(s->weights[i], 0, sizeof s->weights[i]);
+            continue;
+        }
+        const __m512 lowest = _mm512_set1_ps(-INFINITY);
+        const float top_tile = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(lowest, keep[0], score[0]),
+                                                                  _mm512_mask_mov_ps(lowest, keep[1], score[1])));
+        const float top = s->top[vec] > top_tile ? s->top[vec] : top_tile;
+        s->rescale[i] = s->top[vec] == -INFINITY ? 0.f : fast_exp(s->top[vec] - top);
+        s->top[vec] = top;
+        float e[AMX_KEYS];
+        _mm512_storeu_ps(e, _mm512_sub_ps(score[0], _mm512_set1_ps(top)));
+        _mm512_storeu_ps(e + 16, _mm512_sub_ps(score[1], _mm512_set1_ps(top)));
+#pragma omp simd
+        for (int jj = 0; jj < AMX_KEYS; ++jj) e[jj] = fast_exp(e[jj]);
+        __m512 total = _mm512_setzero_ps();
+        for (int half = 0; half < 2; ++half) {
+            const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(keep[half], e + 16 * half));
+            _mm256_storeu_si256((__m256i *)(s->weights[i] + 16 * half), rounded);
+            total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+        }
+        s->sum[vec] = s->sum[vec] * s->rescale[i] + _mm512_reduce_add_ps(total);
+    }
+}
+
+/* One key tile for the 16 vectors from `first`: scores, softmax, V sums */
+static void amx_attend_tile(amx_scratch *s, int64_t first, int64_t d, int64_t j0, const int64_t *pos,
+                            int64_t window, float scale, int split) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t t = 0; t < d / 32; ++t) { /* 32 dimensions (16 pairs) a product */
+        _tile_loadd(4, s->q[0][first] + 32 * t, AMX_MAX_D * 2);
+        _tile_loadd(6, s->kt[0][16 * t], 64);
+        _tile_loadd(7, s->kt[1][16 * t], 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (split) {
+            _tile_loadd(5, s->q[1][first] + 32 * t, AMX_MAX_D * 2);
+            _tile_dpbf16ps(0, 5, 6);
+            _tile_dpbf16ps(1, 5, 7);
+        }
+    }
+    _tile_stored(0, s->scores[0], AMX_KEYS * 4);
+    _tile_stored(1, s->scores[0] + 16, AMX_KEYS * 4);
+    amx_softmax(s, first, j0, pos, window, scale);
+    _tile_loadd(4, s->weights[0], AMX_KEYS * 2);
+    for (int64_t c = 0; c < d / 32; ++c) {
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_loadd(6, s->vt[2 * c][0], 64);
+        _tile_loadd(7, s->vt[2 * c + 1][0], 64);
+        _tile_dpbf16ps(2, 4, 6);
+        _tile_dpbf16ps(3, 4, 7);
+        _tile_stored(2, s->sums[0][0], 64);
+        _tile_stored(3, s->sums[1][0], 64);
+        for (int i = 0; i < AMX_ROWS; ++i) {
+            float *acc = s->acc[first + i] + 32 * c;
+            const __m512 rescale = _mm512_set1_ps(s->rescale[i]);
+            _mm512_store_ps(acc, _mm512_fmadd_ps(_mm512_load_ps(acc), rescale, _mm512_load_ps(s->sums[0][i])));
+            _mm512_store_ps(acc + 16, _mm512_fmadd_ps(_mm512_load_ps(acc + 16), rescale, _mm512_load_ps(s->sums[1][i])));
+        }
+    }
+}
+
+static void run_task_amx(const void *q, int q_dtype, int64_t hq, int64_t d, const uint16_t *k_cache,
+                         const uint16_t *v_cache, int64_t block_size, int64_t hkv, const int32_t *query_start,
+                         const int32_t *query_len, const int32_t *seq_len, const int32_t *tables, int64_t table_width,
+                         int64_t window, float scale, void *out, chunk_task task, amx_scratch *s) {
+    const int64_t group = hq / hkv, n = query_len[task.seq], length = seq_len[task.seq];
+    const int64_t vectors = task.count * group, first_pos = length - n + task.first;
+    const int64_t padded = (vectors + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS; /* the padding repeats the last row */
+    const int split = q_dtype == DT_F32;
+    const int32_t *table = tables + (int64_t)task.seq * table_width;
+    int64_t pos[AMX_VECTORS];
+    for (int64_t vec = 0; vec < padded; ++vec) {
+        const int64_t real = vec < vectors ? vec : vectors - 1;
+        const int64_t row = query_start[task.seq] + task.first + real / group;
+        const int64_t at = (row * hq + task.head * group + real % group) * d;
+        pos[vec] = first_pos + real / group;
+        bf16_query(q, q_dtype, at, d, s->q[0][vec], s->q[1][vec]);
+        memset(s->acc[vec], 0, (size_t)d * sizeof(float));
+        s->top[vec] = -INFINITY, s->sum[vec] = 0.f;
+    }
+    const int64_t last = first_pos + task.count - 1;
+    int64_t lowest = window > 0 ? first_pos - window + 1 : 0;
+    lowest = lowest < 0 ? 0 : lowest;
+    for (int64_t j0 = lowest / AMX_KEYS * AMX_KEYS; j0 <= last; j0 += AMX_KEYS) {
+        amx_load_keys(k_cache, v_cache, table, block_size, hkv, task.head, d, j0, last, s);
+        for (int64_t vec = 0; vec < padded; vec += AMX_ROWS)
+            if (j0 <= pos[vec + AMX_ROWS - 1]) /* a tile past every row's position adds nothing */
+                amx_attend_tile(s, vec, d, j0, pos + vec, window, scale, split);
+    }
+    for (int64_t vec = 0; vec < vectors; ++vec) {
+        const int64_t row = query_start[task.seq] + task.first + vec / group;
+        store_sums(s->acc[vec], s->sum[vec], d, out, q_dtype, (row * hq + task.head * group + vec % group) * d);
+    }
+}
+#endif
+
 /* q, out [T, Hq, D] (float32 or bfloat16); caches [num_blocks, block_size, Hkv, D]; per sequence
  * query_start, query_len, seq_len (int32) and a row of tables [seqs, table_width] (int32). Only the
  * chunk sequences' rows of out are written. */
@@ -408,7 +589,13 @@ int core_chunk_attention(const void *q, int q_dtype, int64_t hq, int64_t d, cons
         block_size <= 0 || (q_dtype != DT_F32 && q_dtype != DT_BF16) ||
         (cache_dtype != DT_F32 && cache_dtype != DT_BF16))
         return ERR_ARGS;
-    const int64_t group = hq / hkv, rows_per_task = group >= MAX_VECTORS ? 1 : MAX_VECTORS / group;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    const int on_tiles = cache_dtype == DT_BF16 && (d == 64 || d == 128) && core_packed_uses_amx();
+    const int64_t most_vectors = on_tiles ? AMX_VECTORS : MAX_VECTORS;
+#else
+    const int64_t most_vectors = MAX_VECTORS;
+#endif
+    const int64_t group = hq / hkv, rows_per_task = group >= most_vectors ? 1 : most_vectors / group;
     int64_t count = 0;
     for (int64_t s = 0; s < seqs; ++s) {
         if (query_len[s] < 0 || query_len[s] > seq_len[s]) return ERR_ARGS;
@@ -425,7 +612,10 @@ int core_chunk_attention(const void *q, int q_dtype, int64_t hq, int64_t d, cons
                                           (int32_t)(left < rows_per_task ? left : rows_per_task)};
             }
     int status = OK;
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    const int in_bf16 = cache_dtype == DT_BF16 && (d == 64 || d == 128);
+    const size_t scratch_bytes = on_tiles ? sizeof(amx_scratch) : in_bf16 ? sizeof(bf16_scratch) : sizeof(chunk_scratch);
+#elif defined(__AVX512BF16__) && defined(__AVX512BW__)
     const int in_bf16 = cache_dtype == DT_BF16 && (d == 64 || d == 128);
     const size_t scratch_bytes = in_bf16 ? sizeof(bf16_scratch) : sizeof(chunk_scratch);
 #else
@@ -438,9 +628,19 @@ int core_chunk_attention(const void *q, int q_dtype, int64_t hq, int64_t d, cons
 #pragma omp atomic write
             status = ERR_MEMORY;
         }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (on_tiles) amx_configure();
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < count; ++i) {
             if (!scratch) continue;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+            if (on_tiles) {
+                run_task_amx(q, q_dtype, hq, d, k_cache, v_cache, block_size, hkv, query_start, query_len, seq_len,
+                             tables, table_width, window, scale, out, tasks[i], scratch);
+                continue;
+            }
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
             if (in_bf16) {
                 run_task_bf16(q, q_dtype, hq, d, k_cache, v_cache, block_size, hkv, query_start, query_len, seq_len,
@@ -451,6 +651,9 @@ int core_chunk_attention(const void *q, int q_dtype, int64_t hq, int64_t d, cons
             run_task(q, q_dtype, hq, d, k_cache, v_cache, cache_dtype, block_size, hkv, query_start, query_len,
                      seq_len, tables, table_width, window, scale, out, tasks[i], scratch);
         }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (on_tiles) _tile_release();
+#endif
         free(scratch);
     }
     free(tasks);

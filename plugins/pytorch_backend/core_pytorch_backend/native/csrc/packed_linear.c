@@ -45,6 +45,7 @@
 #include <omp.h>
 
 #include "common.h"
+#include "amx.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -528,7 +529,6 @@ static inline __attribute__((always_inline)) void block_dots_simd(const uint8_t 
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define AMX_ROWS 16 /* activation rows a tile */
 #define AMX_ACTS_BYTES (512 * 1024) /* bfloat16 activation rows that the threads' blocks pass over at a time */
 
 static int amx_state; /* 0: not asked yet; 1: granted; -1: refused (the VNNI loop runs) */
@@ -541,24 +541,6 @@ static int amx_granted(void) {
         __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
     }
     return state > 0;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config_t;
-
-/* every tile 16 rows of 64 bytes: C 16 x 16 float32, A 16 rows x 32 bfloat16, B 16 input pairs x 16 x 2 */
-static void amx_configure(void) {
-    tile_config_t config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        config.colsb[t] = 64;
-        config.rows[t] = AMX_ROWS;
-    }
-    _tile_loadconfig(&config);
 }
 
 /* the activations as bfloat16 rows of Kp (zero beyond K), Mp rows (zero beyond M) */
