@@ -26,10 +26,13 @@ class AttentionMetadata:
     query_lens_list: list[int]
     seq_lens_list: list[int]
     block_size: int
-    is_decode: bool  # every sequence brings exactly one new token
+    is_decode: bool  # every sequence brings exactly one new token, none of them a prompt's (decode_sequences)
     # Per sequence, [start, end) spans whose tokens attend to each other both ways (Gemma 3 images);
     # None for plain causal attention. Only the reference paged attention reads it.
     bidirectional_spans: list[tuple[tuple[int, int], ...]] | None = None
+    # Sequences whose one new token is a prompt token (the rest of the prompt cached, or a chunk cut one token
+    # short): attended as a chunk, not a decode row (decode_sequences).
+    prompt_singletons: frozenset[int] = frozenset()
     # Per-step scratch an op set fills at the first layer and reuses in the others (index tensors,
     # masks): this object lives for one forward step.
     op_cache: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -46,6 +49,18 @@ class AttentionMetadata:
     def context_lens_list(self) -> list[int]:
         """Tokens already in the cache before this step, per sequence."""
         return [s - q for s, q in zip(self.seq_lens_list, self.query_lens_list, strict=True)]
+
+    def decode_sequences(self) -> list[int]:
+        """The sequences attended as decode rows: one new token, a generated one. A prompt token alone in
+        its chunk is attended as a chunk (as the rest of its prompt was), since the decode kernels do not
+        round as the chunk kernels do and a prompt row's results must not depend on how much of the prompt
+        was cached or where a chunk ended."""
+        return [b for b, q in enumerate(self.query_lens_list) if q == 1 and b not in self.prompt_singletons]
+
+    def chunk_sequences(self) -> list[int]:
+        """The sequences attended as chunks (every one with new tokens that decode_sequences leaves)."""
+        decode = set(self.decode_sequences())
+        return [b for b, q in enumerate(self.query_lens_list) if q > 0 and b not in decode]
 
     def positions(self) -> torch.Tensor:
         """[T] int64 positions of the new tokens (context length + index in the chunk)."""
@@ -66,8 +81,10 @@ class AttentionMetadata:
         block_tables: Sequence[Sequence[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        prompt_lens: Sequence[int] | None = None,
     ) -> AttentionMetadata:
-        """From per-sequence cached-token counts, new-token counts and block tables."""
+        """From per-sequence cached-token counts, new-token counts and block tables; ``prompt_lens`` (per
+        sequence, its prompt's tokens) tells a prompt token alone in its chunk from a decode row."""
         if not (len(num_computed) == len(num_new) == len(block_tables)):
             raise ValueError("num_computed, num_new and block_tables must have one entry per sequence")
         seq_lens = [c + n for c, n in zip(num_computed, num_new, strict=True)]
@@ -78,6 +95,8 @@ class AttentionMetadata:
         starts = [0]
         for n in num_new:
             starts.append(starts[-1] + n)
+        singletons = frozenset(b for b, (c, n, p) in enumerate(zip(num_computed, num_new, prompt_lens or (), strict=False))
+                               if n == 1 and c < p)
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
@@ -88,7 +107,8 @@ class AttentionMetadata:
             query_lens_list=list(num_new),
             seq_lens_list=seq_lens,
             block_size=block_size,
-            is_decode=all(n == 1 for n in num_new),
+            is_decode=all(n == 1 for n in num_new) and not singletons,
+            prompt_singletons=singletons,
         )
 
 

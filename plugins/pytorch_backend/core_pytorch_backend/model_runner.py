@@ -224,7 +224,8 @@ class ModelRunner:
             if s.samples and s.seq.seq_id not in pools:  # a speculating chunk: each verified position
                 sample_rows.extend(range(len(tokens) - 1 - len(s.draft_token_ids), len(tokens)))
                 sampling.append(s)
-        meta = AttentionMetadata.build(*_attention_rows(scheduled), self.block_size, self.device)
+        computed, new, tables, prompt_lens = _attention_rows(scheduled)
+        meta = AttentionMetadata.build(computed, new, tables, self.block_size, self.device, prompt_lens=prompt_lens)
         inputs = StepInputs(
             input_ids=torch.tensor(tokens, dtype=torch.int64, device=self.device),
             positions=meta.positions(),
@@ -290,13 +291,16 @@ class ModelRunner:
             self.lora_step.clear()
 
 
-def _attention_rows(scheduled: Sequence[ScheduledSequence]) -> tuple[list[int], list[int], list[list[int]]]:
-    """Cached-token counts, new-token counts and block tables of the step's attention rows: one per chunk,
-    but one per token of a speculating chunk, so that each verified position is attended to exactly as a
-    decode step of one token would (the same kernel and rounding: greedy output stays token for token)."""
+def _attention_rows(scheduled: Sequence[ScheduledSequence]
+                    ) -> tuple[list[int], list[int], list[list[int]], list[int]]:
+    """Cached-token counts, new-token counts, block tables and prompt lengths of the step's attention rows:
+    one per chunk, but one per token of a speculating chunk, so that each verified position is attended to
+    exactly as a decode step of one token would (the same kernel and rounding: greedy output stays token
+    for token)."""
     computed: list[int] = []
     new: list[int] = []
     tables: list[list[int]] = []
+    prompt_lens: list[int] = []
     for s in scheduled:
         if s.draft_token_ids:
             rows = [(s.start + j, 1) for j in range(s.num_new_tokens)]
@@ -306,7 +310,8 @@ def _attention_rows(scheduled: Sequence[ScheduledSequence]) -> tuple[list[int], 
             computed.append(start)
             new.append(count)
             tables.append(s.seq.block_table)
-    return computed, new, tables
+            prompt_lens.append(s.seq.num_prompt_tokens)
+    return computed, new, tables, prompt_lens
 
 
 def _lora_rows(scheduled: Sequence[ScheduledSequence], slots: Sequence[int] | None) -> tuple[int, ...] | None:

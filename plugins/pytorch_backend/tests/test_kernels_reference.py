@@ -236,6 +236,10 @@ def test_attention_metadata_build():
     assert meta.positions().tolist() == [0, 1, 2, 3, 4, 6]
     assert meta.last_token_indices().tolist() == [4, 5]
     assert AttentionMetadata.build([3, 0], [1, 1], [[0], [1]], 4).is_decode
+    # a prompt's last token alone (its prefix cached) is a chunk, not a decode row; a generated token is one
+    singleton = AttentionMetadata.build([3, 6, 0], [1, 1, 4], [[0], [1, 2], [3]], 4, prompt_lens=[2, 7, 4])
+    assert singleton.prompt_singletons == {1} and not singleton.is_decode
+    assert singleton.decode_sequences() == [0] and singleton.chunk_sequences() == [1, 2]
     ragged = AttentionMetadata.build([4, 0, 2], [1, 1, 1], [[5, 6], [3], [7]], 4)
     assert ragged.block_tables.tolist() == [[5, 6], [3, 0], [7, 0]]
     assert AttentionMetadata.build([], [], [], 4).block_tables.shape == (0, 1)

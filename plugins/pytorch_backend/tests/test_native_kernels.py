@@ -500,8 +500,8 @@ def test_a_prompt_rows_attention_does_not_depend_on_its_chunk(ops, dtypes, windo
     """A prompt's rows get the same bits whether its prefill runs in one chunk, in chunks over its cached
     prefix, or beside other sequences (csrc/chunk_attention.c: key tiles at absolute positions, a row's
     sums independent of the rows it shares a task or a tile with): greedy output must not depend on
-    prefix caching, the chunk size or batch neighbours. Chunks of two rows or more: a one-token chunk is
-    routed as a decode row (by its query length), whose arithmetic is decode attention's (DESIGN.md)."""
+    prefix caching, the chunk size or batch neighbours; a prompt token alone in its chunk (its prefix
+    cached) is attended as a chunk, not as a decode row (AttentionMetadata.decode_sequences)."""
     hq, hkv, d = heads
     dtype, cache_dtype = ATTENTION_DTYPES[dtypes]
     block_size, length = 16, 300
@@ -518,13 +518,14 @@ def test_a_prompt_rows_attention_does_not_depend_on_its_chunk(ops, dtypes, windo
             if neighbour:  # another sequence's chunk first, over the same blocks (its rows are discarded)
                 computed, new, tables = [7, *computed], [33, *new], [table[:3], *tables]
                 queries.insert(0, torch.randn(33, hq, d, generator=generator).to(dtype))
-            meta = AttentionMetadata.build(computed, new, tables, block_size)
+            meta = AttentionMetadata.build(computed, new, tables, block_size, prompt_lens=[length] * len(new))
             out = ops.paged_attention(torch.cat(queries), k_cache, v_cache, meta, d**-0.5, window)
             rows.append(out[-(end - begin):])
         return torch.cat(rows)
 
     whole = attend([], False)
-    for splits, neighbour in [([2], False), ([100, 117, 250], False), ([64], True), ([], True), ([298], False)]:
+    for splits, neighbour in [([1], False), ([100, 117, 250], False), ([64], True), ([], True), ([298], False),
+                              ([length - 1], False), ([length - 1], True), ([150, 151], False)]:
         assert torch.equal(attend(splits, neighbour), whole), (splits, neighbour)
 
 

@@ -80,7 +80,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 class _ChunkRows(NamedTuple):
-    """A step's prefill chunks (sequences with more than one new token), shared by every layer."""
+    """A step's prefill chunks (``meta.chunk_sequences``), shared by every layer."""
 
     count: int  # sequences
     query_start: torch.Tensor  # [S] int32: each chunk's first row in the flat batch
@@ -92,11 +92,10 @@ class _ChunkRows(NamedTuple):
 def _chunk_rows(meta: AttentionMetadata) -> _ChunkRows | None:
     if "native_chunks" in meta.op_cache:
         return meta.op_cache["native_chunks"]
-    starts, chunks = 0, []
-    for b, q_len in enumerate(meta.query_lens_list):
-        if q_len > 1:
-            chunks.append((b, starts))
-        starts += q_len
+    starts = [0]
+    for q_len in meta.query_lens_list:
+        starts.append(starts[-1] + q_len)
+    chunks = [(b, starts[b]) for b in meta.chunk_sequences()]
     plan = None
     if chunks:
         index = torch.tensor([b for b, _ in chunks])

@@ -70,17 +70,15 @@ def paged_chunks(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """``paged_attention``'s rows of the sequences with more than one new token; the rows of the others
+    """``paged_attention``'s rows of the chunks (``meta.chunk_sequences``); the rows of the others
     (decode rows) are left for the caller to fill."""
     out = torch.empty_like(query)
     starts = [0]
     for q_len in meta.query_lens_list:
         starts.append(starts[-1] + q_len)
     spans = getattr(meta, "bidirectional_spans", None)
-    for b, q_len in enumerate(meta.query_lens_list):
-        if q_len <= 1:
-            continue
-        s = starts[b]
+    for b in meta.chunk_sequences():
+        s, q_len = starts[b], meta.query_lens_list[b]
         out[s : s + q_len] = _chunk_attention(
             query[s : s + q_len],
             k_cache,
@@ -113,7 +111,7 @@ class _DecodePlan(NamedTuple):
 def decode_rows(meta: AttentionMetadata, device: torch.device) -> tuple[list[int], torch.Tensor | None]:
     """The sequences with one new token (decode) and their rows in the flat batch (None: every row is
     one, in order); what every op set's decode path starts from."""
-    decode = [b for b, q in enumerate(meta.query_lens_list) if q == 1]
+    decode = meta.decode_sequences()
     if len(decode) == len(meta.query_lens_list):
         return decode, None
     starts = [0]
