@@ -309,6 +309,28 @@ def test_the_tile_loop_multiplies_in_bfloat16(tile_kernels, bits, shape, rows):
     torch.testing.assert_close(out.float(), (tiles - bias).bfloat16().float(), rtol=1e-2, atol=1e-2)
 
 
+@TILES
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 17, 70])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_gated_tile_loop_gives_the_bits_of_the_product_then_silu(tile_kernels, bits, dtype, rows, with_bias):
+    """gated_linear (silu * up in the tile loop's epilogue) is bit for bit the tile loop's [gate | up]
+    product and then the native silu * up, for the rows the tiles take; None where it does not apply."""
+    codes = _weight(2 * 48, 160, bits)  # gate and up of 48 each: three blocks a half
+    weight = NativeWeight.from_affine(codes, tile_kernels)
+    x, bias = torch.randn(rows, 160).to(dtype), torch.randn(96) if with_bias else None
+    expected = native.silu_and_mul(weight.linear(x, bias, tiles=True))
+    assert weight.gated_linear(x, bias, "silu") is None  # no step marked: the VNNI loop's rows
+    with tile_rows.prompt_token_rows(tile_rows.rows_of([(0, rows)], rows)):
+        fused = weight.gated_linear(x, bias, "silu")
+        assert weight.gated_linear(x, bias, "gelu_tanh") is None
+    assert fused.dtype == dtype and torch.equal(fused, expected)
+    odd = NativeWeight.from_affine(_weight(2 * 40, 160, bits), tile_kernels)  # halves not whole blocks
+    with tile_rows.prompt_token_rows(tile_rows.rows_of([(0, rows)], rows)):
+        assert odd.gated_linear(x, None, "silu") is None
+
+
 def test_the_tile_loop_is_refused_without_tiles(kernels):
     if kernels.uses_amx:
         pytest.skip("this variant has the tiles")

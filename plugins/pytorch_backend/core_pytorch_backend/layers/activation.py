@@ -13,6 +13,8 @@ from torch import nn
 class SiluAndMul(nn.Module):
     """silu(gate) * up of a merged [gate | up] projection."""
 
+    name = "silu"  # what MergedLinear.gated asks a weight's fused loop for
+
     def __init__(self, ops: Any):
         super().__init__()
         self.ops = ops

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,18 @@ class MergedLinear(Linear):
         super().__init__(input_size, sum(output_sizes), bias)
         self.output_sizes = list(output_sizes)
         self.shard_names = list(shard_names)
+        # (x, bias, activation name) -> act(x @ W^T + bias), or None where it does not take the call
+        self.gated_matmul: Callable[[torch.Tensor, torch.Tensor | None, str | None], torch.Tensor | None] | None = None
+
+    def gated(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        """``act(self(x))`` for a [gate | up] projection and its gated activation (``act.name``): in one call
+        where this layer's weight multiplies and applies it together (``gated_matmul``, set with the
+        weight: a packed weight's tile loop, silu), the same values; else the product, then ``act``."""
+        if self.gated_matmul is not None and self.lora is None:
+            out = self.gated_matmul(x, self.bias, getattr(act, "name", None))
+            if out is not None:
+                return out
+        return act(self(x))
 
     def shard_slice(self, shard: str) -> slice:
         i = self.shard_names.index(shard)

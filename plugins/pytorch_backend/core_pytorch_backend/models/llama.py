@@ -111,7 +111,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = get_act_and_mul(getattr(config, "hidden_act", "silu"), ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.gated(x, self.act_fn))
 
 
 class LlamaDecoderLayer(nn.Module):

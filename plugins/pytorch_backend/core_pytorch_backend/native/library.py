@@ -15,7 +15,7 @@ from pathlib import Path
 from .build import CpuBuildError, build_library, chosen_variant
 
 log = logging.getLogger(__name__)
-ABI_VERSION = 13  # csrc/packed_linear.c CORE_PACKED_ABI
+ABI_VERSION = 14  # csrc/packed_linear.c CORE_PACKED_ABI
 STATUS = {1: "bad arguments", 2: "out of memory", 3: "no AMX tiles (not an amx-bf16 build, or Linux refused them)"}
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -26,6 +26,8 @@ SIGNATURES: dict[str, list] = {
     "core_packed_linear": [_P, _I, _L, _L, _P, _I, _I, _L, _L, _P, _P, _I, _P, _P, _I],
     "core_packed_linear_reference": [_P, _I, _L, _L, _P, _I, _I, _L, _L, _P, _P, _I, _P, _P, _I],
     "core_packed_linear_tiles": [_P, _I, _L, _L, _P, _I, _I, _L, _L, _P, _P, _I, _P, _P, _I],
+    # the same arguments; y [M, N / 2]: silu(gate) * up of a merged [gate | up] weight's product
+    "core_packed_linear_tiles_silu": [_P, _I, _L, _L, _P, _I, _I, _L, _L, _P, _P, _I, _P, _P, _I],
     # q, q dtype, rows, Hq, D, k cache, v cache, cache dtype, block size, Hkv, tables, table width,
     # lengths, window, scale, out
     "core_decode_attention": [_P, _I, _L, _L, _L, _P, _P, _I, _L, _L, _P, _L, _P, _L, _F, _P],

@@ -168,6 +168,24 @@ class NativeWeight(nn.Module):
             out = out.to(x.dtype)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
+    def gated_linear(self, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> torch.Tensor | None:
+        """silu(gate) * up of this [gate | up] weight's product (``activation`` "silu"), [..., N / 2], in the tile
+        loop's epilogue: the bits of ``linear`` and then the native silu * up, where every row of the call
+        takes the tiles (``tile_rows.current()``: a prefill chunk, or any step under ``--amx-rows all``);
+        None otherwise (the caller multiplies, then applies its activation)."""
+        n, k = self.shape
+        if activation != "silu" or self.bits == 16 or self.group != GROUP or n % (2 * BLOCK) or not self.kernels.uses_amx:
+            return None
+        flat = x.reshape(-1, k)
+        rows = tile_rows.current()
+        code = DTYPE_CODES.get(flat.dtype) if flat.dtype != torch.float16 else None
+        if rows is None or rows.tiled is not None or rows.total != flat.shape[0] or code is None:
+            return None
+        if bias is not None:
+            bias = bias.to(torch.float32).contiguous()  # named: alive during the call
+        out = self._call("core_packed_linear_tiles_silu", flat.contiguous(), code, bias, n // 2)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], n // 2)
+
     def _by_rows(self, flat: torch.Tensor, code: int, bias: torch.Tensor | None) -> torch.Tensor:
         """The step's prompt-token rows on the tiles, the others by the VNNI loop (tile_rows.py)."""
         rows = tile_rows.current() if self.kernels.uses_amx and self.bits != 16 else None
@@ -180,9 +198,11 @@ class NativeWeight(nn.Module):
         out.index_copy_(0, rows.other, self._call("core_packed_linear", flat.index_select(0, rows.other), code, bias))
         return out
 
-    def _call(self, kernel: str, flat: torch.Tensor, code: int, bias: torch.Tensor | None) -> torch.Tensor:
+    def _call(self, kernel: str, flat: torch.Tensor, code: int, bias: torch.Tensor | None,
+              width: int | None = None) -> torch.Tensor:
+        """`kernel`'s y [M, width] (default N) for the rows `flat`."""
         m = flat.shape[0]
-        out = torch.empty((m, self.shape[0]), dtype=flat.dtype)
+        out = torch.empty((m, width or self.shape[0]), dtype=flat.dtype)
         buffers = self._buffers
         status = self.kernels.function(kernel)(
             flat.data_ptr(), code, m, self.shape[1], buffers["codes"].data_ptr(), self.bits, self.group, self.shape[0],

@@ -117,6 +117,8 @@ def _pack(module: nn.Module, weight: AffineWeight, kernel_dtype: torch.dtype, na
             packed.keep_dense_copy(weight, kernel_dtype, DENSE_MIN_ROWS)
     _replace_weight(module, packed)
     module.matmul = packed_linear
+    if isinstance(packed, NativeWeight) and hasattr(module, "gated_matmul"):  # a merged [gate | up] projection
+        module.gated_matmul = packed.gated_linear
 
 
 def _load_dense(module: nn.Module, param_name: str, shards: dict[str | None, AffineWeight | HalfWeight]) -> None:

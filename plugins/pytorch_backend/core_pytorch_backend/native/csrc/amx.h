@@ -28,8 +28,6 @@ static inline void amx_configure(void) {
     _tile_loadconfig(&config);
 }
 
-/* 1 where Linux granted this process the tiles (packed_linear.c asks it once); the loops fall back without */
-int core_packed_uses_amx(void);
 #endif
 
 #endif

@@ -134,6 +134,22 @@ static inline float fast_exp(float x) {
     return p;
 }
 
+/* gate[i] <- silu(gate[i]) * up[i] for n values, rounding after the silu and the product where the dtype
+ * is bfloat16 (as torch: cpu_ops.c's silu * up, and the tile loop's fused gate / up epilogue, which must
+ * give the same bits) */
+static inline void silu_times(float *gate, const float *up, int64_t n, int dtype) {
+    if (dtype == DT_BF16) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) {
+            const float g = bf16_to_f32(f32_to_bf16(gate[i] / (1.f + fast_exp(-gate[i]))));
+            gate[i] = bf16_to_f32(f32_to_bf16(g * up[i]));
+        }
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) gate[i] = gate[i] / (1.f + fast_exp(-gate[i])) * up[i];
+    }
+}
+
 /* The cache slot of context position pos (32-bit division: positions and blocks fit, and 64-bit
  * division costs tens of cycles) */
 static inline int64_t slot_of(const int32_t *table, int64_t pos, int64_t block_size) {
@@ -141,13 +157,18 @@ static inline int64_t slot_of(const int32_t *table, int64_t pos, int64_t block_s
     return (int64_t)table[p / b] * block_size + p % b;
 }
 
-/* The exported kernels, for a file that composes them (decoder_stack.c); library.py documents them. */
+/* The exported kernels, for a file that composes them (decoder_stack.c, chunk_attention.c); library.py
+ * documents them. */
 int core_packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
                        int group, int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
                        const float *bias, void *y, int y_dtype);
 int core_packed_linear_tiles(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
                              int group, int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
                              const float *bias, void *y, int y_dtype);
+int core_packed_linear_tiles_silu(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
+                                  int group, int64_t n, int64_t kp, const void *scale, const void *offset,
+                                  int scale_dtype, const float *bias, void *y, int y_dtype);
+int core_packed_uses_amx(void);
 int core_half_linear(const void *x, int x_dtype, int64_t m, int64_t k, const uint16_t *w, int w_dtype, int64_t n,
                      int64_t kp, const float *bias, void *y, int y_dtype, int reference);
 int core_decode_attention(const void *q, int q_dtype, int64_t rows, int64_t hq, int64_t d, const void *k_cache,

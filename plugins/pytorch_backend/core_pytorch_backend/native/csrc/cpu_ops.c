@@ -678,14 +678,7 @@ static void silu_work(void *context, int64_t thread, int64_t threads) {
         for (team_share(c->tokens, thread, threads, &t, &end); t < end; ++t) {
             load_row(c->x, dtype, t * 2 * inner, inner, gate);
             load_row(c->x, dtype, t * 2 * inner + inner, inner, up);
-            if (dtype == DT_BF16) {
-#pragma omp simd
-                for (int64_t i = 0; i < inner; ++i)
-                    gate[i] = round_to(round_to(gate[i] / (1.f + fast_exp(-gate[i])), DT_BF16) * up[i], DT_BF16);
-            } else {
-#pragma omp simd
-                for (int64_t i = 0; i < inner; ++i) gate[i] = gate[i] / (1.f + fast_exp(-gate[i])) * up[i];
-            }
+            silu_times(gate, up, inner, dtype);
             store_row(c->out, dtype, t * inner, inner, gate);
         }
     }

@@ -155,8 +155,14 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
     CHECK(linear(m, &L->o, b->attn, tokens, q_width, r->hidden));
     CHECK(core_rms_norm(r->hidden, m->dtype, tokens, h, r->residual, L->post_norm, m->dtype, m->eps, b->normed,
                         r->residual));
-    CHECK(linear(m, &L->gate_up, b->normed, tokens, h, b->gate_up));
-    CHECK(core_silu_and_mul(b->gate_up, m->dtype, tokens, m->inter, b->act));
+    if (m->tiles) { /* silu * up in the tile loop's epilogue: the same bits, no [T, 2I] product in memory */
+        const core_packed *w = &L->gate_up;
+        CHECK(core_packed_linear_tiles_silu(b->normed, m->dtype, tokens, h, w->codes, w->bits, w->group, w->n, w->kp,
+                                            w->scale, w->offset, w->scale_dtype, w->bias, b->act, m->dtype));
+    } else {
+        CHECK(linear(m, &L->gate_up, b->normed, tokens, h, b->gate_up));
+        CHECK(core_silu_and_mul(b->gate_up, m->dtype, tokens, m->inter, b->act));
+    }
     CHECK(linear(m, &L->down, b->act, tokens, m->inter, r->hidden));
     return OK;
 }

@@ -50,7 +50,7 @@
 #include <immintrin.h>
 #endif
 
-#define CORE_PACKED_ABI 13
+#define CORE_PACKED_ABI 14
 #define ERR_NO_TILES 3
 #define GROUP 32
 #define PAIR 64
@@ -624,14 +624,39 @@ static inline void amx_store(const float sums[AMX_ROWS][BLOCK], int64_t row, int
     }
 }
 
+/* rows [row, row + rows) of silu(gate) * up into y's columns [col0, col0 + 16) (y: [m, n / 2]), from the float32
+ * sums of the gate block at col0 and of the up block at n / 2 + col0 (plus their biases): the bits that
+ * amx_store of both and then cpu_ops.c's silu * up of them give (each rounded to y's dtype first) */
+static inline void amx_store_gated(const float gate_sums[AMX_ROWS][BLOCK], const float up_sums[AMX_ROWS][BLOCK],
+                                   int64_t row, int64_t rows, int64_t col0, const float *bias, void *y, int y_dtype,
+                                   int64_t n) {
+    const int64_t half = n / 2;
+    const __m512 gate_bias = bias ? _mm512_loadu_ps(bias + col0) : _mm512_setzero_ps(),
+                 up_bias = bias ? _mm512_loadu_ps(bias + half + col0) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < rows; ++i) {
+        float gate[BLOCK], up[BLOCK];
+        __m512 g = _mm512_add_ps(_mm512_loadu_ps(gate_sums[i]), gate_bias),
+               u = _mm512_add_ps(_mm512_loadu_ps(up_sums[i]), up_bias);
+        if (y_dtype == DT_BF16) { /* as amx_store rounds them */
+            g = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(g)), 16));
+            u = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(u)), 16));
+        }
+        _mm512_storeu_ps(gate, g);
+        _mm512_storeu_ps(up, u);
+        silu_times(gate, up, BLOCK, y_dtype);
+        store_row(y, y_dtype, (row + i) * half + col0, BLOCK, gate);
+    }
+}
+
 /* Outputs of `blocks` (1 or 2) weight blocks whose B tiles are in `tiles` ([blocks][G][16 x 32]) for the
- * activation rows [m0, m1): two row tiles at a time (four float32 tiles of sums), each over all groups. */
+ * activation rows [m0, m1): two row tiles at a time (four float32 tiles of sums), each over all groups.
+ * `gated`: the two blocks are a gate block (at col0) and its up block, and y takes silu(gate) * up. */
 static void amx_block_outputs(const uint16_t *tiles, int blocks, int64_t groups, const uint16_t *acts,
                               int64_t kp, int64_t m0, int64_t m1, int64_t m, int64_t col0, int64_t n,
-                              const float *bias, void *y, int y_dtype) {
+                              const float *bias, void *y, int y_dtype, int gated) {
     const int64_t tile_elements = 16 * 32, stride = kp * 2;
     const uint16_t *second = tiles + groups * tile_elements;
-    float sums[AMX_ROWS][BLOCK] __attribute__((aligned(64)));
+    float sums[2][AMX_ROWS][BLOCK] __attribute__((aligned(64)));
     for (int64_t row = m0; row < m1; row += 2 * AMX_ROWS) {
         const int two_rows = m1 - row > AMX_ROWS;
         _tile_zero(0);
@@ -654,22 +679,30 @@ static void amx_block_outputs(const uint16_t *tiles, int blocks, int64_t groups,
         }
         for (int half = 0; half <= two_rows; ++half) {
             const int64_t first = row + half * AMX_ROWS, rows = m - first < AMX_ROWS ? m - first : AMX_ROWS;
+            if (rows <= 0) continue;
+            if (half == 0) _tile_stored(0, sums[0], 64);
+            if (half == 1) _tile_stored(2, sums[0], 64);
+            if (blocks == 2 && half == 0) _tile_stored(1, sums[1], 64);
+            if (blocks == 2 && half == 1) _tile_stored(3, sums[1], 64);
+            if (gated) {
+                amx_store_gated((const float (*)[BLOCK])sums[0], (const float (*)[BLOCK])sums[1], first, rows, col0,
+                                bias, y, y_dtype, n);
+                continue;
+            }
             for (int b = 0; b < blocks; ++b) {
                 const int64_t c0 = col0 + b * BLOCK;
-                if (c0 >= n || rows <= 0) continue;
-                if (half == 0 && b == 0) _tile_stored(0, sums, 64);
-                if (half == 0 && b == 1) _tile_stored(1, sums, 64);
-                if (half == 1 && b == 0) _tile_stored(2, sums, 64);
-                if (half == 1 && b == 1) _tile_stored(3, sums, 64);
-                amx_store((const float (*)[BLOCK])sums, first, rows, c0, n - c0 < BLOCK ? n - c0 : BLOCK, bias, y,
-                          y_dtype, n);
+                if (c0 < n)
+                    amx_store((const float (*)[BLOCK])sums[b], first, rows, c0, n - c0 < BLOCK ? n - c0 : BLOCK, bias,
+                              y, y_dtype, n);
             }
         }
     }
 }
 
+/* y = x @ W^T + bias on the tiles; `gated` (n / 2 a multiple of 16): y [m, n / 2] = silu(gate) * up of the two
+ * halves of that product instead (gate block b and up block n / 32 + b multiplied together) */
 static int packed_linear_amx(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
-                             int64_t n, int64_t kp, scales_t w, const float *bias, void *y, int y_dtype) {
+                             int64_t n, int64_t kp, scales_t w, const float *bias, void *y, int y_dtype, int gated) {
     const int64_t mp = (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS, groups = kp / GROUP;
     uint16_t *acts = amx_acts(x, x_dtype, m, k, kp, mp);
     if (!acts) return ERR_MEMORY;
@@ -687,16 +720,20 @@ static int packed_linear_amx(const void *x, int x_dtype, int64_t m, int64_t k, c
             amx_configure();
             const amx_picks_t picks = amx_picks();
             const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
-            const int64_t b0 = blocks * t / threads, b1 = blocks * (t + 1) / threads;
+            const int64_t units = gated ? blocks / 2 : blocks; /* gated: a gate block and its up block a unit */
+            const int64_t b0 = units * t / threads, b1 = units * (t + 1) / threads, step = gated ? 1 : 2;
             for (int64_t m0 = 0; m0 < m; m0 += chunk) {
                 const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
-                for (int64_t b = b0; b < b1; b += 2) {
-                    const int together = b1 - b < 2 ? 1 : 2;
-                    for (int bb = 0; bb < together; ++bb)
+                for (int64_t b = b0; b < b1; b += step) {
+                    const int together = gated ? 2 : b1 - b < 2 ? 1 : 2;
+                    for (int bb = 0; bb < together; ++bb) {
+                        const int64_t block = b + bb * (gated ? units : 1);
                         for (int64_t g = 0; g < groups; ++g)
-                            amx_dequantize_group(codes + (b + bb) * block_bytes, bits, w, (b + bb) * groups * BLOCK + g * BLOCK,
+                            amx_dequantize_group(codes + block * block_bytes, bits, w, block * groups * BLOCK + g * BLOCK,
                                                  g, &picks, tiles + (bb * groups + g) * 16 * 32);
-                    amx_block_outputs(tiles, together, groups, acts, kp, m0, m1, m, b * BLOCK, n, bias, y, y_dtype);
+                    }
+                    amx_block_outputs(tiles, together, groups, acts, kp, m0, m1, m, b * BLOCK, n, bias, y, y_dtype,
+                                      gated);
                 }
             }
             _tile_release();
@@ -924,7 +961,27 @@ int core_packed_linear_tiles(const void *x, int x_dtype, int64_t m, int64_t k, c
         return packed_linear(x, x_dtype, m, k, codes, bits, group, n, kp, scale, offset, scale_dtype, bias, y,
                              y_dtype, 0);
     const scales_t w = {scale, offset, scale_dtype};
-    return packed_linear_amx(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype);
+    return packed_linear_amx(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype, 0);
+#else
+    return ERR_NO_TILES;
+#endif
+}
+
+/* y [m, n / 2] = silu(gate) * up of a merged [gate | up] weight's product on the AMX tiles (each half n / 2
+ * rows, a multiple of 16; groups of 32 inputs, 4- or 8-bit codes): the bits of core_packed_linear_tiles and
+ * then core_silu_and_mul, without the [m, n] product in memory; returns 0, 1 (bad arguments: other shapes
+ * too), 2 (memory) or 3 (no tiles). */
+int core_packed_linear_tiles_silu(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
+                                  int group, int64_t n, int64_t kp, const void *scale, const void *offset,
+                                  int scale_dtype, const float *bias, void *y, int y_dtype) {
+    if (!arguments_valid(x, x_dtype, m, k, codes, bits, group, n, kp, scale, offset, scale_dtype, y, y_dtype) ||
+        n % (2 * BLOCK) || group != GROUP || bits == 16 || x_dtype != y_dtype)
+        return ERR_ARGS;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (!amx_granted()) return ERR_NO_TILES;
+    if (m == 0) return OK;
+    const scales_t w = {scale, offset, scale_dtype};
+    return packed_linear_amx(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype, 1);
 #else
     return ERR_NO_TILES;
 #endif
