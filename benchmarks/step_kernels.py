@@ -1,6 +1,6 @@
 """Where a prefill step and a decode step of the default model go, kernel by kernel.
 
-    python benchmarks/step_kernels.py [--prompts 64] [--prompt-len 128] [--decode-steps 20]
+    python benchmarks/step_kernels.py [--prompts 64] [--prompt-len 128] [--decode-steps 20] [--amx-rows all]
 
 Runs the engine loop's step by hand (as benchmarks/decode_step.py does, through the modules: every
 kernel is a separate call, so each can be timed) on the calling thread: ``--prompts`` prompts of
@@ -64,11 +64,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--decode-steps", type=int, default=20)
+    parser.add_argument("--amx-rows", default="prompt", choices=["prompt", "all"],
+                        help="native/tile_rows.py's rule (on a CPU with AMX tiles)")
     args = parser.parse_args()
     from core.scheduling import Sequence
 
     time_kernels()
-    runner, scheduler = decode_step.build("auto", args.prompts, eager=True)
+    runner, scheduler = decode_step.build("auto", args.prompts, eager=True, amx_rows=args.amx_rows)
     vocab = runner.model.config.vocab_size
 
     def prefill(round_: int) -> float:
