@@ -294,18 +294,19 @@ class ModelRunner:
 def _attention_rows(scheduled: Sequence[ScheduledSequence]
                     ) -> tuple[list[int], list[int], list[list[int]], list[int]]:
     """Cached-token counts, new-token counts, block tables and prompt lengths of the step's attention rows:
-    one per chunk, but one per token of a speculating chunk, so that each verified position is attended to
-    exactly as a decode step of one token would (the same kernel and rounding: greedy output stays token
-    for token)."""
+    a chunk's prompt tokens one row (attended as a chunk), and each of its generated tokens a row of its own
+    (a speculating chunk's verified positions, a preempted sequence's recomputed output), so that a
+    generated token is attended to exactly as the decode step of one token that made it (the same kernel
+    and rounding: greedy output stays token for token, speculating or recomputed)."""
     computed: list[int] = []
     new: list[int] = []
     tables: list[list[int]] = []
     prompt_lens: list[int] = []
     for s in scheduled:
-        if s.draft_token_ids:
-            rows = [(s.start + j, 1) for j in range(s.num_new_tokens)]
-        else:
-            rows = [(s.start, s.num_new_tokens)]
+        end = s.start + s.num_new_tokens
+        prompt_end = min(max(s.seq.num_prompt_tokens, s.start), end)
+        rows = [(s.start, prompt_end - s.start)] if prompt_end > s.start else []
+        rows += [(position, 1) for position in range(prompt_end, end)]
         for start, count in rows:
             computed.append(start)
             new.append(count)

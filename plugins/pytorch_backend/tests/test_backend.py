@@ -107,6 +107,32 @@ async def test_preemption_under_a_tiny_cache_loses_nothing(tiny_checkpoint_facto
         await tight.close()
 
 
+async def test_a_preempted_sequence_continues_bit_for_bit_in_bfloat16(tiny_checkpoint_factory):
+    """A preempted sequence's recomputed output is attended one generated token a row, as the decode steps
+    that made it were (model_runner._attention_rows), so it continues with the same logits bit for bit
+    (each token's logprob), in a bfloat16 model with heads of 64, whose chunk and decode attention round
+    differently; a bfloat16 model's weights multiply the same way at any batch (native/half_linear)."""
+    path = tiny_checkpoint_factory("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                   intermediate_size=256)
+    prompts = prompts_of_different_lengths(12)
+    config = GREEDY.replace(max_new_tokens=20, logprobs=True)
+    roomy = AsyncEngine(make_backend(path, dtype="bfloat16"))
+    # 2 layers x 1 kv head x 64 dims x bf16: 8 KiB a block of 16 tokens; 10 blocks hold ~3 requests.
+    tight = AsyncEngine(make_backend(path, dtype="bfloat16", kv_cache_memory_gib=10 * 8192 / 2**30,
+                                     max_model_len=160))
+    try:
+        def outputs(responses):
+            return [(r.token_ids, [lp.logprob for lp in r.choices[0].logprobs]) for r in responses]
+
+        expected = outputs(await generate_all(roomy, prompts, config))
+        assert outputs(await generate_all(tight, prompts, config)) == expected
+        assert tight.stats().kv_blocks_total == 10
+        assert_idle(tight, await wait_idle(tight))
+    finally:
+        await roomy.close()
+        await tight.close()
+
+
 async def test_seeded_sampling_is_reproducible_across_batches(tiny_checkpoint_factory):
     engine = AsyncEngine(make_backend(tiny_checkpoint_factory("llama")))
     seeded = GenerationConfig(temperature=1.0, top_p=0.9, seed=1234, max_new_tokens=10, ignore_eos=True)

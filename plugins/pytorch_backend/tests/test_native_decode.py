@@ -173,7 +173,10 @@ def test_a_step_marks_its_prompt_tokens_rows_and_then_never_takes_the_stack(tiny
     inputs = runner.prepare([ScheduledSequence(decoding, 1), ScheduledSequence(last_prompt_token, 1),
                              ScheduledSequence(generated_then, 4)])
     assert inputs.prompt_token_spans == ((1, 1), (2, 2))  # rows 1, 2 and 3 are prompt tokens
-    assert inputs.meta.decode_sequences() == [0] and inputs.meta.chunk_sequences() == [1, 2]  # attended so too
+    # attended so too: the recomputed sequence's prompt as a chunk, its two generated tokens as decode rows
+    meta = inputs.meta
+    assert meta.query_lens_list == [1, 1, 2, 1, 1] and meta.context_lens_list == [4, 5, 0, 2, 3]
+    assert meta.decode_sequences() == [0, 3, 4] and meta.chunk_sequences() == [1, 2]
     seen, stack_results = [], []
     original = runner.decode_path.run
     runner.decode_path.run = lambda model, step: stack_results.append(out := original(model, step)) or out
