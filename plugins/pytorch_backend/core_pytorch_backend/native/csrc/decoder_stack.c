@@ -63,6 +63,9 @@ static int linear(const core_decoder *m, const core_packed *w, const void *x, in
                                                                       w->scale_dtype, w->bias, y, m->dtype);
 }
 
+/* whether core_packed_linear_tiles_silu takes this [gate | up] weight (else the product, then silu * up) */
+static inline int gated_on_tiles(const core_packed *w) { return w->group == 32 && w->bits != 16 && w->n % 32 == 0; }
+
 /* rows [T, width] `stride` elements apart from src into contiguous dst */
 static void copy_rows(const char *src, int64_t stride, int64_t rows, int64_t width, int64_t size, char *dst) {
     for (int64_t t = 0; t < rows; ++t) memcpy(dst + t * width * size, src + t * stride * size, (size_t)(width * size));
@@ -155,8 +158,8 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
     CHECK(linear(m, &L->o, b->attn, tokens, q_width, r->hidden));
     CHECK(core_rms_norm(r->hidden, m->dtype, tokens, h, r->residual, L->post_norm, m->dtype, m->eps, b->normed,
                         r->residual));
-    if (m->tiles) { /* silu * up in the tile loop's epilogue: the same bits, no [T, 2I] product in memory */
-        const core_packed *w = &L->gate_up;
+    const core_packed *w = &L->gate_up;
+    if (m->tiles && gated_on_tiles(w)) { /* silu * up in the tile loop's epilogue: the same bits, no [T, 2I] product */
         CHECK(core_packed_linear_tiles_silu(b->normed, m->dtype, tokens, h, w->codes, w->bits, w->group, w->n, w->kp,
                                             w->scale, w->offset, w->scale_dtype, w->bias, b->act, m->dtype));
     } else {
