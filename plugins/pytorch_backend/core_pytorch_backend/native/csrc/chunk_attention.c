@@ -472,8 +472,13 @@ static void amx_softmax(amx_scratch *s, int64_t first, int64_t j0, const int64_t
         const int64_t vec = first + i;
         __m512 score[2];
         __mmask16 keep[2];
+        const int every_key = j0 + AMX_KEYS - 1 <= pos[i] && (window <= 0 || j0 > pos[i] - window);
         for (int half = 0; half < 2; ++half) {
             score[half] = _mm512_mul_ps(_mm512_load_ps(s->scores[i] + 16 * half), _mm512_set1_ps(scale));
+            if (every_key) {
+                keep[half] = (__mmask16)0xffff;
+                continue;
+            }
             const __m512i j = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(j0 + 16 * half)), lanes);
             keep[half] = _mm512_cmple_epi32_mask(j, _mm512_set1_epi32((int32_t)pos[i]));
             if (window > 0) keep[half] &= _mm512_cmpgt_epi32_mask(j, _mm512_set1_epi32((int32_t)(pos[i] - window)));
@@ -487,7 +492,8 @@ static void amx_softmax(amx_scratch *s, int64_t first, int64_t j0, const int64_t
         const float top_tile = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(lowest, keep[0], score[0]),
                                                                   _mm512_mask_mov_ps(lowest, keep[1], score[1])));
         const float top = s->top[vec] > top_tile ? s->top[vec] : top_tile;
-        s->rescale[i] = s->top[vec] == -INFINITY ? 0.f : fast_exp(s->top[vec] - top);
+        /* fast_exp(0) is 1 exactly: no call where the maximum stays */
+        s->rescale[i] = s->top[vec] == -INFINITY ? 0.f : s->top[vec] == top ? 1.f : fast_exp(s->top[vec] - top);
         s->top[vec] = top;
         float e[AMX_KEYS];
         _mm512_storeu_ps(e, _mm512_sub_ps(score[0], _mm512_set1_ps(top)));
