@@ -50,6 +50,13 @@ class AttentionMetadata:
         """Tokens already in the cache before this step, per sequence."""
         return [s - q for s, q in zip(self.seq_lens_list, self.query_lens_list, strict=True)]
 
+    def row_starts(self) -> list[int]:
+        """Each sequence's first row in the flat batch of new tokens (query_start_loc's values, on the host)."""
+        starts = [0]
+        for q_len in self.query_lens_list[:-1]:
+            starts.append(starts[-1] + q_len)
+        return starts
+
     def decode_sequences(self) -> list[int]:
         """The sequences attended as decode rows: one new token, a generated one. A prompt token alone in
         its chunk is attended as a chunk (as the rest of its prompt was), since the decode kernels do not

@@ -229,7 +229,7 @@ def test_context_length_one_is_identity_on_values():
 def test_attention_metadata_build():
     meta = AttentionMetadata.build([0, 6], [5, 1], [[3, 1], [0, 2]], 4)
     assert meta.slot_mapping.tolist() == [12, 13, 14, 15, 4, 10]
-    assert meta.query_start_loc.tolist() == [0, 5, 6]
+    assert meta.query_start_loc.tolist() == [0, 5, 6] and meta.row_starts() == [0, 5]
     assert meta.seq_lens.tolist() == [5, 7] and meta.seq_lens_list == [5, 7]
     assert meta.block_tables.dtype == torch.int32 and meta.block_tables.tolist() == [[3, 1], [0, 2]]
     assert (meta.max_query_len, meta.max_seq_len, meta.is_decode) == (5, 7, False)

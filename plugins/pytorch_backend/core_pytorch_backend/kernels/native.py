@@ -92,9 +92,7 @@ class _ChunkRows(NamedTuple):
 def _chunk_rows(meta: AttentionMetadata) -> _ChunkRows | None:
     if "native_chunks" in meta.op_cache:
         return meta.op_cache["native_chunks"]
-    starts = [0]
-    for q_len in meta.query_lens_list:
-        starts.append(starts[-1] + q_len)
+    starts = meta.row_starts()
     chunks = [(b, starts[b]) for b in meta.chunk_sequences()]
     plan = None
     if chunks:

@@ -73,9 +73,7 @@ def paged_chunks(
     """``paged_attention``'s rows of the chunks (``meta.chunk_sequences``); the rows of the others
     (decode rows) are left for the caller to fill."""
     out = torch.empty_like(query)
-    starts = [0]
-    for q_len in meta.query_lens_list:
-        starts.append(starts[-1] + q_len)
+    starts = meta.row_starts()
     spans = getattr(meta, "bidirectional_spans", None)
     for b in meta.chunk_sequences():
         s, q_len = starts[b], meta.query_lens_list[b]
@@ -114,9 +112,7 @@ def decode_rows(meta: AttentionMetadata, device: torch.device) -> tuple[list[int
     decode = meta.decode_sequences()
     if len(decode) == len(meta.query_lens_list):
         return decode, None
-    starts = [0]
-    for q_len in meta.query_lens_list:
-        starts.append(starts[-1] + q_len)
+    starts = meta.row_starts()
     return decode, torch.tensor([starts[b] for b in decode], device=device)
 
 

@@ -85,6 +85,9 @@ class NativeWeight(nn.Module):
         self.group = group
         self.padded_k = padded_k
         self.kernels = kernels
+        # whether gated_linear can take this weight as a [gate | up] pair: codes in groups of 32 on a CPU with the
+        # tiles, each half whole pairs of blocks
+        self.fuses_silu = bits != 16 and group == GROUP and shape[0] % (2 * BLOCK) == 0 and kernels.uses_amx
 
     @classmethod
     def from_affine(cls, weight: AffineWeight, kernels: CpuKernels) -> NativeWeight:
@@ -173,9 +176,9 @@ class NativeWeight(nn.Module):
         loop's epilogue: the bits of ``linear`` and then the native silu * up, where every row of the call
         takes the tiles (``tile_rows.current()``: a prefill chunk, or any step under ``--amx-rows all``);
         None otherwise (the caller multiplies, then applies its activation)."""
-        n, k = self.shape
-        if activation != "silu" or self.bits == 16 or self.group != GROUP or n % (2 * BLOCK) or not self.kernels.uses_amx:
+        if activation != "silu" or not self.fuses_silu:
             return None
+        n, k = self.shape
         flat = x.reshape(-1, k)
         rows = tile_rows.current()
         code = DTYPE_CODES.get(flat.dtype) if flat.dtype != torch.float16 else None

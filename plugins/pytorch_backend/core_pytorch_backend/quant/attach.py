@@ -117,7 +117,7 @@ def _pack(module: nn.Module, weight: AffineWeight, kernel_dtype: torch.dtype, na
             packed.keep_dense_copy(weight, kernel_dtype, DENSE_MIN_ROWS)
     _replace_weight(module, packed)
     module.matmul = packed_linear
-    if isinstance(packed, NativeWeight) and hasattr(module, "gated_matmul"):  # a merged [gate | up] projection
+    if isinstance(packed, NativeWeight) and packed.fuses_silu and hasattr(module, "gated_matmul"):  # a [gate | up]
         module.gated_matmul = packed.gated_linear
 
 

@@ -37,6 +37,21 @@ typedef struct {
     int32_t seq, head, first, count; /* query rows first .. first + count - 1 of the sequence's chunk */
 } chunk_task;
 
+/* The element of q and out [T, Hq, D] where the task's query vector `vec` starts (vectors: its rows times
+ * the G query heads of its KV head, row by row) */
+static inline int64_t vector_at(const int32_t *query_start, chunk_task task, int64_t vec, int64_t group, int64_t hq,
+                                int64_t d) {
+    const int64_t row = query_start[task.seq] + task.first + vec / group;
+    return (row * hq + task.head * group + vec % group) * d;
+}
+
+/* The first position of the key tiles (of `keys` positions, at multiples of it) that a task starting at
+ * position first_pos needs: the tile of its window's first position, or 0 */
+static inline int64_t first_key_tile(int64_t first_pos, int64_t window, int64_t keys) {
+    const int64_t lowest = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
+    return lowest / keys * keys;
+}
+
 typedef struct {
     float q[MAX_VECTORS + BLOCK][MAX_CHUNK_HEAD_DIM]; /* scaled queries, padded to whole BLOCKs */
     float acc[MAX_VECTORS + BLOCK][MAX_CHUNK_HEAD_DIM];
@@ -139,28 +154,22 @@ static void run_task(const void *q, int q_dtype, int64_t hq, int64_t d, const vo
     int64_t pos[MAX_VECTORS + BLOCK];
     for (int64_t vec = 0; vec < padded; ++vec) {
         const int64_t real = vec < vectors ? vec : vectors - 1;
-        const int64_t row = query_start[task.seq] + task.first + real / group;
-        const int64_t head = task.head * group + real % group;
         pos[vec] = first_pos + real / group;
-        load_row(q, q_dtype, (row * hq + head) * d, d, s->q[vec]);
+        load_row(q, q_dtype, vector_at(query_start, task, real, group, hq, d), d, s->q[vec]);
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) s->q[vec][i] *= scale, s->acc[vec][i] = 0.f;
         s->top[vec] = -INFINITY, s->sum[vec] = 0.f;
     }
     const int64_t last = first_pos + task.count - 1;
-    int64_t lowest = window > 0 ? first_pos - window + 1 : 0;
-    lowest = lowest < 0 ? 0 : lowest;
-    for (int64_t j0 = lowest / KEYS * KEYS; j0 <= last; j0 += KEYS) {
+    for (int64_t j0 = first_key_tile(first_pos, window, KEYS); j0 <= last; j0 += KEYS) {
         load_keys(k_cache, v_cache, cache_dtype, table, block_size, hkv, task.head, d, j0, last, s);
         for (int64_t vec = 0; vec < padded; vec += BLOCK) attend_any(s, vec, d, j0, pos + vec, window);
     }
     for (int64_t vec = 0; vec < vectors; ++vec) {
-        const int64_t row = query_start[task.seq] + task.first + vec / group;
-        const int64_t head = task.head * group + vec % group;
         const float inv = s->sum[vec] > 0.f ? 1.f / s->sum[vec] : 0.f;
 #pragma omp simd
         for (int64_t i = 0; i < d; ++i) s->acc[vec][i] *= inv;
-        store_row(out, q_dtype, (row * hq + head) * d, d, s->acc[vec]);
+        store_row(out, q_dtype, vector_at(query_start, task, vec, group, hq, d), d, s->acc[vec]);
     }
 }
 
@@ -388,17 +397,13 @@ static inline __attribute__((always_inline)) void run_task_bf16_d(const void *q,
     int64_t pos[MAX_VECTORS + QK_BLOCK];
     for (int64_t vec = 0; vec < padded; ++vec) {
         const int64_t real = vec < vectors ? vec : vectors - 1;
-        const int64_t row = query_start[task.seq] + task.first + real / group;
-        const int64_t at = (row * hq + task.head * group + real % group) * d;
         pos[vec] = first_pos + real / group;
-        bf16_query(q, q_dtype, at, d, (uint16_t *)s->q[vec], (uint16_t *)s->q_rest[vec]);
+        bf16_query(q, q_dtype, vector_at(query_start, task, real, group, hq, d), d, (uint16_t *)s->q[vec], (uint16_t *)s->q_rest[vec]);
         for (int64_t t = 0; t < sums; ++t) s->acc[vec][t] = _mm512_setzero_ps();
         s->top[vec] = -INFINITY, s->sum[vec] = 0.f;
     }
     const int64_t last = first_pos + task.count - 1;
-    int64_t lowest = window > 0 ? first_pos - window + 1 : 0;
-    lowest = lowest < 0 ? 0 : lowest;
-    for (int64_t j0 = lowest / KEYS * KEYS; j0 <= last; j0 += KEYS) {
+    for (int64_t j0 = first_key_tile(first_pos, window, KEYS); j0 <= last; j0 += KEYS) {
         load_keys_bf16(k_cache, v_cache, table, block_size, hkv, task.head, d, j0, last, s);
         for (int64_t vec = 0; vec < padded; vec += QK_BLOCK) score_block_bf16(s, vec, d, j0, pos + vec, window, scale, q_dtype == DT_F32);
         for (int64_t vec = 0; vec < vectors; vec += per_pass) {
@@ -407,10 +412,8 @@ static inline __attribute__((always_inline)) void run_task_bf16_d(const void *q,
             else for (int v = 0; v < count; ++v) weigh_values_bf16(s, vec + v, 1, (int)sums);
         }
     }
-    for (int64_t vec = 0; vec < vectors; ++vec) {
-        const int64_t row = query_start[task.seq] + task.first + vec / group;
-        store_sums((const float *)s->acc[vec], s->sum[vec], d, out, q_dtype, (row * hq + task.head * group + vec % group) * d);
-    }
+    for (int64_t vec = 0; vec < vectors; ++vec)
+        store_sums((const float *)s->acc[vec], s->sum[vec], d, out, q_dtype, vector_at(query_start, task, vec, group, hq, d));
 }
 
 static void run_task_bf16(const void *q, int q_dtype, int64_t hq, int64_t d, const void *k_cache, const void *v_cache,
@@ -561,26 +564,20 @@ static void run_task_amx(const void *q, int q_dtype, int64_t hq, int64_t d, cons
     int64_t pos[AMX_VECTORS];
     for (int64_t vec = 0; vec < padded; ++vec) {
         const int64_t real = vec < vectors ? vec : vectors - 1;
-        const int64_t row = query_start[task.seq] + task.first + real / group;
-        const int64_t at = (row * hq + task.head * group + real % group) * d;
         pos[vec] = first_pos + real / group;
-        bf16_query(q, q_dtype, at, d, s->q[0][vec], s->q[1][vec]);
+        bf16_query(q, q_dtype, vector_at(query_start, task, real, group, hq, d), d, s->q[0][vec], s->q[1][vec]);
         memset(s->acc[vec], 0, (size_t)d * sizeof(float));
         s->top[vec] = -INFINITY, s->sum[vec] = 0.f;
     }
     const int64_t last = first_pos + task.count - 1;
-    int64_t lowest = window > 0 ? first_pos - window + 1 : 0;
-    lowest = lowest < 0 ? 0 : lowest;
-    for (int64_t j0 = lowest / AMX_KEYS * AMX_KEYS; j0 <= last; j0 += AMX_KEYS) {
+    for (int64_t j0 = first_key_tile(first_pos, window, AMX_KEYS); j0 <= last; j0 += AMX_KEYS) {
         amx_load_keys(k_cache, v_cache, table, block_size, hkv, task.head, d, j0, last, s);
         for (int64_t vec = 0; vec < padded; vec += AMX_ROWS)
             if (j0 <= pos[vec + AMX_ROWS - 1]) /* a tile past every row's position adds nothing */
                 amx_attend_tile(s, vec, d, j0, pos + vec, window, scale, split);
     }
-    for (int64_t vec = 0; vec < vectors; ++vec) {
-        const int64_t row = query_start[task.seq] + task.first + vec / group;
-        store_sums(s->acc[vec], s->sum[vec], d, out, q_dtype, (row * hq + task.head * group + vec % group) * d);
-    }
+    for (int64_t vec = 0; vec < vectors; ++vec)
+        store_sums(s->acc[vec], s->sum[vec], d, out, q_dtype, vector_at(query_start, task, vec, group, hq, d));
 }
 #endif
 
