@@ -1,4 +1,5 @@
-/* Why the packed kernel has no AMX loop: what one group of 32 inputs costs on this CPU's AMX tiles when
+/* Why the packed kernel's exact AMX loop (exact_tile_dots, in since 2026-12-06) gains little: what one group
+ * of 32 inputs costs on this CPU's AMX tiles when
  * each group's integer dots must come out of the tiles to be folded with the group's own scales (as
  * csrc/packed_linear.c folds them), against the AVX-512 VNNI instructions the kernel uses.
  *
@@ -19,7 +20,9 @@
  * also with the next group's tiles issued before this one's fold, or two blocks a group: 65-68 ns),
  * against ~97 ns a group tile for the VNNI kernel inside core_packed_linear (M = 32-64, 4-bit codes):
  * at best 1.4x here, and no faster once built into the kernel (0.98-1.3x its time at M = 16-256; served at
- * 32 streams, 329 / 329 against 429 / 394 out tok/s). */
+ * 32 streams, 329 / 329 against 429 / 394 out tok/s). Built again on 2026-12-06 inside the VNNI loop (its
+ * row tiles of 16, the native decode stack's row groups no longer cutting steps into 4-8 rows): 1.2-1.4x
+ * the vector loop's speed at 16-64 rows, +3-5% served at 32 / 64 streams (docs/DESIGN.md). */
 #define _DEFAULT_SOURCE
 #include <immintrin.h>
 #include <stdint.h>

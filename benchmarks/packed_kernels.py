@@ -6,7 +6,8 @@ SmolLM2-135M's matmul shapes (the fused q/k/v, o, gate/up and down projections a
 LM head as 8-bit codes), random weights quantized per 32 inputs. Per shape and number of activation rows
 it prints the best-of-trials microseconds of a call and, for the native kernel, the int8 multiply-adds
 per second it reaches (two per weight and row: the activations' two int8 steps); where the kernels have
-AMX tiles, also their tile loop's time and bfloat16 FLOP/s (two a weight and row). torch's kernel runs on
+AMX tiles, also the VNNI loop without its exact int8 tiles (from 16 rows: the same bits, on vectors alone),
+and the bfloat16 tile loop's time and FLOP/s (two a weight and row). torch's kernel runs on
 bfloat16 activations with its own dispatch (set ATEN_CPU_CAPABILITY=avx2 to see its AVX2 path). The
 weights stay hot in the caches between calls, unlike in a decode step, where the 4-bit layers stream
 from memory: this measures the arithmetic, `decode_step.py` the step.
@@ -68,6 +69,11 @@ def main() -> None:
             for variant, weight in natives.items():
                 us = best_us(lambda w=weight, x=x: w.linear(x, None))
                 cells.append(f"{variant} {us:8.1f} us ({2 * n * k * m / us / 1e3:6.1f} G int8-MAC/s)")
+                if weight.kernels.exact_tiles() and m >= 16:  # the same call on the vector loop alone
+                    weight.kernels.exact_tiles(False)
+                    us = best_us(lambda w=weight, x=x: w.linear(x, None))
+                    weight.kernels.exact_tiles(True)
+                    cells.append(f"{variant} vector loop alone {us:8.1f} us")
                 if weight.kernels.uses_amx:  # the AMX tile loop (a prompt's rows: native/tile_rows.py)
                     us = best_us(lambda w=weight, x=x: w.linear(x, None, tiles=True))
                     cells.append(f"{variant} tiles {us:8.1f} us ({2 * n * k * m / us / 1e3:6.1f} G bf16-FLOP/s)")

@@ -43,6 +43,10 @@ from core_pytorch_backend.step_inputs import StepInputs
 log = logging.getLogger(__name__)
 MAX_HEAD_DIM, MAX_GROUP = 512, 64  # csrc/cpu_ops.c (decode attention)
 GROUP_ROWS = 4  # csrc/decoder_stack.c's row-group path: units of at least 4 rows, in steps of 2 units a thread
+# ... and of at least 32 where the VNNI loop has its exact int8 tiles (16 rows a tile, from 16 rows a call): a
+# decode step of 64 rows on the AMX Xeon 67 ms in units of 8 rows, 56 in units of 16, 52 in one call of 64
+# (benchmarks/decode_step.py), so that up to 127 rows a step every kernel takes all of them
+EXACT_TILES_GROUP_ROWS = 32
 _STEP_DTYPES = (torch.float32, torch.bfloat16)
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
@@ -186,6 +190,10 @@ def describe(model: nn.Module) -> _Plan:
         raise DoesNotFit("an unsupported rotary embedding")
     if rotary.rotary_dim != rotary.head_dim:
         raise DoesNotFit("rotary on part of each head (partial_rotary_factor)")
+    qkv = attention.qkv_proj.weight
+    if not isinstance(qkv, NativeWeight):
+        raise DoesNotFit("layer 0's qkv_proj is not a native packed weight")
+    group_rows = row_group_rows(qkv.kernels)
     keep: list[torch.Tensor] = [rotary.cos_cache, rotary.sin_cache]
     spec = _Decoder(hidden=first.input_layernorm.weight.shape[0], heads=heads, kv_heads=kv_heads,
                     head_dim=head_dim, inter=mlp.down_proj.input_size, dtype=DTYPE_CODES[dtype],
@@ -193,17 +201,22 @@ def describe(model: nn.Module) -> _Plan:
                     table_dtype=DTYPE_CODES[rotary.cos_cache.dtype], eps=first.input_layernorm.eps,
                     block_size=cache.shape[1], num_slots=cache.shape[0] * cache.shape[1],
                     max_position=rotary.cos_cache.shape[0], cos=_ptr(rotary.cos_cache, keep),
-                    sin=_ptr(rotary.sin_cache, keep), group_rows=GROUP_ROWS, group_from=row_group_from())
+                    sin=_ptr(rotary.sin_cache, keep), group_rows=group_rows, group_from=row_group_from(group_rows))
     described = (_Layer * len(layers))()
     for index, layer in enumerate(layers):
         described[index] = _describe_layer(layer, index, spec, rotary, cache, keep)
     return _Plan(model, attention.attn, cache.data_ptr(), dtype, spec, described, keep)
 
 
-def row_group_from() -> int:
-    """The fewest rows a step must have to take the row-group path: two units a thread (16 on 2 cores; a
-    step of 8 rows keeps the kernels' own splits, which read each weight once)."""
-    return 2 * GROUP_ROWS * torch.get_num_threads()
+def row_group_rows(kernels: CpuKernels) -> int:
+    """The fewest rows of a unit of the row-group path with these kernels."""
+    return max(GROUP_ROWS, EXACT_TILES_GROUP_ROWS) if kernels.exact_tiles() else GROUP_ROWS
+
+
+def row_group_from(group_rows: int) -> int:
+    """The fewest rows a step must have to take the row-group path: two units a thread (16 on 2 cores with
+    units of 4; a step of 8 rows keeps the kernels' own splits, which read each weight once)."""
+    return 2 * group_rows * torch.get_num_threads()
 
 
 def _describe_layer(layer: nn.Module, index: int, spec: _Decoder, rotary: RotaryEmbedding, cache: torch.Tensor,

@@ -93,7 +93,8 @@ def test_the_row_group_path_gives_the_modules_hidden_states_bit_for_bit(tiny_che
     """Steps of 3 rows cut into groups of 1 (three) or 2 (two, one short): each thread takes one layer of
     one group at a time, its kernels on that thread alone, and the hidden states are the modules' still."""
     monkeypatch.setattr("core_pytorch_backend.native_decode.GROUP_ROWS", group_rows)
-    monkeypatch.setattr("core_pytorch_backend.native_decode.row_group_from", lambda: 2)
+    monkeypatch.setattr("core_pytorch_backend.native_decode.EXACT_TILES_GROUP_ROWS", 0)
+    monkeypatch.setattr("core_pytorch_backend.native_decode.row_group_from", lambda _: 2)
     runner = _runner(_load(tiny_checkpoint_factory(arch), "int4", dtype))
     assert runner.decode_path.plan.decoder.group_rows == group_rows
     with _threads(2):  # the path needs a team
@@ -208,7 +209,8 @@ def test_with_every_row_marked_the_stack_multiplies_on_the_tiles_as_the_modules_
     row-group path (which the tiles skip: all the rows in one call, each weight dequantized once)."""
     if row_groups:
         monkeypatch.setattr("core_pytorch_backend.native_decode.GROUP_ROWS", 1)
-        monkeypatch.setattr("core_pytorch_backend.native_decode.row_group_from", lambda: 2)
+        monkeypatch.setattr("core_pytorch_backend.native_decode.EXACT_TILES_GROUP_ROWS", 0)
+    monkeypatch.setattr("core_pytorch_backend.native_decode.row_group_from", lambda _: 2)
     runner = _runner(_load(tiny_checkpoint_factory("llama"), quantization))
     with _threads(2), tile_rows.prompt_token_rows(tile_rows.TileRows(3)):
         _decode_both_ways(runner, steps=3)

@@ -213,6 +213,9 @@ def test_scales_that_halves_hold_exactly_are_kept_as_halves(kernels, bits):
 # ACTS_CHUNK_BYTES) hold 32 rows, so 101 rows take four chunks and a tile left over
 BATCH_CASES = {"one chunk": (96, 11, [(0, 1), (3, 5), (2, 9), (5, 11)]),
                "several chunks": (1536, 101, [(0, 1), (30, 35), (2, 99), (64, 101)]),
+               # on an AMX build, the VNNI loop's calls of 16 rows or more take its exact tile loop for each 16
+               # (the rest the vector loop): a row's bits whichever tile, place in it or loop it falls to
+               "exact tiles": (576, 37, [(0, 1), (5, 21), (3, 36), (20, 37), (21, 37)]),
                # the tile loop's chunks (AMX_ACTS_BYTES) hold 160 rows of K = 1536
                "several tile chunks": (1536, 400, [(0, 1), (150, 170), (3, 399)])}
 
@@ -329,6 +332,28 @@ def test_the_gated_tile_loop_gives_the_bits_of_the_product_then_silu(tile_kernel
     odd = NativeWeight.from_affine(_weight(2 * 40, 160, bits), tile_kernels)  # halves not whole blocks
     with tile_rows.prompt_token_rows(tile_rows.rows_of([(0, rows)], rows)):
         assert odd.gated_linear(x, None, "silu") is None
+
+
+@TILES
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(48, 256), (40, 96), (72, 128), (576, 1536)])
+@pytest.mark.parametrize("rows", [16, 37, 64])  # one tile of rows; two and five left to the vector loop; four
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_exact_tiles_give_the_vnni_loops_bits(tile_kernels, bits, shape, rows, dtype):
+    """From 16 rows a call the VNNI loop multiplies on the AMX tiles (int8 dots, exact, folded with the scales
+    by the vector loop's instructions): the outputs are the vector loop's alone, bit for bit, so which loop a
+    row takes may follow the batch."""
+    assert tile_kernels.exact_tiles()
+    weight = NativeWeight.from_affine(_weight(*shape, bits), tile_kernels)
+    x, bias = torch.randn(rows, shape[1]).to(dtype), torch.randn(shape[0])
+    with_tiles = weight.linear(x, bias)
+    try:
+        tile_kernels.exact_tiles(False)
+        assert not tile_kernels.exact_tiles()
+        alone = weight.linear(x, bias)
+    finally:
+        tile_kernels.exact_tiles(True)
+    assert with_tiles.dtype == dtype and torch.equal(with_tiles, alone)
 
 
 def test_the_tile_loop_is_refused_without_tiles(kernels):

@@ -1,8 +1,9 @@
 """Compile the CPU kernels (csrc/*.c) with the system C compiler into a shared library, cached on disk.
 
 One variant per instruction set, picked from the flags the CPU reports (``/proc/cpuinfo``):
-``amx-bf16`` (``avx512-bf16`` plus AVX512-VBMI and AMX-TILE/AMX-BF16, whose tiles multiply a prompt's rows
-by the packed weights: Sapphire Rapids and later Xeons; native/tile_rows.py), ``avx512-bf16``
+``amx-bf16`` (``avx512-bf16`` plus AVX512-VBMI and AMX-TILE/AMX-BF16/AMX-INT8, whose tiles multiply a prompt's
+rows by the packed weights, and the VNNI loop's integer dots from 16 rows a call: Sapphire Rapids and later
+Xeons; native/tile_rows.py), ``avx512-bf16``
 (``avx512-vnni`` plus AVX512-BF16, whose dot products multiply a bfloat16 KV cache in decode attention:
 Zen 4/5), ``avx512-vnni`` (AVX-512 F/BW/VL + VNNI:
 Ice Lake), ``avx2`` (AVX2 + FMA: every x86 server CPU of the last decade) and ``generic`` (plain C, any
@@ -41,7 +42,7 @@ LIBRARY_STEM = "core_cpu_kernels"
 COMMON_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-Wall")
 VARIANT_FLAGS = {
     "amx-bf16": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mavx2", "-mfma",
-                 "-mf16c", "-mavx512vbmi", "-mamx-tile", "-mamx-bf16"),
+                 "-mf16c", "-mavx512vbmi", "-mamx-tile", "-mamx-bf16", "-mamx-int8"),
     "avx512-bf16": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mavx2", "-mfma",
                     "-mf16c"),
     "avx512-vnni": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"),
@@ -50,7 +51,7 @@ VARIANT_FLAGS = {
 }
 VARIANT_CPU_FLAGS = {  # what /proc/cpuinfo must list for a variant to run
     "amx-bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx2", "fma", "f16c", "avx512vbmi",
-                 "amx_tile", "amx_bf16"},
+                 "amx_tile", "amx_bf16", "amx_int8"},
     "avx512-bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx2", "fma", "f16c"},
     "avx512-vnni": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma", "f16c"},
     "avx2": {"avx2", "fma", "f16c"},

@@ -15,7 +15,7 @@ from pathlib import Path
 from .build import CpuBuildError, build_library, chosen_variant
 
 log = logging.getLogger(__name__)
-ABI_VERSION = 14  # csrc/packed_linear.c CORE_PACKED_ABI
+ABI_VERSION = 15  # csrc/packed_linear.c CORE_PACKED_ABI
 STATUS = {1: "bad arguments", 2: "out of memory", 3: "no AMX tiles (not an amx-bf16 build, or Linux refused them)"}
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -82,6 +82,12 @@ class CpuKernels:
             function.restype = ctypes.c_int
             self._functions[name] = function
 
+    def exact_tiles(self, allow: bool | None = None) -> bool:
+        """Whether the VNNI loop's calls of 16 rows or more take its exact int8 tile loop (AMX-INT8, the same
+        bits: csrc/packed_linear.c ``exact_tile_dots``); ``allow`` turns it off or on, for benchmarks and
+        tests that compare the two."""
+        return bool(self._lib.core_packed_exact_tiles(-1 if allow is None else int(allow)))
+
     def call(self, name: str, *args) -> None:
         """Run kernel ``name``; raises CpuKernelError naming it on a non-zero status."""
         status = self._functions[name](*args)
@@ -116,7 +122,8 @@ def available() -> CpuKernels | None:
         log.warning("the native CPU kernels are unavailable (%s); the plain-torch ops and torch's packed "
                     "kernels run instead", exc)
         return None
-    tiles = "; AMX tiles granted (the packed matmuls' bfloat16 tile loop)" if kernels.uses_amx else ""
+    tiles = ("; AMX tiles granted (the packed matmuls' bfloat16 tile loop for prompt tokens, and the VNNI loop's "
+             "exact int8 tiles from 16 rows a call)") if kernels.uses_amx else ""
     if kernels.variant == "amx-bf16" and not kernels.uses_amx:
         tiles = "; Linux refused the AMX tiles: every packed matmul takes the AVX-512 VNNI loop"
     log.info("native CPU kernels: the %s variant (%s)%s, %s", kernels.variant, why, tiles, kernels.path)

@@ -1,7 +1,8 @@
 """Which rows of the forward pass in progress the packed weights multiply on the AMX tiles.
 
 On a CPU with AMX (an ``amx-bf16`` build whose process Linux grants the tiles), ``NativeWeight`` has two
-loops: the VNNI loop (exact integer dots of the 4/8-bit codes with activations in two int8 steps) and the
+loops: the VNNI loop (exact integer dots of the 4/8-bit codes with activations in two int8 steps; from 16
+rows a call it takes those dots on the tiles too, 16 rows at a time, with the same bits) and the bf16
 tile loop (the codes dequantized to bfloat16, float32 sums over all of K: 2-2.6x faster from 64 rows on,
 several times slower at one). They round differently, so the rule that picks one must not depend on the
 batch a row is in, or a request's greedy output would depend on whether its prompt's prefix was cached

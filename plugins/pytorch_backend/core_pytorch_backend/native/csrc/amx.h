@@ -28,6 +28,21 @@ static inline void amx_configure(void) {
     _tile_loadconfig(&config);
 }
 
+#if defined(__AMX_INT8__)
+/* packed_linear.c's exact int8 tile loop: tiles 0-3 16 x 16 int32 sums, 4-5 16 activation rows x 32 int8
+ * codes (a group), 6-7 8 steps x 16 weight rows x 4 codes (the packed layout of a group as it is) */
+static inline void amx_configure_int8(void) {
+    tile_config_t config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        config.colsb[t] = t == 4 || t == 5 ? 32 : 64;
+        config.rows[t] = t >= 6 ? 8 : AMX_ROWS;
+    }
+    _tile_loadconfig(&config);
+}
+#endif
+
 #endif
 
 #endif

@@ -50,7 +50,7 @@
 #include <immintrin.h>
 #endif
 
-#define CORE_PACKED_ABI 14
+#define CORE_PACKED_ABI 15
 #define ERR_NO_TILES 3
 #define GROUP 32
 #define PAIR 64
@@ -65,6 +65,7 @@
 #define TILE_BLOCKS 1
 #endif
 #define TWO_BLOCK_ROWS 16 /* tiles of TILE_BLOCKS from this many activation rows on (see packed_linear) */
+#define EXACT_TILES_ROWS 16 /* activation rows of the exact tile loop's A tiles (amx.h's AMX_ROWS) */
 /* A thread's share of a call (its contiguous blocks, as schedule(static)) is cut into units of a chunk of
  * rows by this many blocks, taken in order; a thread done with its share takes the units left of the
  * others'. Where the OS takes a thread away for a while (the server's event loop, clients on the same
@@ -745,12 +746,100 @@ static int packed_linear_amx(const void *x, int x_dtype, int64_t m, int64_t k, c
 }
 #endif
 
-static inline void store_y(void *y, int dtype, int64_t index, float v) {
-    if (dtype == DT_BF16)
-        ((uint16_t *)y)[index] = f32_to_bf16(v);
-    else
-        ((float *)y)[index] = v;
+/* out rows [m0, m0 + rows) (plus bias) into y's columns [col0, col0 + cols), a row at a time (store_row's
+ * vector loop; bfloat16 rounded by f32_to_bf16 as one element at a time was) */
+static inline void store_outputs(float out[][TILE_BLOCKS * BLOCK], int64_t m0, int rows, int64_t col0, int64_t cols,
+                                 const float *bias, void *y, int y_dtype, int64_t n) {
+    for (int i = 0; i < rows; ++i) {
+        float row[TILE_BLOCKS * BLOCK];
+        for (int64_t c = 0; c < cols; ++c) row[c] = out[i][c] + (bias ? bias[col0 + c] : 0.f);
+        store_row(y, y_dtype, (m0 + i) * n + col0, cols, row);
+    }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__)
+#define EXACT_TILES 1
+#define GROUP_TILE_BYTES (8 * STEP_BYTES) /* a group of one block as a B tile: 8 steps x 16 rows x 4 codes */
+
+/* The VNNI loop's arithmetic on the AMX tiles (amx_configure_int8), for 16 activation rows from m0 and one
+ * weight block: a group's two integer dots (its codes times q1, times q2) as `tdpbsud` products of the rows'
+ * codes (signed: an A tile of 16 rows x 32) by the group's codes (unsigned: the packed layout of a group is
+ * a B tile as it is; `codes` holds group g's at g * GROUP_TILE_BYTES), each then folded with the group's
+ * scales by fold_group, the instructions of tile_dots in the same order. The integer dots are exact, so
+ * every output has tile_dots's bits. The tiles of group g + 1 are multiplied while group g is folded
+ * (sums in tiles 0-1 and 2-3 by turns, the codes in 6 and 7). */
+static inline __attribute__((always_inline)) void exact_block_dots(const uint8_t *codes, scales_t w, int64_t at,
+                                                                    const acts_t *a, int64_t m0,
+                                                                    float out[][TILE_BLOCKS * BLOCK], int column) {
+    const int64_t kp = a->kp, groups = a->groups;
+    const int8_t *q1 = a->q1 + m0 * kp, *q2 = a->q2 + m0 * kp;
+    int32_t dots[2][2][EXACT_TILES_ROWS][BLOCK] __attribute__((aligned(64))); /* [turn][q1 / q2][row][weight row] */
+    __m512 acc[EXACT_TILES_ROWS];
+    for (int i = 0; i < EXACT_TILES_ROWS; ++i) acc[i] = _mm512_setzero_ps();
+#define MULTIPLY(g, HI, LO, CODES)                                      \
+    do {                                                                \
+        _tile_loadd(CODES, codes + (g) * GROUP_TILE_BYTES, STEP_BYTES); \
+        _tile_loadd(4, q1 + (g) * GROUP, kp);                           \
+        _tile_loadd(5, q2 + (g) * GROUP, kp);                           \
+        _tile_zero(HI);                                                 \
+        _tile_zero(LO);                                                 \
+        _tile_dpbsud(HI, 4, CODES);                                     \
+        _tile_dpbsud(LO, 5, CODES);                                     \
+    } while (0)
+#define FOLD(g, HI, LO, TURN)                                                                                 \
+    do {                                                                                                      \
+        _tile_stored(HI, dots[TURN][0], 64);                                                                  \
+        _tile_stored(LO, dots[TURN][1], 64);                                                                  \
+        const __m512 sg = load16(w.s, w.dtype, at + (g) * BLOCK), og = load16(w.o, w.dtype, at + (g) * BLOCK); \
+        _Pragma("GCC unroll 16") for (int i = 0; i < EXACT_TILES_ROWS; ++i)                                   \
+            acc[i] = fold_group(acc[i], _mm512_load_si512((const void *)dots[TURN][0][i]),                    \
+                                _mm512_load_si512((const void *)dots[TURN][1][i]), sg, og,                    \
+                                a->d[(m0 + i) * groups + (g)], a->sum[(m0 + i) * groups + (g)]);              \
+    } while (0)
+    /* group g + 1's products asked for before group g's sums are folded */
+    MULTIPLY(0, 0, 1, 6);
+    for (int64_t g = 0; g < groups; g += 2) {
+        if (g + 1 < groups) MULTIPLY(g + 1, 2, 3, 7);
+        FOLD(g, 0, 1, 0);
+        if (g + 1 == groups) break;
+        if (g + 2 < groups) MULTIPLY(g + 2, 0, 1, 6);
+        FOLD(g + 1, 2, 3, 1);
+    }
+#undef MULTIPLY
+#undef FOLD
+    for (int i = 0; i < EXACT_TILES_ROWS; ++i) _mm512_storeu_ps(out[i] + column, acc[i]);
+}
+
+/* The outputs of `blocks` blocks from `first` for the activation rows [m0, m0 + 16 * tiles) (into y, plus bias),
+ * 16 at a time on the tiles (exact_block_dots); 4-bit codes are unpacked to a byte each once for all of them. */
+static __attribute__((noinline)) void exact_tile_outputs(const uint8_t *first, int64_t block_bytes, int blocks, int bits,
+                                                         scales_t w, int64_t base, const acts_t *a, int64_t m0,
+                                                         int64_t tiles, int64_t col0, int64_t cols, const float *bias,
+                                                         void *y, int y_dtype, int64_t n) {
+    const int64_t groups = a->groups, unpacked_bytes = groups * GROUP_TILE_BYTES;
+    uint8_t unpacked[bits == 4 ? blocks * unpacked_bytes : 1] __attribute__((aligned(64)));
+    const uint8_t *codes[TILE_BLOCKS];
+    for (int b = 0; b < blocks; ++b) {
+        if (bits == 8) {
+            codes[b] = first + b * block_bytes;
+            continue;
+        }
+        uint8_t *bytes = unpacked + b * unpacked_bytes;
+        for (int64_t g = 0; g < groups; ++g)
+            for (int j = 0; j < 8; ++j)
+                _mm512_store_si512((void *)(bytes + g * GROUP_TILE_BYTES + j * STEP_BYTES),
+                                   step_codes(first + b * block_bytes, 4, g, j));
+        codes[b] = bytes;
+    }
+    float out[EXACT_TILES_ROWS][TILE_BLOCKS * BLOCK];
+    for (int64_t t = 0; t < tiles; ++t, m0 += EXACT_TILES_ROWS) {
+        for (int b = 0; b < blocks; ++b) exact_block_dots(codes[b], w, base + b * groups * BLOCK, a, m0, out, b * BLOCK);
+        store_outputs(out, m0, EXACT_TILES_ROWS, col0, cols, bias, y, y_dtype, n);
+    }
+}
+#else
+#define EXACT_TILES 0
+#endif
 
 /* The outputs of blocks [b, b + blocks) (blocks <= TILE_BLOCKS) for activation rows [m_begin, m): TILE rows
  * at a time, then 2, then 1 (each count a compile-time constant, so that the SIMD loop keeps its
@@ -758,14 +847,25 @@ static inline void store_y(void *y, int dtype, int64_t index, float v) {
 static inline __attribute__((always_inline)) void outputs_of(const uint8_t *codes, int bits, scales_t w,
                                                               const float *bias, const acts_t *a, int64_t m_begin,
                                                               int64_t m, int64_t b, int blocks, int64_t n, void *y,
-                                                              int y_dtype, int reference, const int halves) {
+                                                              int y_dtype, int reference, int exact_tiles,
+                                                              const int halves) {
     const int64_t block_bytes = (bits == 4 ? a->kp / 2 : a->kp) * BLOCK,
                   scales_apart = (halves ? 2 : 1) * a->groups * BLOCK;
     const int64_t col0 = b * BLOCK, cols = n - col0 < blocks * BLOCK ? n - col0 : blocks * BLOCK;
     const uint8_t *first = codes + b * block_bytes;
     const int64_t base = b * scales_apart; /* the first block's first scale */
     float out[TILE][TILE_BLOCKS * BLOCK];
-    for (int64_t m0 = m_begin; m0 < m;) {
+    int64_t m0 = m_begin;
+#if EXACT_TILES
+    if (exact_tiles && !halves && m - m0 >= EXACT_TILES_ROWS) { /* the same bits as the loops below */
+        const int64_t tiles = (m - m0) / EXACT_TILES_ROWS;
+        exact_tile_outputs(first, block_bytes, blocks, bits, w, base, a, m0, tiles, col0, cols, bias, y, y_dtype, n);
+        m0 += tiles * EXACT_TILES_ROWS;
+    }
+#else
+    (void)exact_tiles;
+#endif
+    while (m0 < m) {
         const int tile = m - m0 >= TILE ? TILE : (m - m0 >= 2 ? 2 : 1);
         if (reference) {
             for (int bb = 0; bb < blocks; ++bb) /* block bb's outputs in columns 16 bb.. of out's rows */
@@ -800,9 +900,7 @@ static inline __attribute__((always_inline)) void outputs_of(const uint8_t *code
                 block_dots_simd(first, bits, w, base, a, m0, 1, out, halves);
 #endif
         }
-        for (int i = 0; i < tile; ++i)
-            for (int64_t c = 0; c < cols; ++c)
-                store_y(y, y_dtype, (m0 + i) * n + col0 + c, out[i][c] + (bias ? bias[col0 + c] : 0.f));
+        store_outputs(out, m0, tile, col0, cols, bias, y, y_dtype, n);
         m0 += tile;
     }
 }
@@ -811,14 +909,14 @@ static inline __attribute__((always_inline)) void outputs_of(const uint8_t *code
  * were) for one of 16-input groups */
 static void block_outputs(const uint8_t *codes, int bits, scales_t w, const float *bias, const acts_t *a,
                           int64_t m_begin, int64_t m, int64_t b, int blocks, int64_t n, void *y, int y_dtype,
-                          int reference) {
-    outputs_of(codes, bits, w, bias, a, m_begin, m, b, blocks, n, y, y_dtype, reference, 0);
+                          int reference, int exact_tiles) {
+    outputs_of(codes, bits, w, bias, a, m_begin, m, b, blocks, n, y, y_dtype, reference, exact_tiles, 0);
 }
 
 static void block_outputs_halves(const uint8_t *codes, int bits, scales_t w, const float *bias, const acts_t *a,
                                  int64_t m_begin, int64_t m, int64_t b, int blocks, int64_t n, void *y,
                                  int y_dtype, int reference) {
-    outputs_of(codes, bits, w, bias, a, m_begin, m, b, blocks, n, y, y_dtype, reference, 1);
+    outputs_of(codes, bits, w, bias, a, m_begin, m, b, blocks, n, y, y_dtype, reference, 0, 1);
 }
 
 static int arguments_valid(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
@@ -845,7 +943,7 @@ typedef struct {
     int y_dtype, reference;
     acts_t *a;
     int64_t blocks, chunk, chunks;
-    int tile_blocks, halves;
+    int tile_blocks, halves, exact_tiles;
     int64_t *taken; /* each share's next unit, TAKEN_APART apart */
 } linear_team;
 
@@ -856,6 +954,9 @@ static void linear_work(void *context, int64_t thread, int64_t threads) {
     int64_t r0, r1;
     team_share(c->m, thread, threads, &r0, &r1);
     quantize_rows(c->x, c->x_dtype, r0, r1, c->k, c->a, c->reference);
+#if EXACT_TILES
+    if (c->exact_tiles) amx_configure_int8();
+#endif
     team_barrier(threads);
     /* each thread its share's units, then what is left of the others' (see SHARE_UNIT_BLOCKS) */
     for (int64_t i = 0; i < threads; ++i) {
@@ -874,10 +975,36 @@ static void linear_work(void *context, int64_t thread, int64_t threads) {
                                          c->y_dtype, c->reference);
                 else
                     block_outputs(c->codes, c->bits, c->w, c->bias, c->a, m0, m1, b, together, c->n, c->y,
-                                  c->y_dtype, c->reference);
+                                  c->y_dtype, c->reference, c->exact_tiles);
             }
         }
     }
+#if EXACT_TILES
+    if (c->exact_tiles) _tile_release();
+#endif
+}
+
+/* Whether a call of m activation rows takes the exact tile loop (exact_tile_dots) for each 16 of its rows, the
+ * rest the VNNI loop (the same bits either way): an AMX build granted the tiles, weights of 32-input groups,
+ * and at least a tile of rows. */
+int core_packed_uses_amx(void);
+static int exact_tiles_allowed = 1; /* core_packed_exact_tiles */
+
+/* 1 where the VNNI loop takes the exact tile loop for its calls of 16 rows or more (an AMX build granted the
+ * tiles); `allow` 0 / 1 turns it off / on (for benchmarks and tests: the results are the same), -1 asks. */
+int core_packed_exact_tiles(int allow) {
+    if (allow >= 0) __atomic_store_n(&exact_tiles_allowed, allow, __ATOMIC_RELAXED);
+    return EXACT_TILES && __atomic_load_n(&exact_tiles_allowed, __ATOMIC_RELAXED) && core_packed_uses_amx();
+}
+
+static int exact_tiles_take(int64_t m, int reference, int halves) {
+#if EXACT_TILES
+    return !reference && !halves && m >= EXACT_TILES_ROWS && __atomic_load_n(&exact_tiles_allowed, __ATOMIC_RELAXED) &&
+           amx_granted();
+#else
+    (void)m, (void)reference, (void)halves;
+    return 0;
+#endif
 }
 
 static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
@@ -899,7 +1026,9 @@ static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const
            time, so that the chunk's activation codes stay in cache while the share's blocks pass over them
            (each output is computed as before: the results do not change) */
         int64_t chunk = ACTS_CHUNK_BYTES / (2 * kp);
-        chunk = chunk < TILE ? TILE : chunk / TILE * TILE;
+        const int exact_tiles = exact_tiles_take(m, reference, halves);
+        const int64_t rows_together = exact_tiles ? EXACT_TILES_ROWS : TILE;
+        chunk = chunk < rows_together ? rows_together : chunk / rows_together * rows_together;
         /* blocks a tile: two where the multiply-adds bound the call; with few rows (a decode step of up
            to 15 sequences) the weight streams from memory, and one block after the other reads it faster
            (the 8-bit LM head, 28 MB: at 1 / 4 / 8 rows 0.74 / 1.8 / 2.4 ms, against 1.0 / 3.0 / 3.1 ms two
@@ -913,7 +1042,7 @@ static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const
         }
         linear_team ctx = {x, x_dtype, m, k, codes, bits, n, w, bias, y, y_dtype, reference, &a, blocks, chunk,
                            (m + chunk - 1) / chunk, m >= TWO_BLOCK_ROWS || omp_in_parallel() ? TILE_BLOCKS : 1,
-                           halves, taken};
+                           halves, exact_tiles, taken};
         run_team(1, linear_work, &ctx);
         free(taken);
         free_acts(&a);
