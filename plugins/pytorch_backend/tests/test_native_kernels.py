@@ -365,9 +365,12 @@ def test_the_tile_loop_is_refused_without_tiles(kernels):
 
 
 @TILES
-def test_marked_rows_take_the_tiles_and_the_others_the_vnni_loop(tile_kernels):
+@pytest.mark.parametrize("max_runs", [8, 0], ids=["runs in place", "gathered"])
+def test_marked_rows_take_the_tiles_and_the_others_the_vnni_loop(tile_kernels, monkeypatch, max_runs):
     """tile_rows: a step's prompt-token rows (marked) on the tiles, its generated tokens' by the VNNI loop,
-    each row as it would be alone; unmarked passes, and a weight called with another row count, all VNNI."""
+    each row as it would be alone (each run of rows in place, or each loop's rows gathered where the runs
+    are too many); unmarked passes, and a weight called with another row count, all VNNI."""
+    monkeypatch.setattr("core_pytorch_backend.native.packed_weight.MAX_RUNS", max_runs)
     weight = NativeWeight.from_affine(_weight(40, 96, 4), tile_kernels)
     x = torch.randn(9, 96)
     tiles, vnni = weight.linear(x, None, tiles=True), weight.linear(x, None, tiles=False)
@@ -390,6 +393,24 @@ def test_prompt_token_rows_of_a_step():
     assert every.total == 4 and every.tiled is None and every.other is None
     some = tile_rows.rows_of([(0, 2), (3, 1)], 5)
     assert some.tiled.tolist() == [0, 1, 3] and some.other.tolist() == [2, 4]
+    assert some.runs == ((0, 2, True), (2, 3, False), (3, 4, True), (4, 5, False))
+    touching = tile_rows.rows_of([(2, 3), (5, 1), (7, 0)], 8)  # two chunks one after the other: one run
+    assert touching.runs == ((0, 2, False), (2, 6, True), (6, 8, False))
+
+
+@TILES
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("spans", [[(0, 20)], [(17, 19)], [(3, 5), (20, 16)]], ids=["first", "last", "between"])
+def test_a_step_of_prompt_and_generated_rows_takes_the_gated_epilogue_run_by_run(tile_kernels, dtype, spans):
+    """gated_linear in a step of prompt and generated rows: the prompt rows' runs silu * up in the tile loop's
+    epilogue, the generated rows' product by the VNNI loop then the native silu * up: the bits of linear
+    and then silu_and_mul over the whole step."""
+    weight = NativeWeight.from_affine(_weight(2 * 48, 160, 4), tile_kernels)
+    x = torch.randn(36, 160).to(dtype)
+    with tile_rows.prompt_token_rows(tile_rows.rows_of(spans, 36)):
+        expected = native.silu_and_mul(weight.linear(x, None))
+        fused = weight.gated_linear(x, None, "silu")
+    assert fused is not None and fused.dtype == dtype and torch.equal(fused, expected)
 
 
 def test_packed_linear_with_no_rows_and_bad_arguments(kernels):

@@ -28,6 +28,9 @@ GROUP, PAIR, BLOCK, STEP = 32, 64, 16, 4
 HALF_GROUP = 16  # 8-bit codes may have a scale and offset per 16 inputs
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc DT_*
 HALF_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}  # 16-bit weights' dtypes, as the start-up line says
+# a step of prompt and generated rows multiplied a run of rows at a time, in place, up to this many runs (a call
+# each); more (rows interleaved), the rows of each loop gathered and their outputs scattered back
+MAX_RUNS = 8
 
 
 def native_fits(weight: AffineWeight) -> bool:
@@ -173,8 +176,9 @@ class NativeWeight(nn.Module):
 
     def gated_linear(self, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> torch.Tensor | None:
         """silu(gate) * up of this [gate | up] weight's product (``activation`` "silu"), [..., N / 2], in the tile
-        loop's epilogue: the bits of ``linear`` and then the native silu * up, where every row of the call
-        takes the tiles (``tile_rows.current()``: a prefill chunk, or any step under ``--amx-rows all``);
+        loop's epilogue: the bits of ``linear`` and then the native silu * up, in a marked step
+        (``tile_rows.current()``: a prefill chunk, any step under ``--amx-rows all``, or a step of prompt and
+        generated rows in at most MAX_RUNS runs, whose generated rows' product is followed by silu * up);
         None otherwise (the caller multiplies, then applies its activation)."""
         if activation != "silu" or not self.fuses_silu:
             return None
@@ -182,11 +186,24 @@ class NativeWeight(nn.Module):
         flat = x.reshape(-1, k)
         rows = tile_rows.current()
         code = DTYPE_CODES.get(flat.dtype) if flat.dtype != torch.float16 else None
-        if rows is None or rows.tiled is not None or rows.total != flat.shape[0] or code is None:
+        if rows is None or rows.total != flat.shape[0] or code is None or len(rows.runs) > MAX_RUNS:
             return None
+        flat = flat.contiguous()
         if bias is not None:
             bias = bias.to(torch.float32).contiguous()  # named: alive during the call
-        out = self._call("core_packed_linear_tiles_silu", flat.contiguous(), code, bias, n // 2)
+        if rows.tiled is None:
+            out = self._call("core_packed_linear_tiles_silu", flat, code, bias, n // 2)
+        else:  # a step of prompt and generated rows: each run in place, the VNNI loop's product then silu * up
+            out = torch.empty((flat.shape[0], n // 2), dtype=flat.dtype)
+            silu = self.kernels.function("core_silu_and_mul")
+            for first, stop, tiled in rows.runs:
+                if tiled:
+                    self._call("core_packed_linear_tiles_silu", flat[first:stop], code, bias, n // 2, out[first:stop])
+                    continue
+                product = self._call("core_packed_linear", flat[first:stop], code, bias)
+                status = silu(product.data_ptr(), code, stop - first, n // 2, out[first:stop].data_ptr())
+                if status:
+                    self.kernels.raise_for("core_silu_and_mul", status)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n // 2)
 
     def _by_rows(self, flat: torch.Tensor, code: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -197,15 +214,21 @@ class NativeWeight(nn.Module):
         if rows.tiled is None:
             return self._call("core_packed_linear_tiles", flat, code, bias)
         out = torch.empty((flat.shape[0], self.shape[0]), dtype=flat.dtype)
+        if len(rows.runs) <= MAX_RUNS:  # each run in place
+            for first, stop, tiled in rows.runs:
+                self._call("core_packed_linear_tiles" if tiled else "core_packed_linear", flat[first:stop], code, bias,
+                           out=out[first:stop])
+            return out
         out.index_copy_(0, rows.tiled, self._call("core_packed_linear_tiles", flat.index_select(0, rows.tiled), code, bias))
         out.index_copy_(0, rows.other, self._call("core_packed_linear", flat.index_select(0, rows.other), code, bias))
         return out
 
     def _call(self, kernel: str, flat: torch.Tensor, code: int, bias: torch.Tensor | None,
-              width: int | None = None) -> torch.Tensor:
-        """`kernel`'s y [M, width] (default N) for the rows `flat`."""
+              width: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`kernel`'s y [M, width] (default N) for the rows `flat` (contiguous), into `out` (contiguous) if given."""
         m = flat.shape[0]
-        out = torch.empty((m, width or self.shape[0]), dtype=flat.dtype)
+        if out is None:
+            out = torch.empty((m, width or self.shape[0]), dtype=flat.dtype)
         buffers = self._buffers
         status = self.kernels.function(kernel)(
             flat.data_ptr(), code, m, self.shape[1], buffers["codes"].data_ptr(), self.bits, self.group, self.shape[0],

@@ -34,11 +34,15 @@ import torch
 
 @dataclass(frozen=True)
 class TileRows:
-    """The current step's rows: ``tiled`` take the tile loop, ``other`` the VNNI loop (None: all rows one way)."""
+    """The current step's rows: ``tiled`` take the tile loop, ``other`` the VNNI loop (None: all rows one way);
+    ``runs`` the same as maximal runs of neighbouring rows, (first, stop, tiled) in order, so that a weight
+    multiplies each run in place (a step's decode rows and its prompt chunks are a few runs) instead of
+    gathering the rows of each loop and scattering their outputs back."""
 
     total: int
     tiled: torch.Tensor | None = None  # int64 row indices; None with other None: every row is tiled
     other: torch.Tensor | None = None
+    runs: tuple[tuple[int, int, bool], ...] = ()
 
 
 _local = threading.local()
@@ -63,7 +67,24 @@ def rows_of(spans: Sequence[tuple[int, int]], total: int) -> TileRows | None:
     flags = torch.zeros(total, dtype=torch.bool)
     for first, count in spans:
         flags[first : first + count] = True
-    return TileRows(total, flags.nonzero().flatten(), (~flags).nonzero().flatten())
+    return TileRows(total, flags.nonzero().flatten(), (~flags).nonzero().flatten(), _runs(spans, total))
+
+
+def _runs(spans: Sequence[tuple[int, int]], total: int) -> tuple[tuple[int, int, bool], ...]:
+    """[0, total) as maximal runs of tiled (in `spans`, in order, non-empty) and other rows."""
+    runs: list[tuple[int, int, bool]] = []
+    at = 0
+    for first, count in spans:
+        if first > at:
+            runs.append((at, first, False))
+        if runs and runs[-1][2] and runs[-1][1] == first:  # touching the previous span
+            runs[-1] = (runs[-1][0], first + count, True)
+        else:
+            runs.append((first, first + count, True))
+        at = first + count
+    if at < total:
+        runs.append((at, total, False))
+    return tuple(runs)
 
 
 def has_tiled_weights(model: torch.nn.Module) -> bool:
