@@ -1,4 +1,4 @@
-/* Why the packed kernel's exact AMX loop (exact_tile_dots, in since 2026-12-06) gains little: what one group
+/* Why the packed kernel's exact AMX loop (exact_tile_outputs, in since 2026-12-06) gains little: what one group
  * of 32 inputs costs on this CPU's AMX tiles when
  * each group's integer dots must come out of the tiles to be folded with the group's own scales (as
  * csrc/packed_linear.c folds them), against the AVX-512 VNNI instructions the kernel uses.

@@ -44,8 +44,9 @@ log = logging.getLogger(__name__)
 MAX_HEAD_DIM, MAX_GROUP = 512, 64  # csrc/cpu_ops.c (decode attention)
 GROUP_ROWS = 4  # csrc/decoder_stack.c's row-group path: units of at least 4 rows, in steps of 2 units a thread
 # ... and of at least 32 where the VNNI loop has its exact int8 tiles (16 rows a tile, from 16 rows a call): a
-# decode step of 64 rows on the AMX Xeon 67 ms in units of 8 rows, 56 in units of 16, 52 in one call of 64
-# (benchmarks/decode_step.py), so that up to 127 rows a step every kernel takes all of them
+# decode step of 64 rows on the AMX Xeon (family 6 model 167) 64-66 ms in units of 8 rows, 55-57 in units of
+# 16, 52-57 in one call of 64 (benchmarks/decode_step.py), so that up to 127 rows a step every kernel takes
+# all of them
 EXACT_TILES_GROUP_ROWS = 32
 _STEP_DTYPES = (torch.float32, torch.bfloat16)
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float

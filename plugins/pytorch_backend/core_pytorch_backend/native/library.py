@@ -84,7 +84,7 @@ class CpuKernels:
 
     def exact_tiles(self, allow: bool | None = None) -> bool:
         """Whether the VNNI loop's calls of 16 rows or more take its exact int8 tile loop (AMX-INT8, the same
-        bits: csrc/packed_linear.c ``exact_tile_dots``); ``allow`` turns it off or on, for benchmarks and
+        bits: csrc/packed_linear.c ``exact_tile_outputs``); ``allow`` turns it off or on, for benchmarks and
         tests that compare the two."""
         return bool(self._lib.core_packed_exact_tiles(-1 if allow is None else int(allow)))
 

@@ -766,8 +766,9 @@ static inline void store_outputs(float out[][TILE_BLOCKS * BLOCK], int64_t m0, i
  * codes (signed: an A tile of 16 rows x 32) by the group's codes (unsigned: the packed layout of a group is
  * a B tile as it is; `codes` holds group g's at g * GROUP_TILE_BYTES), each then folded with the group's
  * scales by fold_group, the instructions of tile_dots in the same order. The integer dots are exact, so
- * every output has tile_dots's bits. The tiles of group g + 1 are multiplied while group g is folded
- * (sums in tiles 0-1 and 2-3 by turns, the codes in 6 and 7). */
+ * every output has tile_dots's bits. Group g + 1's products are asked for before group g's sums leave the
+ * tiles (sums in tiles 0-1 and 2-3 by turns, the codes in 6 and 7), though the two barely overlap: a tile
+ * store slows the fold's loads (docs/DESIGN.md). */
 static inline __attribute__((always_inline)) void exact_block_dots(const uint8_t *codes, scales_t w, int64_t at,
                                                                     const acts_t *a, int64_t m0,
                                                                     float out[][TILE_BLOCKS * BLOCK], int column) {
@@ -984,9 +985,6 @@ static void linear_work(void *context, int64_t thread, int64_t threads) {
 #endif
 }
 
-/* Whether a call of m activation rows takes the exact tile loop (exact_tile_dots) for each 16 of its rows, the
- * rest the VNNI loop (the same bits either way): an AMX build granted the tiles, weights of 32-input groups,
- * and at least a tile of rows. */
 int core_packed_uses_amx(void);
 static int exact_tiles_allowed = 1; /* core_packed_exact_tiles */
 
@@ -997,6 +995,9 @@ int core_packed_exact_tiles(int allow) {
     return EXACT_TILES && __atomic_load_n(&exact_tiles_allowed, __ATOMIC_RELAXED) && core_packed_uses_amx();
 }
 
+/* Whether a call of m activation rows takes the exact tile loop (exact_tile_outputs) for each 16 of its rows,
+ * the rest the vector loop (the same bits either way): an AMX build granted the tiles, weights of 32-input
+ * groups, and at least a tile of rows. */
 static int exact_tiles_take(int64_t m, int reference, int halves) {
 #if EXACT_TILES
     return !reference && !halves && m >= EXACT_TILES_ROWS && __atomic_load_n(&exact_tiles_allowed, __ATOMIC_RELAXED) &&
