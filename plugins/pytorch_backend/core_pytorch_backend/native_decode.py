@@ -106,7 +106,7 @@ class NativeDecodeStack:
         if not meta.is_decode or inputs.positions.dim() != 1 or meta.bidirectional_spans:
             return None
         marked = tile_rows.current()  # the rows the packed weights multiply on the AMX tiles: all or none here
-        if marked is not None and marked.tiled is not None:
+        if marked is not None and not marked.all_tiled:
             return None  # some rows on the tiles and others not: the modules' NativeWeight splits them
         if (self.plan is None or not self.plan.matches(model)) and not self.try_capture(model):
             return None

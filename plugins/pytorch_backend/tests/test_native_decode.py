@@ -183,7 +183,7 @@ def test_a_step_marks_its_prompt_tokens_rows_and_then_never_takes_the_stack(tiny
     runner.decode_path.run = lambda model, step: stack_results.append(out := original(model, step)) or out
     model.register_forward_pre_hook(lambda *_: seen.append(tile_rows.current()))
     runner.execute(inputs)
-    assert stack_results == [None] and seen[0].tiled.tolist() == [1, 2, 3] and seen[0].other.tolist() == [0, 4, 5]
+    assert stack_results == [None] and seen[0].rows(True).tolist() == [1, 2, 3] and seen[0].rows(False).tolist() == [0, 4, 5]
     assert tile_rows.current() is None  # only during the pass
     decode_only = runner.prepare([ScheduledSequence(_sequence("d", [5, 6, 7], [8], computed=3, table=TABLES[0]), 1)])
     assert decode_only.prompt_token_spans == ()

@@ -390,9 +390,9 @@ def test_marked_rows_take_the_tiles_and_the_others_the_vnni_loop(tile_kernels, m
 def test_prompt_token_rows_of_a_step():
     assert tile_rows.rows_of([], 4) is None and tile_rows.rows_of([(0, 0), (2, 0)], 4) is None
     every = tile_rows.rows_of([(0, 3), (3, 1)], 4)
-    assert every.total == 4 and every.tiled is None and every.other is None
+    assert every.total == 4 and every.all_tiled and every.runs == ()
     some = tile_rows.rows_of([(0, 2), (3, 1)], 5)
-    assert some.tiled.tolist() == [0, 1, 3] and some.other.tolist() == [2, 4]
+    assert not some.all_tiled and some.rows(True).tolist() == [0, 1, 3] and some.rows(False).tolist() == [2, 4]
     assert some.runs == ((0, 2, True), (2, 3, False), (3, 4, True), (4, 5, False))
     touching = tile_rows.rows_of([(2, 3), (5, 1), (7, 0)], 8)  # two chunks one after the other: one run
     assert touching.runs == ((0, 2, False), (2, 6, True), (6, 8, False))

@@ -191,7 +191,7 @@ class NativeWeight(nn.Module):
         flat = flat.contiguous()
         if bias is not None:
             bias = bias.to(torch.float32).contiguous()  # named: alive during the call
-        if rows.tiled is None:
+        if rows.all_tiled:
             out = self._call("core_packed_linear_tiles_silu", flat, code, bias, n // 2)
         else:  # a step of prompt and generated rows: each run in place, the VNNI loop's product then silu * up
             out = torch.empty((flat.shape[0], n // 2), dtype=flat.dtype)
@@ -211,7 +211,7 @@ class NativeWeight(nn.Module):
         rows = tile_rows.current() if self.kernels.uses_amx and self.bits != 16 else None
         if rows is None or rows.total != flat.shape[0]:
             return self._call("core_packed_linear", flat, code, bias)
-        if rows.tiled is None:
+        if rows.all_tiled:
             return self._call("core_packed_linear_tiles", flat, code, bias)
         out = torch.empty((flat.shape[0], self.shape[0]), dtype=flat.dtype)
         if len(rows.runs) <= MAX_RUNS:  # each run in place
@@ -219,8 +219,10 @@ class NativeWeight(nn.Module):
                 self._call("core_packed_linear_tiles" if tiled else "core_packed_linear", flat[first:stop], code, bias,
                            out=out[first:stop])
             return out
-        out.index_copy_(0, rows.tiled, self._call("core_packed_linear_tiles", flat.index_select(0, rows.tiled), code, bias))
-        out.index_copy_(0, rows.other, self._call("core_packed_linear", flat.index_select(0, rows.other), code, bias))
+        for tiled in (True, False):  # many runs: each loop's rows gathered, their outputs scattered back
+            index = rows.rows(tiled)
+            out.index_copy_(0, index, self._call("core_packed_linear_tiles" if tiled else "core_packed_linear",
+                                                 flat.index_select(0, index), code, bias))
         return out
 
     def _call(self, kernel: str, flat: torch.Tensor, code: int, bias: torch.Tensor | None,

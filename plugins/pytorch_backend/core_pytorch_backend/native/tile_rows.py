@@ -34,15 +34,20 @@ import torch
 
 @dataclass(frozen=True)
 class TileRows:
-    """The current step's rows: ``tiled`` take the tile loop, ``other`` the VNNI loop (None: all rows one way);
-    ``runs`` the same as maximal runs of neighbouring rows, (first, stop, tiled) in order, so that a weight
-    multiplies each run in place (a step's decode rows and its prompt chunks are a few runs) instead of
-    gathering the rows of each loop and scattering their outputs back."""
+    """The current step's rows as maximal runs of neighbouring rows, (first, stop, tiled) in order: ``tiled``
+    runs take the tile loop, the others the VNNI loop; no runs: every row is tiled. A weight multiplies each
+    run in place (a step's decode rows and its prompt chunks are a few runs)."""
 
     total: int
-    tiled: torch.Tensor | None = None  # int64 row indices; None with other None: every row is tiled
-    other: torch.Tensor | None = None
     runs: tuple[tuple[int, int, bool], ...] = ()
+
+    @property
+    def all_tiled(self) -> bool:
+        return not self.runs
+
+    def rows(self, tiled: bool) -> torch.Tensor:
+        """The int64 indices of the tiled (or the other) rows, in order."""
+        return torch.cat([torch.arange(first, stop) for first, stop, kind in self.runs if kind == tiled])
 
 
 _local = threading.local()
@@ -64,10 +69,7 @@ def rows_of(spans: Sequence[tuple[int, int]], total: int) -> TileRows | None:
         return None
     if tiled_count == total:
         return TileRows(total)
-    flags = torch.zeros(total, dtype=torch.bool)
-    for first, count in spans:
-        flags[first : first + count] = True
-    return TileRows(total, flags.nonzero().flatten(), (~flags).nonzero().flatten(), _runs(spans, total))
+    return TileRows(total, _runs(spans, total))
 
 
 def _runs(spans: Sequence[tuple[int, int]], total: int) -> tuple[tuple[int, int, bool], ...]:
