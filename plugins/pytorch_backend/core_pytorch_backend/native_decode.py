@@ -45,8 +45,8 @@ MAX_HEAD_DIM, MAX_GROUP = 512, 64  # csrc/cpu_ops.c (decode attention)
 GROUP_ROWS = 4  # csrc/decoder_stack.c's row-group path: units of at least 4 rows, in steps of 2 units a thread
 # ... and of at least 32 where the VNNI loop has its exact int8 tiles (16 rows a tile, from 16 rows a call): a
 # decode step of 64 rows on the AMX Xeon (family 6 model 167) 64-66 ms in units of 8 rows, 55-57 in units of
-# 16, 52-57 in one call of 64 (benchmarks/decode_step.py), so that up to 127 rows a step every kernel takes
-# all of them
+# 16, 52-57 in one call of 64 (benchmarks/decode_step.py, alone in the process); served, beside the event loop
+# and the clients, two units of 32 beat the one call of 64 (row_group_from)
 EXACT_TILES_GROUP_ROWS = 32
 _STEP_DTYPES = (torch.float32, torch.bfloat16)
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
@@ -215,9 +215,13 @@ def row_group_rows(kernels: CpuKernels) -> int:
 
 
 def row_group_from(group_rows: int) -> int:
-    """The fewest rows a step must have to take the row-group path: two units a thread (16 on 2 cores with
-    units of 4; a step of 8 rows keeps the kernels' own splits, which read each weight once)."""
-    return 2 * group_rows * torch.get_num_threads()
+    """The fewest rows a step must have to take the row-group path: a unit a thread, of at least two of
+    GROUP_ROWS (16 on 2 cores with units of 4: a step of 8 rows keeps the kernels' own splits, which read each
+    weight once). With the exact tiles' units of 32, 64 on 2 cores: a step of 64 rows in two units, each
+    thread its own, served 5.6% more output tokens/s at 64 streams than in one call of 64 (whose kernels
+    meet at ~300 barriers a step, where a thread the server's event loop or a client takes away holds the
+    other up; `side_by_side.py --peers core --concurrency 32 64`, six alternations on the AMX Xeon)."""
+    return max(2 * GROUP_ROWS, group_rows) * torch.get_num_threads()
 
 
 def _describe_layer(layer: nn.Module, index: int, spec: _Decoder, rotary: RotaryEmbedding, cache: torch.Tensor,
