@@ -101,6 +101,36 @@ def test_the_row_group_path_gives_the_modules_hidden_states_bit_for_bit(tiny_che
         _decode_both_ways(runner)
 
 
+def test_a_step_of_64_rows_takes_the_row_group_path_as_served_and_gives_the_modules_bits(tiny_checkpoint_factory,
+                                                                                          native_packed):
+    """No patching: 64 decode rows on 2 threads reach the row-group path with the rule the server runs
+    (row_group_from: units of 32 rows on the exact int8 tiles where this CPU has AMX, of 8 elsewhere), and
+    the hidden states are the modules' bit for bit, step after step."""
+    sequences, prompt, blocks_each = 64, 5, 3
+    with _threads(2):
+        model = _load(tiny_checkpoint_factory("llama"), "int4")
+        runner = ModelRunner(model, block_size=BLOCK, num_blocks=sequences * blocks_each, device=CPU,
+                             dtype=torch.float32, decode_path=lambda m: make_native_decode(m, device=CPU, enabled=True))
+        decoder = runner.decode_path.plan.decoder
+        assert sequences >= decoder.group_from and sequences > decoder.group_rows  # the row-group path
+        tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(sequences)]
+
+        def step(lengths: list[int], new: list[int], seed: int) -> StepInputs:
+            meta = AttentionMetadata.build(lengths, new, tables, BLOCK)
+            ids = torch.randint(0, 250, (sum(new),), generator=torch.Generator().manual_seed(seed))
+            return StepInputs(input_ids=ids, positions=meta.positions(), meta=meta,
+                              sample_indices=meta.last_token_indices(), sampling=[None] * sequences)
+
+        runner.zero_blocks(range(sequences * blocks_each))
+        with torch.inference_mode():
+            prefill = step([0] * sequences, [prompt] * sequences, seed=0)
+            runner.model(prefill.input_ids, prefill.positions, prefill.meta)
+            for i in range(4):
+                decode = step([prompt + i] * sequences, [1] * sequences, seed=i + 1)
+                through_stack = runner.decode_path.run(runner.model, decode)
+                assert torch.equal(through_stack, runner.model(decode.input_ids, decode.positions, decode.meta)), i
+
+
 @contextlib.contextmanager
 def _threads(count: int):
     before = torch.get_num_threads()
