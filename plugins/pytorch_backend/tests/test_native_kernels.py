@@ -336,6 +336,28 @@ def test_the_gated_tile_loop_gives_the_bits_of_the_product_then_silu(tile_kernel
 
 @TILES
 @pytest.mark.parametrize("bits", [4, 8])
+def test_outputs_of_2_mb_or_more_a_call_are_streamed_with_the_same_bits(tile_kernels, bits):
+    """A tile-loop call whose float32 outputs reach 2 MB (AMX_STREAM_BYTES) writes them by streaming stores:
+    the same bits as calls of 1,000 rows (ordinary stores), for whole aligned blocks, for 40 outputs a row
+    (rows not on 64-byte lines, a part block) and for the gated epilogue."""
+    rows = 13_200  # x 40 outputs x 4 bytes: just over 2 MB
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(5))
+    for n in (256, 40):
+        weight = NativeWeight.from_affine(_weight(n, 64, bits), tile_kernels)
+        parts = [weight.linear(x[at : at + 1000], None, tiles=True) for at in range(0, rows, 1000)]
+        assert torch.equal(weight.linear(x, None, tiles=True), torch.cat(parts)), n
+    gated = NativeWeight.from_affine(_weight(2 * 48, 64, bits), tile_kernels)  # 13,200 x 48 x 4: 2.5 MB
+    parts = []
+    for at in range(0, rows, 1000):
+        part = x[at : at + 1000]
+        with tile_rows.prompt_token_rows(tile_rows.rows_of([(0, part.shape[0])], part.shape[0])):
+            parts.append(gated.gated_linear(part, None, "silu"))
+    with tile_rows.prompt_token_rows(tile_rows.rows_of([(0, rows)], rows)):
+        assert torch.equal(gated.gated_linear(x, None, "silu"), torch.cat(parts))
+
+
+@TILES
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("shape", [(48, 256), (40, 96), (72, 128), (576, 1536)])
 @pytest.mark.parametrize("rows", [16, 37, 64])  # one tile of rows; two and five left to the vector loop; four
 @pytest.mark.parametrize("dtype", DTYPES)
