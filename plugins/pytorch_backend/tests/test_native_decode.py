@@ -44,13 +44,14 @@ def _load(path, quantization: str, dtype: str = "float32", kind: str = "native")
     return load_checkpoint(path, dtype=dtype, quantization=quantization, ops=select_ops("cpu", kind=kind)).model
 
 
-def _runner(model) -> ModelRunner:
-    return ModelRunner(model, block_size=BLOCK, num_blocks=64, device=CPU, dtype=next(model.parameters()).dtype,
+def _runner(model, num_blocks: int = 64) -> ModelRunner:
+    return ModelRunner(model, block_size=BLOCK, num_blocks=num_blocks, device=CPU,
+                       dtype=next(model.parameters()).dtype,
                        decode_path=lambda m: make_native_decode(m, device=CPU, enabled=True))
 
 
-def _step(lengths: list[int], new: list[int], seed: int) -> StepInputs:
-    meta = AttentionMetadata.build(lengths, new, TABLES[: len(lengths)], BLOCK)
+def _step(lengths: list[int], new: list[int], seed: int, tables: list[list[int]] = TABLES) -> StepInputs:
+    meta = AttentionMetadata.build(lengths, new, tables[: len(lengths)], BLOCK)
     ids = torch.randint(0, 250, (sum(new),), generator=torch.Generator().manual_seed(seed))
     return StepInputs(input_ids=ids, positions=meta.positions(), meta=meta, sample_indices=meta.last_token_indices(),
                       sampling=[None] * len(lengths))
@@ -108,25 +109,16 @@ def test_a_step_of_64_rows_takes_the_row_group_path_as_served_and_gives_the_modu
     the hidden states are the modules' bit for bit, step after step."""
     sequences, prompt, blocks_each = 64, 5, 3
     with _threads(2):
-        model = _load(tiny_checkpoint_factory("llama"), "int4")
-        runner = ModelRunner(model, block_size=BLOCK, num_blocks=sequences * blocks_each, device=CPU,
-                             dtype=torch.float32, decode_path=lambda m: make_native_decode(m, device=CPU, enabled=True))
+        runner = _runner(_load(tiny_checkpoint_factory("llama"), "int4"), num_blocks=sequences * blocks_each)
         decoder = runner.decode_path.plan.decoder
         assert sequences >= decoder.group_from and sequences > decoder.group_rows  # the row-group path
         tables = [list(range(i * blocks_each, (i + 1) * blocks_each)) for i in range(sequences)]
-
-        def step(lengths: list[int], new: list[int], seed: int) -> StepInputs:
-            meta = AttentionMetadata.build(lengths, new, tables, BLOCK)
-            ids = torch.randint(0, 250, (sum(new),), generator=torch.Generator().manual_seed(seed))
-            return StepInputs(input_ids=ids, positions=meta.positions(), meta=meta,
-                              sample_indices=meta.last_token_indices(), sampling=[None] * sequences)
-
         runner.zero_blocks(range(sequences * blocks_each))
         with torch.inference_mode():
-            prefill = step([0] * sequences, [prompt] * sequences, seed=0)
+            prefill = _step([0] * sequences, [prompt] * sequences, seed=0, tables=tables)
             runner.model(prefill.input_ids, prefill.positions, prefill.meta)
             for i in range(4):
-                decode = step([prompt + i] * sequences, [1] * sequences, seed=i + 1)
+                decode = _step([prompt + i] * sequences, [1] * sequences, seed=i + 1, tables=tables)
                 through_stack = runner.decode_path.run(runner.model, decode)
                 assert torch.equal(through_stack, runner.model(decode.input_ids, decode.positions, decode.meta)), i
 
