@@ -7,7 +7,8 @@ LM head as 8-bit codes), random weights quantized per 32 inputs. Per shape and n
 it prints the best-of-trials microseconds of a call and, for the native kernel, the int8 multiply-adds
 per second it reaches (two per weight and row: the activations' two int8 steps); where the kernels have
 AMX tiles, also the VNNI loop without its exact int8 tiles (from 16 rows: the same bits, on vectors alone),
-and the bfloat16 tile loop's time and FLOP/s (two a weight and row). torch's kernel runs on
+and the bfloat16 tile loop's time and FLOP/s (two a weight and row; at 1-2 rows its vector twin, the same bits,
+and then the tiles alone). torch's kernel runs on
 bfloat16 activations with its own dispatch (set ATEN_CPU_CAPABILITY=avx2 to see its AVX2 path). The
 weights stay hot in the caches between calls, unlike in a decode step, where the 4-bit layers stream
 from memory: this measures the arithmetic, `decode_step.py` the step.
@@ -77,6 +78,11 @@ def main() -> None:
                 if weight.kernels.uses_amx:  # the AMX tile loop (a prompt's rows: native/tile_rows.py)
                     us = best_us(lambda w=weight, x=x: w.linear(x, None, tiles=True))
                     cells.append(f"{variant} tiles {us:8.1f} us ({2 * n * k * m / us / 1e3:6.1f} G bf16-FLOP/s)")
+                    if m <= 2 and weight.kernels.tile_twin():  # that was the tiles' vector twin: the tiles alone
+                        weight.kernels.tile_twin(False)
+                        us = best_us(lambda w=weight, x=x: w.linear(x, None, tiles=True))
+                        weight.kernels.tile_twin(True)
+                        cells.append(f"{variant} tiles without the twin {us:8.1f} us")
             print(f"{n:>5}x{k:<5} {bits}-bit rows {m:>3}: " + ", ".join(cells), flush=True)
 
 

@@ -296,6 +296,34 @@ def test_the_tile_loop_gives_the_tiles_arithmetic_bit_for_bit(tile_kernels, bits
 
 @TILES
 @pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(72, 1536), (40, 96), (96, 160)])
+def test_the_tile_loops_vector_twin_gives_the_tiles_bits(tile_kernels, bits, dtype, shape):
+    """Calls of one or two rows take the tile loop's vector twin (csrc/packed_linear.c packed_linear_twin): bit for
+    bit what the tile loop gives those rows, alone (the twin turned off) and inside a call of 20 rows (the
+    tiles), for the product and for the gated epilogue (where the halves are whole blocks)."""
+    weight = NativeWeight.from_affine(_weight(*shape, bits), tile_kernels)
+    generator = torch.Generator().manual_seed(bits + shape[0])
+    x, bias = torch.randn(20, shape[1], generator=generator).to(dtype), torch.randn(shape[0], generator=generator)
+    gated = shape[0] % 32 == 0
+    with tile_rows.prompt_token_rows(tile_rows.rows_of([(0, 20)], 20)):
+        many = weight.linear(x, bias, tiles=True), weight.gated_linear(x, bias, "silu") if gated else None
+    assert tile_kernels.tile_twin()
+    for rows in (1, 2, 3, 4):
+        with tile_rows.prompt_token_rows(tile_rows.rows_of([(0, rows)], rows)):
+            twin = weight.linear(x[:rows], bias, tiles=True), weight.gated_linear(x[:rows], bias, "silu") if gated else None
+            try:
+                tile_kernels.tile_twin(False)
+                assert not tile_kernels.tile_twin()
+                tiles = weight.linear(x[:rows], bias, tiles=True), weight.gated_linear(x[:rows], bias, "silu") if gated else None
+            finally:
+                tile_kernels.tile_twin(True)
+        for fused in range(2 if gated else 1):
+            assert torch.equal(twin[fused], tiles[fused]) and torch.equal(twin[fused], many[fused][:rows]), (rows, fused)
+
+
+@TILES
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("shape", [(48, 256), (40, 96), (16, 32), (72, 128), (576, 1536)])
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 33, 70])  # one tile of rows, a pair, a pair and more
 def test_the_tile_loop_multiplies_in_bfloat16(tile_kernels, bits, shape, rows):

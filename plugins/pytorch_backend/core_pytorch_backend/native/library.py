@@ -15,7 +15,7 @@ from pathlib import Path
 from .build import CpuBuildError, build_library, chosen_variant
 
 log = logging.getLogger(__name__)
-ABI_VERSION = 15  # csrc/packed_linear.c CORE_PACKED_ABI
+ABI_VERSION = 16  # csrc/packed_linear.c CORE_PACKED_ABI
 STATUS = {1: "bad arguments", 2: "out of memory", 3: "no AMX tiles (not an amx-bf16 build, or Linux refused them)"}
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -87,6 +87,12 @@ class CpuKernels:
         bits: csrc/packed_linear.c ``exact_tile_outputs``); ``allow`` turns it off or on, for benchmarks and
         tests that compare the two."""
         return bool(self._lib.core_packed_exact_tiles(-1 if allow is None else int(allow)))
+
+    def tile_twin(self, allow: bool | None = None) -> bool:
+        """Whether the tile loop's calls of one or two rows take its vector twin (the tiles' bits on AVX-512
+        vectors: csrc/packed_linear.c ``packed_linear_twin``); ``allow`` turns it off or on, for benchmarks and
+        tests that compare the two."""
+        return bool(self._lib.core_packed_tile_twin(-1 if allow is None else int(allow)))
 
     def call(self, name: str, *args) -> None:
         """Run kernel ``name``; raises CpuKernelError naming it on a non-zero status."""

@@ -50,7 +50,7 @@
 #include <immintrin.h>
 #endif
 
-#define CORE_PACKED_ABI 15
+#define CORE_PACKED_ABI 16
 #define ERR_NO_TILES 3
 #define GROUP 32
 #define PAIR 64
@@ -591,26 +591,42 @@ static amx_picks_t amx_picks(void) {
 
 /* Group g of one block as a B tile: 16 input pairs x 16 weight rows x 2 bfloat16 (row 2j + p holds inputs
  * 4j + 2p and 4j + 2p + 1 of the group for each weight row). */
-static inline __attribute__((always_inline)) void amx_dequantize_group(const uint8_t *block, int bits, scales_t w,
-                                                                        int64_t at, int64_t g,
-                                                                        const amx_picks_t *picks, uint16_t *tile) {
+/* A group's 16 scales and offsets (from element `at`) as each half of a pair row needs them: lane l of half h
+ * the weight row 8h + l / 2's */
+typedef struct {
+    __m512 s[2], o[2];
+} amx_group_scales_t;
+
+static inline __attribute__((always_inline)) amx_group_scales_t amx_group_scales(scales_t w, int64_t at) {
     const __m512 s = load16(w.s, w.dtype, at), o = load16(w.o, w.dtype, at);
     const __m512i first_rows = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const __m512i last_rows = _mm512_add_epi32(first_rows, _mm512_set1_epi32(8));
-    const __m512 s_half[2] = {_mm512_permutexvar_ps(first_rows, s), _mm512_permutexvar_ps(last_rows, s)};
-    const __m512 o_half[2] = {_mm512_permutexvar_ps(first_rows, o), _mm512_permutexvar_ps(last_rows, o)};
+    return (amx_group_scales_t){{_mm512_permutexvar_ps(first_rows, s), _mm512_permutexvar_ps(last_rows, s)},
+                                {_mm512_permutexvar_ps(first_rows, o), _mm512_permutexvar_ps(last_rows, o)}};
+}
+
+/* Pair row 2j + p of a group's B tile from its step j's codes: for each of the 16 weight rows (a 32-bit lane
+ * each) the bfloat16 weights of inputs 4j + 2p and 4j + 2p + 1 (w = q * s + o in float32, rounded once) */
+static inline __attribute__((always_inline)) __m512i amx_pair_row(__m512i codes, int p, const amx_picks_t *picks,
+                                                                   const amx_group_scales_t *scales) {
     const __mmask64 first_byte = 0x1111111111111111ull;
+    __m512 half[2];
+    for (int h = 0; h < 2; ++h) {
+        const __m512i q = _mm512_maskz_permutexvar_epi8(first_byte, picks->pick[h][p], codes);
+        half[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scales->s[h], scales->o[h]);
+    }
+    return (__m512i)_mm512_cvtne2ps_pbh(half[1], half[0]);
+}
+
+static inline __attribute__((always_inline)) void amx_dequantize_group(const uint8_t *block, int bits, scales_t w,
+                                                                        int64_t at, int64_t g,
+                                                                        const amx_picks_t *picks, uint16_t *tile) {
+    const amx_group_scales_t scales = amx_group_scales(w, at);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
         const __m512i codes = step_codes(block, bits, g, j);
-        for (int p = 0; p < 2; ++p) {
-            __m512 half[2];
-            for (int h = 0; h < 2; ++h) {
-                const __m512i q = _mm512_maskz_permutexvar_epi8(first_byte, picks->pick[h][p], codes);
-                half[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s_half[h], o_half[h]);
-            }
-            _mm512_store_si512((void *)(tile + (2 * j + p) * 32), (__m512i)_mm512_cvtne2ps_pbh(half[1], half[0]));
-        }
+        for (int p = 0; p < 2; ++p)
+            _mm512_store_si512((void *)(tile + (2 * j + p) * 32), amx_pair_row(codes, p, picks, &scales));
     }
 }
 
@@ -723,10 +739,143 @@ static void amx_block_outputs(const uint16_t *tiles, int blocks, int64_t groups,
     }
 }
 
+/* The tile loop's vector twin: the tiles' bits for a call of at most TWIN_ROWS rows, where the tile loop's time
+ * is dequantizing every weight block into a tile for a row or two. Each block's pair rows are dequantized as the
+ * tile loop does (amx_pair_row) but stay in registers, split into their first and second elements as float32,
+ * and multiplied by FMAs with FTZ and DAZ set: `tdpbf16ps` sums a tile product (16 pairs of inputs) as two
+ * float32 chains from zero, one over the pairs' first elements and one over their second, each product (exact
+ * in float32) rounded once into its chain, denormals flushed, and then C + (first + second) (DESIGN.md, the AMX
+ * tile loop). On the 2-core Xeon (benchmarks/packed_kernels.py, 2 threads) 3072 x 576 4-bit at 1 / 2 rows
+ * 75-78 / 81-90 us against the tile loop's ~100 at any number of rows up to 16 (the VNNI loop: 27 / 38); the
+ * 8-bit LM head at 1 / 2 rows 1.11 / 1.27 ms against 1.37 (VNNI 0.64). `vdpbf16ps` with one element of each activation pair zeroed
+ * gives the same bits, but cost ~1.8 cycles a row and pair row against the FMAs' ~0.5 here. */
+#define TWIN_ROWS 2 /* at 3 rows the twin is about as fast as the tiles (3072 x 576: ~100 us either way) */
+
+static int tile_twin_allowed = 1; /* core_packed_tile_twin */
+
+/* The sums [b][row][16] of `together` (1 or 2) weight blocks (codes at block[b], scales from at[b]) for `rows`
+ * activation rows (`acts`: kp a row, bfloat16 values as float32). */
+static inline __attribute__((always_inline)) void twin_block_sums(const uint8_t *const block[2], const int64_t at[2],
+                                                                   const int together, int bits, scales_t w,
+                                                                   int64_t groups, const float *acts, int64_t kp,
+                                                                   const int rows, const amx_picks_t *picks,
+                                                                   float sums[2][AMX_ROWS][BLOCK]) {
+    for (int b = 0; b < together; ++b)
+        for (int r = 0; r < rows; ++r) _mm512_store_ps(sums[b][r], _mm512_setzero_ps());
+    for (int64_t g = 0; g < groups; ++g) {
+        amx_group_scales_t scales[2];
+        __m512 first[TWIN_ROWS][2], second[TWIN_ROWS][2];
+        for (int b = 0; b < together; ++b) {
+            scales[b] = amx_group_scales(w, at[b] + g * BLOCK);
+            for (int r = 0; r < rows; ++r) first[r][b] = second[r][b] = _mm512_setzero_ps();
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+            __m512i codes[2];
+            for (int b = 0; b < together; ++b) codes[b] = step_codes(block[b], bits, g, j);
+            for (int p = 0; p < 2; ++p) {
+                __m512i pair[2];
+                for (int b = 0; b < together; ++b) pair[b] = amx_pair_row(codes[b], p, picks, &scales[b]);
+                __m512 firsts[2], seconds[2]; /* the pair's weights as float32 (bfloat16 values) */
+                for (int b = 0; b < together; ++b) {
+                    firsts[b] = _mm512_castsi512_ps(_mm512_slli_epi32(pair[b], 16));
+                    seconds[b] = _mm512_castsi512_ps(_mm512_and_si512(pair[b], _mm512_set1_epi32((int)0xffff0000u)));
+                }
+                for (int r = 0; r < rows; ++r) {
+                    const float *act = acts + r * kp + g * GROUP + 4 * j + 2 * p;
+                    const __m512 one = _mm512_set1_ps(act[0]), other = _mm512_set1_ps(act[1]);
+                    for (int b = 0; b < together; ++b) {
+                        first[r][b] = _mm512_fmadd_ps(one, firsts[b], first[r][b]);
+                        second[r][b] = _mm512_fmadd_ps(other, seconds[b], second[r][b]);
+                    }
+                }
+            }
+        }
+        for (int b = 0; b < together; ++b)
+            for (int r = 0; r < rows; ++r)
+                _mm512_store_ps(sums[b][r],
+                                _mm512_add_ps(_mm512_load_ps(sums[b][r]), _mm512_add_ps(first[r][b], second[r][b])));
+    }
+}
+
+typedef struct {
+    const uint8_t *codes;
+    int bits;
+    int64_t n, kp, groups, block_bytes;
+    scales_t w;
+    const float *acts;
+    int64_t m;
+    const float *bias;
+    void *y;
+    int y_dtype, gated;
+} twin_call;
+
+/* twin_block_sums with the rows and blocks as constants (so that the chains stay in registers) */
+static void twin_sums(const twin_call *c, const uint8_t *const block[2], const int64_t at[2], int together,
+                      const amx_picks_t *picks, float sums[2][AMX_ROWS][BLOCK]) {
+#define SUMS(R, B) twin_block_sums(block, at, B, c->bits, c->w, c->groups, c->acts, c->kp, R, picks, sums)
+    const int two = together == 2;
+    switch (c->m) {
+    case 1: two ? SUMS(1, 2) : SUMS(1, 1); break;
+    default: two ? SUMS(2, 2) : SUMS(2, 1); break;
+    }
+#undef SUMS
+}
+
+static void twin_work(void *context, int64_t thread, int64_t threads) {
+    const twin_call *c = context;
+    const amx_picks_t picks = amx_picks();
+    const unsigned int csr = _mm_getcsr();
+    const int64_t blocks = (c->n + BLOCK - 1) / BLOCK, units = c->gated ? blocks / 2 : blocks;
+    int64_t b0, b1;
+    team_share(units, thread, threads, &b0, &b1);
+    float sums[2][AMX_ROWS][BLOCK] __attribute__((aligned(64)));
+    for (int64_t b = b0; b < b1; b += c->gated ? 1 : 2) {
+        const int together = c->gated || b1 - b >= 2 ? 2 : 1;
+        const int64_t second = c->gated ? b + units : b + 1;
+        const uint8_t *const block[2] = {c->codes + b * c->block_bytes, c->codes + second * c->block_bytes};
+        const int64_t at[2] = {b * c->groups * BLOCK, second * c->groups * BLOCK};
+        _mm_setcsr(csr | 0x8040); /* FTZ and DAZ, as the tiles multiply and sum (not for the stores' epilogue) */
+        twin_sums(c, block, at, together, &picks, sums);
+        _mm_setcsr(csr);
+        if (c->gated) {
+            amx_store_gated((const float (*)[BLOCK])sums[0], (const float (*)[BLOCK])sums[1], 0, c->m, b * BLOCK,
+                            c->bias, c->y, c->y_dtype, c->n, 0);
+            continue;
+        }
+        for (int bb = 0; bb < together; ++bb) {
+            const int64_t c0 = (b + bb) * BLOCK;
+            amx_store((const float (*)[BLOCK])sums[bb], 0, c->m, c0, c->n - c0 < BLOCK ? c->n - c0 : BLOCK, c->bias,
+                      c->y, c->y_dtype, c->n, 0);
+        }
+    }
+}
+
+/* packed_linear_amx's results for m <= TWIN_ROWS rows, on vectors */
+static int packed_linear_twin(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
+                              int64_t n, int64_t kp, scales_t w, const float *bias, void *y, int y_dtype, int gated) {
+    uint16_t *rounded = amx_acts(x, x_dtype, m, k, kp, m);
+    float *acts = aligned_alloc(64, (size_t)(m * kp) * 4);
+    if (!rounded || !acts) {
+        free(rounded);
+        free(acts);
+        return ERR_MEMORY;
+    }
+    for (int64_t i = 0; i < m * kp; ++i) acts[i] = bf16_to_f32(rounded[i]);
+    free(rounded);
+    twin_call call = {codes, bits, n, kp, kp / GROUP, (bits == 4 ? kp / 2 : kp) * BLOCK, w, acts, m, bias, y,
+                      y_dtype, gated};
+    run_team(1, twin_work, &call);
+    free(acts);
+    return OK;
+}
+
 /* y = x @ W^T + bias on the tiles; `gated` (n / 2 a multiple of 16): y [m, n / 2] = silu(gate) * up of the two
  * halves of that product instead (gate block b and up block n / 32 + b multiplied together) */
 static int packed_linear_amx(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
                              int64_t n, int64_t kp, scales_t w, const float *bias, void *y, int y_dtype, int gated) {
+    if (m <= TWIN_ROWS && __atomic_load_n(&tile_twin_allowed, __ATOMIC_RELAXED))
+        return packed_linear_twin(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype, gated);
     const int64_t mp = (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS, groups = kp / GROUP;
     uint16_t *acts = amx_acts(x, x_dtype, m, k, kp, mp);
     if (!acts) return ERR_MEMORY;
@@ -1018,6 +1167,18 @@ static int exact_tiles_allowed = 1; /* core_packed_exact_tiles */
 int core_packed_exact_tiles(int allow) {
     if (allow >= 0) __atomic_store_n(&exact_tiles_allowed, allow, __ATOMIC_RELAXED);
     return EXACT_TILES && __atomic_load_n(&exact_tiles_allowed, __ATOMIC_RELAXED) && core_packed_uses_amx();
+}
+
+/* 1 where the tile loop's calls of up to TWIN_ROWS rows take its vector twin (an amx-bf16 build granted the
+ * tiles); `allow` 0 / 1 turns it off / on (for benchmarks and tests: the results are the same), -1 asks. */
+int core_packed_tile_twin(int allow) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (allow >= 0) __atomic_store_n(&tile_twin_allowed, allow, __ATOMIC_RELAXED);
+    return __atomic_load_n(&tile_twin_allowed, __ATOMIC_RELAXED) && core_packed_uses_amx();
+#else
+    (void)allow;
+    return 0;
+#endif
 }
 
 /* Whether a call of m activation rows takes the exact tile loop (exact_tile_outputs) for each 16 of its rows,
