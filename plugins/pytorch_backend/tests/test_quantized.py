@@ -229,8 +229,13 @@ def test_default_gguf_is_served_packed_and_matches_the_dequantized_model(default
     logits = _hidden(loaded.model, ids).float()
     if kernel == "torch-bf16":
         assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
-    else:
-        torch.testing.assert_close(logits, reference, rtol=0, atol=2e-3 if kernel == "torch-f32" else 5e-2)
+    elif kernel == "torch-f32":
+        torch.testing.assert_close(logits, reference, rtol=0, atol=2e-3)
+    else:  # activations in two int8 steps: a second step of 127 units (max 0.035, mean 0.007 here), or for the
+        # 4-bit layers of 16 on builds with exact int8 tiles (max 0.22, mean 0.044: the bf16 tile loop's 0.38 / 0.041)
+        wide = chosen.native.acts_base(4) == 127
+        torch.testing.assert_close(logits, reference, rtol=0, atol=5e-2 if wide else 0.3)
+        assert (logits - reference).abs().mean() < (0.01 if wide else 0.06)
 
 
 

@@ -88,6 +88,12 @@ class CpuKernels:
         tests that compare the two."""
         return bool(self._lib.core_packed_exact_tiles(-1 if allow is None else int(allow)))
 
+    def acts_base(self, bits: int) -> int:
+        """The packed matmuls' activations' second step for a weight of ``bits``-bit codes: x ~ (d / base)
+        (base q1 + q2), 127, or 16 for 4-bit codes on a build with exact int8 tiles (csrc/packed_linear.c
+        ``ACTS_BASE``)."""
+        return int(self._lib.core_packed_acts_base(bits))
+
     def tile_twin(self, allow: bool | None = None) -> bool:
         """Whether the tile loop's calls of one or two rows take its vector twin (the tiles' bits on AVX-512
         vectors: csrc/packed_linear.c ``packed_linear_twin``); ``allow`` turns it off or on, for benchmarks and

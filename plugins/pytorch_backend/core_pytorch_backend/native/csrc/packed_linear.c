@@ -3,11 +3,11 @@
  * A weight element is w = q * s + o (q the unsigned code, s and o one float each per row and group;
  * a symmetric code has o = -zero_point * s, filled in when the weight is packed). The activations are
  * quantized per row and group of 32 in two int8 steps: x ~ d * q1 (d = max|x| / 127, llama.cpp's Q8
- * activations) and the rest, x - d * q1, ~ (d / 127) * q2. So x ~ (d / 127) * (127 q1 + q2), within
- * max|x| / 32258 (where one step alone loses up to max|x| / 254, which in every layer of a model costs
- * a point of top-1 agreement). A group's contribution is s * (d / 127) * (127 sum(q * q1) + sum(q * q2))
- * + o * sum(x): two integer dot products, one multiply by the two scales, and one multiply-add of the
- * offset by the group's float sum.
+ * activations) and the rest, x - d * q1, ~ (d / B) * q2, B = ACTS_BASE (127; 16 for 4-bit codes on builds
+ * with exact int8 tiles). So x ~ (d / B) * (B q1 + q2), within max|x| / 32258 (B = 127; 4064 for 16), where one step
+ * alone loses up to max|x| / 254, which in every layer of a model costs a point of top-1 agreement. A
+ * group's contribution is s * (d / B) * (B sum(q * q1) + sum(q * q2)) + o * sum(x): two integer dot
+ * products, one multiply by the two scales, and one multiply-add of the offset by the group's float sum.
  *
  * Layout: 16 weight rows side by side (a "block"), so that one vector holds 16 rows' partial dots and
  * no horizontal sum is ever needed. N is padded to Np (a multiple of 16) and K to Kp (a multiple of 64)
@@ -66,6 +66,20 @@
 #endif
 #define TWO_BLOCK_ROWS 16 /* tiles of TILE_BLOCKS from this many activation rows on (see packed_linear) */
 #define EXACT_TILES_ROWS 16 /* activation rows of the exact tile loop's A tiles (amx.h's AMX_ROWS) */
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__)
+#define EXACT_TILES 1 /* the VNNI loop's integer dots also on the AMX tiles (exact_tile_outputs) */
+#else
+#define EXACT_TILES 0
+#endif
+/* The activations' second step for a weight of `bits`-bit codes: x ~ (d / base) (base q1 + q2), q2 the rest in
+ * units of d / base. 127 (max|x| / 32258 at worst); 16 for 4-bit codes on builds with exact int8 tiles
+ * (max|x| / 4064), where 16 times a 4-bit code is still a byte, so that the exact tiles take a group's two
+ * steps in one tile product of 64 inputs (exact_block_dots_fused) and fold one int32 dot, not two. 8-bit codes
+ * (Q8_0, Q5, Q6_K, the LM head) would gain nothing and keep 127. Top-1 agreement of the default model with its
+ * float32 oracle, every row on the VNNI loop (benchmarks/quant_accuracy.py on the AMX Xeon): 99.75% -> 99.70%,
+ * perplexity ratio 1.0005 -> 0.9999 (16 for the LM head too: 99.40%; the bf16 tile loop, which prompt tokens take
+ * on those builds, 99.45%). */
+#define ACTS_BASE(bits) (EXACT_TILES && (bits) == 4 ? 16 : 127)
 /* A thread's share of a call (its contiguous blocks, as schedule(static)) is cut into units of a chunk of
  * rows by this many blocks, taken in order; a thread done with its share takes the units left of the
  * others'. Where the OS takes a thread away for a while (the server's event loop, clients on the same
@@ -78,6 +92,9 @@
 
 
 int core_packed_abi_version(void) { return CORE_PACKED_ABI; }
+
+/* ACTS_BASE(bits): the activations' second step, x ~ (d / base) (base q1 + q2), for a weight of `bits`-bit codes */
+int core_packed_acts_base(int bits) { return ACTS_BASE(bits); }
 
 const char *core_packed_variant(void) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -94,14 +111,15 @@ const char *core_packed_variant(void) {
 }
 
 /* Activations quantized: q1 and q2 [M][Kp] int8 (the two steps), d [M][G] (the combined code's scale,
- * max|x| / 127^2), sum [M][G] (the group's float sum) and csum [M][G] (127 sum(q1): what the AVX2
+ * max|x| / (127 base)), sum [M][G] (the group's float sum) and csum [M][G] (127 sum(q1): what the AVX2
  * loop's centred 8-bit codes leave out of 127 hi); for a weight of 16-input groups also sum16 and
  * csum16 [M][2G], the same per half group (else NULL). */
 typedef struct {
-    int8_t *q1, *q2;
+    int8_t *q1, *q2, *q12; /* q12: [M][G][64], each group's q1 then q2 (the fused exact tiles' A rows), or NULL */
     float *d, *sum, *sum16;
     int32_t *csum, *csum16;
     int64_t kp, groups;
+    int base; /* ACTS_BASE of the weight's codes */
 } acts_t;
 
 /* A weight's scales and offsets, float32 or float16 (dtype DT_F32 / DT_F16). Whether they cover 16 inputs
@@ -121,8 +139,8 @@ static inline float load_x(const void *x, int dtype, int64_t index) {
 }
 
 /* one group's codes, scale and sum from its 32 floats (plain C: the reference, and a partial last group) */
-static void quantize_group_generic(const float *buf, int8_t *q1, int8_t *q2, float *d_out, float *sum_out,
-                                   int32_t *csum_out) {
+static void quantize_group_generic(const float *buf, int base, int8_t *q1, int8_t *q2, float *d_out,
+                                   float *sum_out, int32_t *csum_out) {
     float amax = 0.f;
     for (int j = 0; j < GROUP; ++j) {
         float v = fabsf(buf[j]);
@@ -134,14 +152,14 @@ static void quantize_group_generic(const float *buf, int8_t *q1, int8_t *q2, flo
     for (int j = 0; j < GROUP; ++j) {
         int v = (int)lrintf(buf[j] * inv);
         v = v > 127 ? 127 : (v < -127 ? -127 : v);
-        int rest = (int)lrintf((buf[j] - d * (float)v) * inv * 127.f); /* |rest| <= 63.5 + rounding */
+        int rest = (int)lrintf((buf[j] - d * (float)v) * inv * (float)base); /* |rest| <= 63.5 + rounding */
         rest = rest > 64 ? 64 : (rest < -64 ? -64 : rest); /* a bound the AVX2 8-bit loop relies on */
         q1[j] = (int8_t)v;
         q2[j] = (int8_t)rest;
         total += buf[j];
-        codes += 127 * v;
+        codes += base * v;
     }
-    *d_out = d / 127.f;
+    *d_out = d / (float)base;
     *sum_out = total;
     *csum_out = codes;
 }
@@ -158,24 +176,24 @@ static inline __m512 load16x(const void *x, int dtype, int64_t index) {
  * inputs in two vectors; only the group's sum is added up in another order. No csum: the VNNI loops do not
  * read it. Half the instructions of the 8-lane loop below: on a Zen 4 EPYC a call that is mostly
  * quantization (64 rows of K = 1536, 16 outputs) 64 -> 56 us, a decode step ~1% faster. */
-static void quantize_group_simd(const void *x, int dtype, int64_t index, int8_t *q1, int8_t *q2, float *d_out,
-                                float *sum_out, int32_t *csum_out) {
+static void quantize_group_simd(const void *x, int dtype, int64_t index, int base_codes, int8_t *q1, int8_t *q2,
+                                float *d_out, float *sum_out, int32_t *csum_out) {
     const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
     const __m512i rest_top = _mm512_set1_epi32(64), rest_bottom = _mm512_set1_epi32(-64);
     const __m512 v[2] = {load16x(x, dtype, index), load16x(x, dtype, index + 16)};
     const float a = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
     const float d = a / 127.f, inv_s = a > 0.f ? 127.f / a : 0.f;
-    const __m512 inv = _mm512_set1_ps(inv_s), dv = _mm512_set1_ps(d), k127 = _mm512_set1_ps(127.f);
+    const __m512 inv = _mm512_set1_ps(inv_s), dv = _mm512_set1_ps(d), base = _mm512_set1_ps((float)base_codes);
     for (int i = 0; i < 2; ++i) {
         __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], inv)); /* round to nearest even, as lrintf */
         q = _mm512_max_epi32(_mm512_min_epi32(q, top), bottom);
-        __m512 rest = _mm512_mul_ps(_mm512_mul_ps(_mm512_sub_ps(v[i], _mm512_mul_ps(dv, _mm512_cvtepi32_ps(q))), inv), k127);
+        __m512 rest = _mm512_mul_ps(_mm512_mul_ps(_mm512_sub_ps(v[i], _mm512_mul_ps(dv, _mm512_cvtepi32_ps(q))), inv), base);
         __m512i r = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(rest), rest_top), rest_bottom);
         _mm_storeu_si128((__m128i *)(q1 + 16 * i), _mm512_cvtsepi32_epi8(q));
         _mm_storeu_si128((__m128i *)(q2 + 16 * i), _mm512_cvtsepi32_epi8(r));
     }
     *csum_out = 0;
-    *d_out = d / 127.f;
+    *d_out = d / (float)base_codes;
     *sum_out = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
 }
 #elif defined(__AVX2__)
@@ -213,8 +231,8 @@ static inline int32_t hsum8_epi32(__m256i v) {
     return _mm_cvtsi128_si32(_mm_add_epi32(m, _mm_shuffle_epi32(m, 0xb1)));
 }
 
-static void quantize_group_simd(const void *x, int dtype, int64_t index, int8_t *q1, int8_t *q2, float *d_out,
-                                float *sum_out, int32_t *csum_out) {
+static void quantize_group_simd(const void *x, int dtype, int64_t index, int base_codes, int8_t *q1, int8_t *q2,
+                                float *d_out, float *sum_out, int32_t *csum_out) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
     const __m256i rest_top = _mm256_set1_epi32(64), rest_bottom = _mm256_set1_epi32(-64);
@@ -224,22 +242,22 @@ static void quantize_group_simd(const void *x, int dtype, int64_t index, int8_t 
         amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
     }
     const float a = hmax8(amax), d = a / 127.f, inv_s = a > 0.f ? 127.f / a : 0.f;
-    const __m256 inv = _mm256_set1_ps(inv_s), dv = _mm256_set1_ps(d), k127 = _mm256_set1_ps(127.f);
+    const __m256 inv = _mm256_set1_ps(inv_s), dv = _mm256_set1_ps(d), base = _mm256_set1_ps((float)base_codes);
     __m256i c1[4], c2[4];
     for (int i = 0; i < 4; ++i) {
         __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)); /* round to nearest even, as lrintf */
         q = _mm256_max_epi32(_mm256_min_epi32(q, top), bottom);
-        __m256 rest = _mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(v[i], _mm256_mul_ps(dv, _mm256_cvtepi32_ps(q))), inv), k127);
+        __m256 rest = _mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(v[i], _mm256_mul_ps(dv, _mm256_cvtepi32_ps(q))), inv), base);
         c1[i] = q;
         c2[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(rest), rest_top), rest_bottom);
     }
     store_codes(q1, c1);
     store_codes(q2, c2);
-    const __m256i k = _mm256_set1_epi32(127);
+    const __m256i k = _mm256_set1_epi32(base_codes);
     __m256i codes = _mm256_setzero_si256();
     for (int i = 0; i < 4; ++i) codes = _mm256_add_epi32(codes, _mm256_mullo_epi32(c1[i], k));
     *csum_out = hsum8_epi32(codes); /* the AVX2 loop's centred 8-bit codes leave it out */
-    *d_out = d / 127.f;
+    *d_out = d / (float)base_codes;
     *sum_out = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
 }
 #endif
@@ -251,7 +269,7 @@ static void half_sums(const void *x, int dtype, int64_t row, int64_t k, acts_t *
         int32_t codes = 0;
         for (int64_t col = h * (GROUP / 2); col < (h + 1) * (GROUP / 2); ++col) {
             total += col < k ? load_x(x, dtype, row * k + col) : 0.f;
-            codes += 127 * a->q1[row * a->kp + col];
+            codes += a->base * a->q1[row * a->kp + col];
         }
         a->sum16[row * 2 * a->groups + h] = total;
         a->csum16[row * 2 * a->groups + h] = codes;
@@ -266,8 +284,8 @@ static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, acts_
     for (int64_t g = 0; g < a->groups; ++g) {
 #if defined(__AVX2__)
         if (!reference && (g + 1) * GROUP <= k) {
-            quantize_group_simd(x, dtype, row * k + g * GROUP, q1 + g * GROUP, q2 + g * GROUP, d + g, sum + g,
-                                csum + g);
+            quantize_group_simd(x, dtype, row * k + g * GROUP, a->base, q1 + g * GROUP, q2 + g * GROUP, d + g,
+                                sum + g, csum + g);
             continue;
         }
 #endif
@@ -275,14 +293,15 @@ static void quantize_row(const void *x, int dtype, int64_t row, int64_t k, acts_
             int64_t col = g * GROUP + j;
             buf[j] = col < k ? load_x(x, dtype, row * k + col) : 0.f;
         }
-        quantize_group_generic(buf, q1 + g * GROUP, q2 + g * GROUP, d + g, sum + g, csum + g);
+        quantize_group_generic(buf, a->base, q1 + g * GROUP, q2 + g * GROUP, d + g, sum + g, csum + g);
     }
     if (a->sum16) half_sums(x, dtype, row, k, a);
 }
 
 /* room for m rows' activation codes, scales and sums (and half sums: `halves`), in one allocation */
-static int alloc_acts(int64_t m, int64_t kp, int halves, acts_t *a) {
+static int alloc_acts(int64_t m, int64_t kp, int halves, int base, acts_t *a) {
     a->kp = kp;
+    a->base = base;
     a->groups = kp / GROUP;
     const size_t per_group = (size_t)(m * a->groups), per_half = halves ? 2 * per_group : 0;
     char *block = malloc((per_group + per_half) * (2 * sizeof(float) + sizeof(int32_t)) + (size_t)(2 * m * kp));
@@ -294,10 +313,14 @@ static int alloc_acts(int64_t m, int64_t kp, int halves, acts_t *a) {
     a->csum16 = halves ? (int32_t *)(a->sum16 + per_half) : NULL;
     a->q1 = (int8_t *)(a->csum + per_group) + per_half * (sizeof(float) + sizeof(int32_t));
     a->q2 = a->q1 + m * kp;
+    a->q12 = NULL;
     return OK;
 }
 
-static void free_acts(acts_t *a) { free(a->d); } /* the allocation starts at d */
+static void free_acts(acts_t *a) {
+    free(a->d); /* the allocation starts at d */
+    free(a->q12);
+}
 
 /* rows [m0, m1) quantized (called by each thread of a team for its share) */
 static void quantize_rows(const void *x, int dtype, int64_t m0, int64_t m1, int64_t k, acts_t *a, int reference) {
@@ -339,7 +362,7 @@ static __attribute__((noinline)) void block_dots_generic(const uint8_t *block, i
                 }
                 const float sum = halves ? a->sum16[row * 2 * a->groups + g] : a->sum[row * a->groups + g];
                 const float scale = scale_at(w.s, w.dtype, base + g * BLOCK + r) * a->d[row * a->groups + g / parts];
-                total = fmaf((float)(127 * hi + lo), scale, total);
+                total = fmaf((float)(a->base * hi + lo), scale, total);
                 total = fmaf(scale_at(w.o, w.dtype, base + g * BLOCK + r), sum, total);
             }
             out[i][r] = total;
@@ -348,11 +371,19 @@ static __attribute__((noinline)) void block_dots_generic(const uint8_t *block, i
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-/* one group's integer dots folded into the float sums: acc += (127 hi + lo) * s * d + o * sum */
-static inline __m512 fold_group(__m512 acc, __m512i hi, __m512i lo, __m512 s, __m512 o, float d, float sum) {
-    __m512i dot = _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(hi, 7), hi), lo);
+/* one group's integer dot (base sum(q * q1) + sum(q * q2)) folded into the float sums: acc += dot * s * d
+ * + o * sum */
+static inline __m512 fold_dot(__m512 acc, __m512i dot, __m512 s, __m512 o, float d, float sum) {
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_set1_ps(d)), acc);
     return _mm512_fmadd_ps(o, _mm512_set1_ps(sum), acc);
+}
+
+/* the same from its two steps' dots (base 16 or 127: ACTS_BASE) */
+static inline __m512 fold_group(__m512 acc, __m512i hi, __m512i lo, __m512 s, __m512 o, float d, float sum,
+                                int base) {
+    const __m512i dot = base == 16 ? _mm512_add_epi32(_mm512_slli_epi32(hi, 4), lo)
+                                   : _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(hi, 7), hi), lo);
+    return fold_dot(acc, dot, s, o, d, sum);
 }
 
 /* 16 scales (or offsets) from element `index` */
@@ -406,7 +437,7 @@ static inline __attribute__((always_inline)) void tile_dots(const uint8_t *first
                     const __m512 sg = load16(w.s, w.dtype, at_s), og = load16(w.o, w.dtype, at_s);
                     for (int i = 0; i < tile; ++i) {
                         acc[i][b] = fold_group(acc[i][b], hi[i][b], lo[i][b], sg, og, a->d[(m0 + i) * groups + g],
-                                               a->sum16[(m0 + i) * 2 * groups + half]);
+                                               a->sum16[(m0 + i) * 2 * groups + half], a->base);
                         hi[i][b] = lo[i][b] = _mm512_setzero_si512();
                     }
                 }
@@ -418,13 +449,16 @@ static inline __attribute__((always_inline)) void tile_dots(const uint8_t *first
             const __m512 sg = load16(w.s, w.dtype, at), og = load16(w.o, w.dtype, at);
             for (int i = 0; i < tile; ++i)
                 acc[i][b] = fold_group(acc[i][b], hi[i][b], lo[i][b], sg, og, a->d[(m0 + i) * groups + g],
-                                       a->sum[(m0 + i) * groups + g]);
+                                       a->sum[(m0 + i) * groups + g], a->base);
         }
     }
     for (int i = 0; i < tile; ++i)
         for (int b = 0; b < blocks; ++b) _mm512_storeu_ps(out[i] + b * BLOCK, acc[i][b]);
 }
 #elif defined(__AVX2__)
+#if EXACT_TILES
+#error "the AVX2 loop folds 127 hi + lo (ACTS_BASE)"
+#endif
 static inline __m256 fold_group(__m256 acc, __m256i hi, __m256i lo, __m256 s, __m256 o, float d, float sum) {
     __m256i dot = _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(hi, 7), hi), lo);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, _mm256_set1_ps(d)), acc);
@@ -931,9 +965,9 @@ static inline void store_outputs(float out[][TILE_BLOCKS * BLOCK], int64_t m0, i
     }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__)
-#define EXACT_TILES 1
+#if EXACT_TILES
 #define GROUP_TILE_BYTES (8 * STEP_BYTES) /* a group of one block as a B tile: 8 steps x 16 rows x 4 codes */
+#define FUSED_TILE_BYTES (2 * GROUP_TILE_BYTES) /* the same twice, 16 times the codes and the codes */
 
 /* The VNNI loop's arithmetic on the AMX tiles (amx_configure_int8), for 16 activation rows from m0 and one
  * weight block: a group's two integer dots (its codes times q1, times q2) as `tdpbsud` products of the rows'
@@ -969,7 +1003,7 @@ static inline __attribute__((always_inline)) void exact_block_dots(const uint8_t
         _Pragma("GCC unroll 16") for (int i = 0; i < EXACT_TILES_ROWS; ++i)                                   \
             acc[i] = fold_group(acc[i], _mm512_load_si512((const void *)dots[TURN][0][i]),                    \
                                 _mm512_load_si512((const void *)dots[TURN][1][i]), sg, og,                    \
-                                a->d[(m0 + i) * groups + (g)], a->sum[(m0 + i) * groups + (g)]);              \
+                                a->d[(m0 + i) * groups + (g)], a->sum[(m0 + i) * groups + (g)], a->base);     \
     } while (0)
     /* group g + 1's products asked for before group g's sums are folded */
     MULTIPLY(0, 0, 1, 6);
@@ -985,13 +1019,55 @@ static inline __attribute__((always_inline)) void exact_block_dots(const uint8_t
     for (int i = 0; i < EXACT_TILES_ROWS; ++i) _mm512_storeu_ps(out[i] + column, acc[i]);
 }
 
+/* The same for 4-bit codes, a group's two steps in one tile product (all tiles 16 rows x 64 bytes: amx_configure):
+ * the rows' codes of group g as [q1 | q2] (an A tile of 16 rows x 64 from a->q12) times the group's fused B tile
+ * (`codes`: group g's at g * FUSED_TILE_BYTES, its 8 steps' codes times 16, then its 8 steps' codes), so that one
+ * `tdpbsud` of 64 inputs gives 16 sum(q * q1) + sum(q * q2), the dot fold_group makes of the two (ACTS_BASE 16),
+ * and fold_dot folds it: one product, one tile store and one int32 dot a group where there were two of each. */
+static inline __attribute__((always_inline)) void exact_block_dots_fused(const uint8_t *codes, scales_t w, int64_t at,
+                                                                          const acts_t *a, int64_t m0,
+                                                                          float out[][TILE_BLOCKS * BLOCK],
+                                                                          int column) {
+    const int64_t kp = a->kp, groups = a->groups;
+    const int8_t *q12 = a->q12 + m0 * 2 * kp;
+    int32_t dots[2][EXACT_TILES_ROWS][BLOCK] __attribute__((aligned(64))); /* [turn][row][weight row] */
+    __m512 acc[EXACT_TILES_ROWS];
+    for (int i = 0; i < EXACT_TILES_ROWS; ++i) acc[i] = _mm512_setzero_ps();
+#define MULTIPLY(g, SUMS, CODES, ACTS)                                      \
+    do {                                                                    \
+        _tile_loadd(CODES, codes + (g) * FUSED_TILE_BYTES, STEP_BYTES);     \
+        _tile_loadd(ACTS, q12 + (g) * 2 * GROUP, 2 * kp);                   \
+        _tile_zero(SUMS);                                                   \
+        _tile_dpbsud(SUMS, ACTS, CODES);                                    \
+    } while (0)
+#define FOLD(g, SUMS, TURN)                                                                                   \
+    do {                                                                                                      \
+        _tile_stored(SUMS, dots[TURN], 64);                                                                   \
+        const __m512 sg = load16(w.s, w.dtype, at + (g) * BLOCK), og = load16(w.o, w.dtype, at + (g) * BLOCK); \
+        _Pragma("GCC unroll 16") for (int i = 0; i < EXACT_TILES_ROWS; ++i)                                   \
+            acc[i] = fold_dot(acc[i], _mm512_load_si512((const void *)dots[TURN][i]), sg, og,                 \
+                              a->d[(m0 + i) * groups + (g)], a->sum[(m0 + i) * groups + (g)]);                \
+    } while (0)
+    MULTIPLY(0, 0, 6, 4);
+    for (int64_t g = 0; g < groups; g += 2) {
+        if (g + 1 < groups) MULTIPLY(g + 1, 1, 7, 5);
+        FOLD(g, 0, 0);
+        if (g + 1 == groups) break;
+        if (g + 2 < groups) MULTIPLY(g + 2, 0, 6, 4);
+        FOLD(g + 1, 1, 1);
+    }
+#undef MULTIPLY
+#undef FOLD
+    for (int i = 0; i < EXACT_TILES_ROWS; ++i) _mm512_storeu_ps(out[i] + column, acc[i]);
+}
+
 /* The outputs of `blocks` blocks from `first` for the activation rows [m0, m0 + 16 * tiles) (into y, plus bias),
  * 16 at a time on the tiles (exact_block_dots); 4-bit codes are unpacked to a byte each once for all of them. */
 static __attribute__((noinline)) void exact_tile_outputs(const uint8_t *first, int64_t block_bytes, int blocks, int bits,
                                                          scales_t w, int64_t base, const acts_t *a, int64_t m0,
                                                          int64_t tiles, int64_t col0, int64_t cols, const float *bias,
                                                          void *y, int y_dtype, int64_t n) {
-    const int64_t groups = a->groups, unpacked_bytes = groups * GROUP_TILE_BYTES;
+    const int64_t groups = a->groups, unpacked_bytes = groups * FUSED_TILE_BYTES;
     uint8_t unpacked[bits == 4 ? blocks * unpacked_bytes : 1] __attribute__((aligned(64)));
     const uint8_t *codes[TILE_BLOCKS];
     for (int b = 0; b < blocks; ++b) {
@@ -1001,19 +1077,23 @@ static __attribute__((noinline)) void exact_tile_outputs(const uint8_t *first, i
         }
         uint8_t *bytes = unpacked + b * unpacked_bytes;
         for (int64_t g = 0; g < groups; ++g)
-            for (int j = 0; j < 8; ++j)
-                _mm512_store_si512((void *)(bytes + g * GROUP_TILE_BYTES + j * STEP_BYTES),
-                                   step_codes(first + b * block_bytes, 4, g, j));
+            for (int j = 0; j < 8; ++j) {
+                const __m512i step = step_codes(first + b * block_bytes, 4, g, j); /* bytes 0-15: 16 x 15 fits */
+                _mm512_store_si512((void *)(bytes + g * FUSED_TILE_BYTES + j * STEP_BYTES), _mm512_slli_epi16(step, 4));
+                _mm512_store_si512((void *)(bytes + g * FUSED_TILE_BYTES + GROUP_TILE_BYTES + j * STEP_BYTES), step);
+            }
         codes[b] = bytes;
     }
     float out[EXACT_TILES_ROWS][TILE_BLOCKS * BLOCK];
     for (int64_t t = 0; t < tiles; ++t, m0 += EXACT_TILES_ROWS) {
-        for (int b = 0; b < blocks; ++b) exact_block_dots(codes[b], w, base + b * groups * BLOCK, a, m0, out, b * BLOCK);
+        for (int b = 0; b < blocks; ++b)
+            if (bits == 4)
+                exact_block_dots_fused(codes[b], w, base + b * groups * BLOCK, a, m0, out, b * BLOCK);
+            else
+                exact_block_dots(codes[b], w, base + b * groups * BLOCK, a, m0, out, b * BLOCK);
         store_outputs(out, m0, EXACT_TILES_ROWS, col0, cols, bias, y, y_dtype, n);
     }
 }
-#else
-#define EXACT_TILES 0
 #endif
 
 /* The outputs of blocks [b, b + blocks) (blocks <= TILE_BLOCKS) for activation rows [m_begin, m): TILE rows
@@ -1130,7 +1210,19 @@ static void linear_work(void *context, int64_t thread, int64_t threads) {
     team_share(c->m, thread, threads, &r0, &r1);
     quantize_rows(c->x, c->x_dtype, r0, r1, c->k, c->a, c->reference);
 #if EXACT_TILES
-    if (c->exact_tiles) amx_configure_int8();
+    if (c->a->q12) /* each group's q1 and q2 side by side, for the fused exact tiles */
+        for (int64_t row = r0; row < r1; ++row)
+            for (int64_t g = 0; g < c->a->groups; ++g) {
+                int8_t *to = c->a->q12 + (row * c->a->groups + g) * 2 * GROUP;
+                memcpy(to, c->a->q1 + row * c->a->kp + g * GROUP, GROUP);
+                memcpy(to + GROUP, c->a->q2 + row * c->a->kp + g * GROUP, GROUP);
+            }
+    if (c->exact_tiles) {
+        if (c->bits == 4)
+            amx_configure(); /* exact_block_dots_fused: every tile 16 x 64 bytes */
+        else
+            amx_configure_int8();
+    }
 #endif
     team_barrier(threads);
     /* each thread its share's units, then what is left of the others' (see SHARE_UNIT_BLOCKS) */
@@ -1206,13 +1298,17 @@ static int packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const
     const int halves = group != GROUP;
     if (m == 0) return OK;
     acts_t a;
-    int status = alloc_acts(m, kp, halves, &a);
+    int status = alloc_acts(m, kp, halves, ACTS_BASE(bits), &a);
     if (status == OK) {
         const int64_t blocks = (n + BLOCK - 1) / BLOCK;
         /* each thread its contiguous share of the blocks (as schedule(static)), over the rows a chunk at a
            time, so that the chunk's activation codes stay in cache while the share's blocks pass over them
            (each output is computed as before: the results do not change) */
         const int exact_tiles = exact_tiles_take(m, reference, halves);
+        if (exact_tiles && bits == 4 && !(a.q12 = malloc((size_t)(2 * m * kp)))) {
+            free_acts(&a);
+            return ERR_MEMORY;
+        }
         const int64_t rows_together = exact_tiles ? EXACT_TILES_ROWS : TILE;
         int64_t chunk = ACTS_CHUNK_BYTES / (2 * kp);
         chunk = chunk < rows_together ? rows_together : chunk / rows_together * rows_together;
