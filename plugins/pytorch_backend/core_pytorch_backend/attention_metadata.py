@@ -33,6 +33,11 @@ class AttentionMetadata:
     # Sequences whose one new token is a prompt token (the rest of the prompt cached, or a chunk cut one token
     # short): attended as a chunk, not a decode row (decode_sequences).
     prompt_singletons: frozenset[int] = frozenset()
+    # False when a sequence brings several rows (the model runner's rows of one token each for a speculating
+    # chunk's verified positions or a preempted sequence's recomputed output): a later row attends to the K/V an
+    # earlier row of the same step writes, so every layer must take the rows together, never groups of rows
+    # layer by layer apart (the native decode stack's row-group path).
+    rows_independent: bool = True
     # Per-step scratch an op set fills at the first layer and reuses in the others (index tensors,
     # masks): this object lives for one forward step.
     op_cache: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -89,9 +94,11 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
         prompt_lens: Sequence[int] | None = None,
+        rows_independent: bool = True,
     ) -> AttentionMetadata:
         """From per-sequence cached-token counts, new-token counts and block tables; ``prompt_lens`` (per
-        sequence, its prompt's tokens) tells a prompt token alone in its chunk from a decode row."""
+        sequence, its prompt's tokens) tells a prompt token alone in its chunk from a decode row;
+        ``rows_independent`` False says that some "sequences" here are rows of one sequence."""
         if not (len(num_computed) == len(num_new) == len(block_tables)):
             raise ValueError("num_computed, num_new and block_tables must have one entry per sequence")
         seq_lens = [c + n for c, n in zip(num_computed, num_new, strict=True)]
@@ -116,6 +123,7 @@ class AttentionMetadata:
             block_size=block_size,
             is_decode=all(n == 1 for n in num_new) and not singletons,
             prompt_singletons=singletons,
+            rows_independent=rows_independent,
         )
 
 

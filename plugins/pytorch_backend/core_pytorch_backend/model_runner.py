@@ -224,8 +224,9 @@ class ModelRunner:
             if s.samples and s.seq.seq_id not in pools:  # a speculating chunk: each verified position
                 sample_rows.extend(range(len(tokens) - 1 - len(s.draft_token_ids), len(tokens)))
                 sampling.append(s)
-        computed, new, tables, prompt_lens = _attention_rows(scheduled)
-        meta = AttentionMetadata.build(computed, new, tables, self.block_size, self.device, prompt_lens=prompt_lens)
+        computed, new, tables, prompt_lens, independent = _attention_rows(scheduled)
+        meta = AttentionMetadata.build(computed, new, tables, self.block_size, self.device, prompt_lens=prompt_lens,
+                                       rows_independent=independent)
         inputs = StepInputs(
             input_ids=torch.tensor(tokens, dtype=torch.int64, device=self.device),
             positions=meta.positions(),
@@ -292,12 +293,14 @@ class ModelRunner:
 
 
 def _attention_rows(scheduled: Sequence[ScheduledSequence]
-                    ) -> tuple[list[int], list[int], list[list[int]], list[int]]:
+                    ) -> tuple[list[int], list[int], list[list[int]], list[int], bool]:
     """Cached-token counts, new-token counts, block tables and prompt lengths of the step's attention rows:
     a chunk's prompt tokens one row (attended as a chunk), and each of its generated tokens a row of its own
     (a speculating chunk's verified positions, a preempted sequence's recomputed output), so that a
     generated token is attended to exactly as the decode step of one token that made it (the same kernel
-    and rounding: greedy output stays token for token, speculating or recomputed)."""
+    and rounding: greedy output stays token for token, speculating or recomputed); and whether every
+    sequence has at most one row (AttentionMetadata.rows_independent)."""
+    independent = True
     computed: list[int] = []
     new: list[int] = []
     tables: list[list[int]] = []
@@ -307,12 +310,13 @@ def _attention_rows(scheduled: Sequence[ScheduledSequence]
         prompt_end = min(max(s.seq.num_prompt_tokens, s.start), end)
         rows = [(s.start, prompt_end - s.start)] if prompt_end > s.start else []
         rows += [(position, 1) for position in range(prompt_end, end)]
+        independent = independent and len(rows) <= 1
         for start, count in rows:
             computed.append(start)
             new.append(count)
             tables.append(s.seq.block_table)
             prompt_lens.append(s.seq.num_prompt_tokens)
-    return computed, new, tables, prompt_lens
+    return computed, new, tables, prompt_lens, independent
 
 
 def _lora_rows(scheduled: Sequence[ScheduledSequence], slots: Sequence[int] | None) -> tuple[int, ...] | None:

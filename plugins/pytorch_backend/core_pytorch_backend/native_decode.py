@@ -85,6 +85,8 @@ class _Plan:
     decoder: _Decoder
     layers: Any  # ctypes array of _Layer
     keep: list[torch.Tensor]  # every tensor a pointer above reads (biases converted to float32 among them)
+    group_rows: int  # the row-group path's units as described (decoder.group_rows is 0 for a step whose rows
+    # are not independent: AttentionMetadata.rows_independent)
 
     def matches(self, model: nn.Module) -> bool:
         cache = self.attention.k_cache
@@ -112,6 +114,8 @@ class NativeDecodeStack:
             return None
         plan, decoder = self.plan, model.model
         plan.decoder.tiles = marked is not None
+        # rows of one sequence (a speculating chunk's verified positions) read each other's K/V: one call
+        plan.decoder.group_rows = plan.group_rows if meta.rows_independent else 0
         hidden = decoder.embed_inputs(inputs.input_ids, inputs.embed_overrides)
         if hidden.dtype != plan.dtype:
             return None
@@ -206,7 +210,7 @@ def describe(model: nn.Module) -> _Plan:
     described = (_Layer * len(layers))()
     for index, layer in enumerate(layers):
         described[index] = _describe_layer(layer, index, spec, rotary, cache, keep)
-    return _Plan(model, attention.attn, cache.data_ptr(), dtype, spec, described, keep)
+    return _Plan(model, attention.attn, cache.data_ptr(), dtype, spec, described, keep, group_rows)
 
 
 def row_group_rows(kernels: CpuKernels) -> int:

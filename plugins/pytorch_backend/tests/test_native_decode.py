@@ -123,6 +123,43 @@ def test_a_step_of_64_rows_takes_the_row_group_path_as_served_and_gives_the_modu
                 assert torch.equal(through_stack, runner.model(decode.input_ids, decode.positions, decode.meta)), i
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_sequences_rows_of_one_step_go_through_the_layers_together(tiny_checkpoint_factory, native_packed,
+                                                                      monkeypatch, arch):
+    """A speculating chunk's verified positions (or a preempted sequence's recomputed output) are decode rows
+    of one token each, and each reads the K/V the rows before it write in the same step: the row-group path,
+    which runs groups of rows layer by layer apart, would let a row's attention read a slot another thread
+    has not yet written (greedy output then followed the timing). Such a step takes one call, whose every
+    layer stores all rows' K/V before any attends; the hidden states are the modules', step after step, and
+    a step of independent rows takes the row groups again."""
+    monkeypatch.setattr("core_pytorch_backend.native_decode.GROUP_ROWS", 1)
+    monkeypatch.setattr("core_pytorch_backend.native_decode.EXACT_TILES_GROUP_ROWS", 0)
+    monkeypatch.setattr("core_pytorch_backend.native_decode.row_group_from", lambda _: 2)
+    with _threads(2):  # the row-group path needs a team
+        runner = _runner(_load(tiny_checkpoint_factory(arch), "int4"))
+        model, stack = runner.model, runner.decode_path
+        runner.zero_blocks(range(50))
+        with torch.inference_mode():
+            for step in range(6):
+                generated = [8 + i for i in range(8 + 4 * step)]
+                speculating = _sequence("spec", [3, 4, 5, 6, 7], generated, computed=5 + 4 * step, table=TABLES[0])
+                before = _sequence("a", [5, 6, 7], [8, 9, 10 + step], computed=5 + step, table=TABLES[1])
+                after = _sequence("b", [6, 7], [9, 10, 11 + step], computed=4 + step, table=TABLES[2])
+                inputs = runner.prepare([ScheduledSequence(before, 1), ScheduledSequence(speculating, 8),
+                                         ScheduledSequence(after, 1)])
+                assert inputs.meta.is_decode and not inputs.meta.rows_independent
+                stale = [cache.clone() for pair in runner.kv_caches for cache in pair]  # this step's slots unwritten
+                expected = model(inputs.input_ids, inputs.positions, inputs.meta)
+                for attempt in range(5):
+                    for cache, before_step in zip((c for pair in runner.kv_caches for c in pair), stale, strict=True):
+                        cache.copy_(before_step)  # the row groups' race showed in about one step of six
+                    assert torch.equal(stack.run(model, inputs), expected), (step, attempt)
+                    assert stack.plan.decoder.group_rows == 0  # one call: not the row groups
+            independent = runner.prepare([ScheduledSequence(before, 1), ScheduledSequence(after, 1)])
+            assert independent.meta.rows_independent and stack.run(model, independent) is not None
+            assert stack.plan.decoder.group_rows == 1
+
+
 @contextlib.contextmanager
 def _threads(count: int):
     before = torch.get_num_threads()

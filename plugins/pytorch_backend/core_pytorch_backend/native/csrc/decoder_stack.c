@@ -185,7 +185,8 @@ static int all_rows(const core_decoder *m, const core_layer *layers, int64_t num
  * rows), and a unit of work is one layer of one group, run by one thread with every kernel on that thread
  * alone. A thread takes the group furthest
  * behind that no thread holds, runs its next layer and lets it go; the groups are independent (each row
- * is its own sequence's one new token), so nothing waits for anything but a group's previous layer.
+ * is its own sequence's one new token: a step whose rows read each other's K/V comes with group_rows 0,
+ * native_decode.py), so nothing waits for anything but a group's previous layer.
  * Where the kernels' own splits make both threads meet at the end of every kernel (~300 times a step of
  * 30 layers), so that a thread the OS takes away for a few milliseconds (the server's event loop, the
  * clients on the same two cores) holds the other up for as long, here the other thread goes on with the
