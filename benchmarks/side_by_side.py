@@ -45,9 +45,17 @@ sys.path.insert(0, str(HERE))
 from peers import core_server, llama_cpp_python, llamacpp, transformers_peer, vllm  # noqa: E402
 from peers.common import cache_dir, default_gguf, free_port  # noqa: E402
 from peers.convert import converted_folder  # noqa: E402
-from peers.cpu import CEILING_VARIABLE, ISA_CEILINGS, busy_fraction, this_cpu  # noqa: E402
+from peers.cpu import (  # noqa: E402
+    CEILING_VARIABLE,
+    ISA_CEILINGS,
+    CpuTicks,
+    busy_fraction,
+    other_work_fraction,
+    this_cpu,
+    ticks_now,
+)
 from peers.peer import Context, Launch, Peer  # noqa: E402
-from peers.process import PeerProcess  # noqa: E402
+from peers.process import PeerProcess, descendants  # noqa: E402
 from peers.report import Row, markdown, plot, update_readme, write_json  # noqa: E402
 
 from core.bench.datasets import BenchRequest, fixed_requests  # noqa: E402
@@ -55,6 +63,7 @@ from core.bench.metrics import BenchmarkMetrics  # noqa: E402
 from core.bench.serve import LoadOptions, benchmark_server  # noqa: E402
 
 BUSY_NOTE_ABOVE = 0.2  # CPUs busier than this before a peer starts: other work shares them; noted
+OTHER_WORK_NOTE_ABOVE = 0.1  # a level during which other work took more of the CPUs than this: noted
 # core's fastest at 32+ streams on a Xeon with AMX: the packed weights on the tiles for every row (on a CPU
 # without AMX the flag changes nothing: pass --core-best-args there, e.g. "--quantization none --dtype bfloat16")
 CORE_BEST_ARGS = "--amx-rows all"
@@ -96,8 +105,9 @@ class Plan:
                 "sampling": "greedy, ignore_eos, streamed"}
 
 
-async def measure_levels(base_url: str, launch: Launch, plan: Plan, row: Row) -> None:
-    """Warm the server up, then run each concurrency level into `row`."""
+async def measure_levels(base_url: str, launch: Launch, plan: Plan, row: Row, server_pid: int | None = None) -> None:
+    """Warm the server up, then run each concurrency level into `row` (with how much of the CPUs other work
+    than the server under `server_pid` and this process took meanwhile)."""
     warm = fixed_requests(8, plan.input_len, 16, seed=1)
     await benchmark_server(base_url, launch.model, warm, LoadOptions(max_concurrency=8, progress=False),
                            ignore_eos=launch.ignore_eos, extra_body=launch.extra_body)
@@ -106,11 +116,14 @@ async def measure_levels(base_url: str, launch: Launch, plan: Plan, row: Row) ->
         print(f"[bench] {row.key}: concurrency {c}, {len(requests)} requests", flush=True)
         run = benchmark_server(base_url, launch.model, requests, LoadOptions(max_concurrency=c), check=False,
                                ignore_eos=launch.ignore_eos, extra_body=launch.extra_body)
+        before = _ticks(server_pid)
         try:
             metrics = await asyncio.wait_for(run, plan.level_timeout_s)
         except asyncio.TimeoutError:
             row.notes.append(f"concurrency {c}: not done in {plan.level_timeout_s:.0f} s; higher levels skipped")
             break
+        finally:
+            note_other_work(row, c, other_work_fraction(before, _ticks(server_pid)))
         check_level(row, c, len(requests), plan.output_len, metrics)
         if c == 1 and metrics.completed:
             row.decode_tok_s = 1000.0 / metrics.tpot_ms.mean if metrics.tpot_ms.mean > 0 else None
@@ -118,6 +131,22 @@ async def measure_levels(base_url: str, launch: Launch, plan: Plan, row: Row) ->
             row.prompt_tokens = metrics.total_input_tokens / metrics.completed if not metrics.usage_missing else None
     if not any(row.throughput.values()):
         raise RuntimeError(f"every request failed: {'; '.join(row.notes)[:300]}")
+
+
+def _ticks(server_pid: int | None) -> CpuTicks | None:
+    """A CPU-time reading with the server's process tree and this process as the ones under test."""
+    return None if server_pid is None else ticks_now(descendants(server_pid) | {os.getpid()})
+
+
+def note_other_work(row: Row, c: int, fraction: float | None) -> None:
+    """Record the share of the CPUs other work took during level `c`, with a note above the threshold (a
+    process that started after the server did, which note_busy_cpus cannot see)."""
+    if fraction is None:
+        return
+    row.cpu_other_during[c] = round(fraction, 4)
+    if fraction > OTHER_WORK_NOTE_ABOVE:
+        row.notes.append(f"concurrency {c}: other work took {fraction:.0%} of the CPUs during the level: "
+                         "its numbers may be low")
 
 
 def check_level(row: Row, c: int, sent: int, output_len: int, metrics: BenchmarkMetrics) -> None:
@@ -143,7 +172,7 @@ def measure_server(peer: Peer, ctx: Context, plan: Plan) -> Row:
     process = PeerProcess(peer.key, launch.command, launch.env).start()
     try:
         row.startup_s = process.wait_ready(f"http://127.0.0.1:{ctx.port}{launch.ready_path}", launch.start_timeout_s)
-        asyncio.run(measure_levels(f"http://127.0.0.1:{ctx.port}", launch, plan, row))
+        asyncio.run(measure_levels(f"http://127.0.0.1:{ctx.port}", launch, plan, row, process.pid))
     finally:
         stop_and_record_memory(process, row)
     return row

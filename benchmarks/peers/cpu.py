@@ -143,3 +143,41 @@ def busy_fraction(seconds: float = 2.0) -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return (busy1 - busy0) / max(total1 - total0, 1)
+
+
+@dataclass(frozen=True)
+class CpuTicks:
+    """Clock ticks since boot: all CPUs' busy and total, and the CPU time of the processes under test."""
+
+    busy: int
+    total: int
+    ours: int  # the server's process tree and this process (the load generator)
+
+
+def process_ticks(pid: int) -> int:
+    """User + system clock ticks one process has used (0 if it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2:].split()
+        return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def ticks_now(pids: set[int]) -> CpuTicks | None:
+    """A CpuTicks reading with `pids` as the processes under test; None off Linux."""
+    try:
+        busy, total = _cpu_ticks()
+    except (OSError, ValueError, IndexError):
+        return None
+    return CpuTicks(busy, total, sum(process_ticks(pid) for pid in pids))
+
+
+def other_work_fraction(before: CpuTicks | None, after: CpuTicks | None) -> float | None:
+    """The share of all CPUs' time between two readings that went to anything but the processes under test
+    (another program, the kernel's own threads), 0..1; None without both readings. A server's child process
+    that ended in between loses its ticks and counts as other work: an overestimate, never a miss."""
+    if before is None or after is None or after.total <= before.total:
+        return None
+    other = (after.busy - before.busy) - (after.ours - before.ours)
+    return min(max(other / (after.total - before.total), 0.0), 1.0)

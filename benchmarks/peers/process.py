@@ -130,6 +130,11 @@ class PeerProcess:
         self.memory = PeakMemory(self.process.pid)
         return self
 
+    @property
+    def pid(self) -> int | None:
+        """The process's id once started."""
+        return self.process.pid if self.process else None
+
     def wait_ready(self, url: str, timeout_s: float) -> float:
         """Poll `url` until it answers 200; returns the seconds since start. Raises SetupError with the log."""
         assert self.process is not None, "start() first"

@@ -35,6 +35,7 @@ class Row:
     notes: list[str] = field(default_factory=list)
     build_flags: list[str] = field(default_factory=list)  # cmake flags of a peer built here (llama.cpp)
     cpu_busy_before: float | None = None  # how busy the CPUs were (0..1) just before the server started
+    cpu_other_during: dict[int, float] = field(default_factory=dict)  # per level: other work's share of the CPUs
 
     @property
     def ok(self) -> bool:

@@ -1,7 +1,9 @@
-"""Pure parts of benchmarks/side_by_side.py: the report tables, the README update, the memory sampler."""
+"""Pure parts of benchmarks/side_by_side.py: the report tables, the README update, the memory sampler, the
+share of the CPUs other work took during a level."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -13,6 +15,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
 
+from peers.cpu import CpuTicks, other_work_fraction, process_ticks, ticks_now  # noqa: E402
 from peers.process import PeakMemory, descendants  # noqa: E402
 from peers.report import README_END, README_START, Row, ratio_table, results_table, update_readme  # noqa: E402
 
@@ -74,3 +77,30 @@ def test_peak_memory_counts_children():
 @pytest.mark.parametrize("pid", [2**22 + 7])
 def test_descendants_of_a_missing_process_is_just_itself(pid):
     assert descendants(pid) == {pid}
+
+
+def test_other_work_is_the_busy_time_the_processes_under_test_did_not_use():
+    before = CpuTicks(busy=1_000, total=10_000, ours=300)
+    assert other_work_fraction(before, CpuTicks(busy=1_900, total=11_000, ours=1_100)) == pytest.approx(0.1)
+    assert other_work_fraction(before, CpuTicks(busy=1_800, total=11_000, ours=1_100)) == 0.0  # never below 0
+    assert other_work_fraction(before, None) is None and other_work_fraction(None, before) is None
+    assert other_work_fraction(before, before) is None  # no time between the readings
+
+
+def test_a_busy_process_beside_the_ones_under_test_shows_as_other_work():
+    """Real readings: a child spinning on a core is other work unless it is among the processes under test."""
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(0.3)  # started
+        outside, inside = ticks_now({os.getpid()}), ticks_now({os.getpid(), spinner.pid})
+        time.sleep(1.0)
+        other_outside = other_work_fraction(outside, ticks_now({os.getpid()}))
+        other_inside = other_work_fraction(inside, ticks_now({os.getpid(), spinner.pid}))
+        assert process_ticks(spinner.pid) > 0
+    finally:
+        spinner.kill()
+        spinner.wait()
+    cores = os.cpu_count() or 1
+    assert other_outside is not None and other_inside is not None
+    assert other_outside - other_inside > 0.5 / cores  # one core's worth, less the readings' jitter
+    assert process_ticks(spinner.pid) == 0  # gone: no ticks, no error
