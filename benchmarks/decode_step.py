@@ -150,7 +150,7 @@ def main() -> None:
     parser.add_argument("--stub-matmuls", action="store_true", help="time all but the matmuls")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     parser.add_argument("--eager", action="store_true", help="every layer through its modules (no native stack)")
-    parser.add_argument("--amx-rows", nargs="+", default=["prompt"], choices=["prompt", "all"],
+    parser.add_argument("--amx-rows", nargs="+", default=["prompt"], choices=["prompt", "all", "none"],
                         help="the rules of native/tile_rows.py to run side by side (on a CPU with AMX tiles)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of every rule per batch size")
     args = parser.parse_args()

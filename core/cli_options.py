@@ -43,10 +43,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    help="run every step through the model's modules: no CUDA graphs, no native CPU decode "
                         "stack (the backend option enforce_eager)")
-    g.add_argument("--amx-rows", choices=["prompt", "all"],
-                   help="on a CPU with AMX, which rows the packed weights multiply on the tiles: prompt (prompt "
-                        "tokens: the default) or all (generated tokens too: faster at many streams, several "
-                        "times slower for one; the backend option amx_rows)")
+    g.add_argument("--amx-rows", choices=["prompt", "all", "none"],
+                   help="on a CPU with AVX512-BF16, which rows the packed weights multiply by their bfloat16 "
+                        "prompt loop (on the AMX tiles where the CPU has them): prompt (prompt tokens: the "
+                        "default), all (generated tokens too: faster at many streams, several times slower for "
+                        "one) or none (every row by the VNNI loop: closer to the float model, prompts slower); "
+                        "the backend option amx_rows")
     g.add_argument("--chat-template", help="a registered template name or a Jinja file")
     g.add_argument("--chat-template-content-format", choices=list(CONTENT_FORMATS),
                    help="how message content reaches the template: string (text parts joined with a newline), "

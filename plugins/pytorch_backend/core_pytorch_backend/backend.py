@@ -54,9 +54,10 @@ class PytorchOptions:
         `EngineConfig.kv_cache_memory_gib` is not given.
     :param enforce_eager: run every step through the model's modules: no CUDA graphs on a GPU, no native
         decode stack on the CPU (``--enforce-eager``).
-    :param amx_rows: on a CPU with AMX tiles, which rows the packed weights multiply on them
-        (native/tile_rows.py, ``--amx-rows``): ``prompt`` (prompt tokens) or ``all`` (every row,
-        generated tokens' and the LM head's too, in the native decode stack as well).
+    :param amx_rows: on a CPU with AVX512-BF16, which rows the packed weights multiply by their prompt loop
+        (the AMX tiles where the CPU has them; native/tile_rows.py, ``--amx-rows``): ``prompt`` (prompt
+        tokens), ``all`` (every row, generated tokens' and the LM head's too, in the native decode stack as
+        well) or ``none`` (every row by the VNNI loop).
     """
 
     kv_cache_memory_fraction: float = 0.85
@@ -141,7 +142,8 @@ class PytorchBackend(Backend):
                              decode_path=decode_path, lora_step=self.lora.step if self.lora else None,
                              tile_rule=self.options.amx_rows)
         if runner.marks_tile_rows:
-            log.info("AMX tiles: %s", tile_rows.RULES[self.options.amx_rows])
+            loop = {"amx": "the AMX tiles", "vectors": "AVX512-BF16 vectors"}[tile_rows.prompt_loop_of(loaded.model)]
+            log.info("packed matmuls' prompt loop on %s: %s", loop, tile_rows.RULES[self.options.amx_rows])
         if self.tp is not None:  # ranks 1..N-1 start now; the engine loop drives them through rank 0's runner
             runner = self.tp.start(runner, config=config, source=self.source,
                                    architectures=self._architectures, ops_kind=self.ops.name)

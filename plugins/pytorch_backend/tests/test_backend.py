@@ -263,7 +263,7 @@ def test_backend_options_are_validated():
     with pytest.raises(InvalidRequestError, match="'eager'"):
         PytorchOptions.from_mapping({"eager": True})
     assert PytorchOptions().amx_rows == "prompt" and PytorchOptions.from_mapping({"amx_rows": "all"}).amx_rows == "all"
-    with pytest.raises(InvalidRequestError, match="amx_rows must be one of prompt, all, got 'decode'"):
+    with pytest.raises(InvalidRequestError, match="amx_rows must be one of prompt, all, none, got 'decode'"):
         PytorchOptions.from_mapping({"amx_rows": "decode"})
 
 

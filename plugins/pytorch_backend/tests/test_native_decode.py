@@ -221,11 +221,11 @@ def test_a_step_marks_its_prompt_tokens_rows_and_then_never_takes_the_stack(tiny
     """native/tile_rows.py: prepare() spans each chunk's prompt tokens (positions below its prompt's
     length), whatever the chunk's size; a runner that marks them hands the forward pass those rows, and
     a step that has any (here a prompt's last token beside decode rows: the stack's shape) takes the modules,
-    whose packed weights put those rows on the AMX tiles where the kernels have them."""
+    whose packed weights put those rows on the prompt loop where the kernels have one."""
     model = _load(tiny_checkpoint_factory("llama"), "int8")
     runner = _runner(model)
-    assert runner.marks_tile_rows == available().uses_amx  # tile_rows.has_tiled_weights
-    runner.marks_tile_rows = True  # as on a CPU with AMX tiles (has_tiled_weights), whatever this one has
+    assert runner.marks_tile_rows == (available().prompt_loop is not None)  # tile_rows.has_tiled_weights
+    runner.marks_tile_rows = True  # as on a CPU with a prompt loop (has_tiled_weights), whatever this one has
     runner.zero_blocks(range(50))
     decoding = _sequence("decoding", [5, 6, 7], [8, 9], computed=4, table=TABLES[0])  # its last generated token
     last_prompt_token = _sequence("last", [1, 2, 3, 4, 5, 6], [], computed=5, table=TABLES[1])  # a cache hit to 5
@@ -248,22 +248,22 @@ def test_a_step_marks_its_prompt_tokens_rows_and_then_never_takes_the_stack(tiny
     assert decode_only.prompt_token_spans == ()
     runner.execute(decode_only)
     assert stack_results[-1] is not None and len(seen) == 1  # no prompt tokens: the stack (not the modules) ran it
-    if available().uses_amx:  # the stack's tiles exist only in an amx-bf16 build on a CPU Linux grants them
-        runner.tile_rule = "all"  # --amx-rows all: every row, generated tokens' too, the stack's on the tiles
+    if available().prompt_loop is not None:  # the stack's prompt loop: an AVX512-BF16 build's
+        runner.tile_rule = "all"  # --amx-rows all: every row, generated tokens' too, the stack's by the prompt loop
         step = [ScheduledSequence(_sequence("e", [5, 6, 7], [8], computed=3, table=TABLES[0]), 1)]
         runner.execute(runner.prepare(step))
         assert stack_results[-1] is not None and len(seen) == 1
-    with pytest.raises(ValueError, match="tile_rule must be one of prompt, all, got 'decode'"):
+    with pytest.raises(ValueError, match="tile_rule must be one of prompt, all, none, got 'decode'"):
         ModelRunner(model, block_size=BLOCK, num_blocks=8, device=CPU, dtype=torch.float32, tile_rule="decode")
 
 
-@pytest.mark.skipif(available() is None or not available().uses_amx, reason="no AMX tiles here")
+@pytest.mark.skipif(available() is None or available().prompt_loop is None, reason="no prompt loop here")
 @pytest.mark.parametrize("row_groups", [False, True])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_with_every_row_marked_the_stack_multiplies_on_the_tiles_as_the_modules_do(tiny_checkpoint_factory,
                                                                                   native_packed, monkeypatch,
                                                                                   quantization, row_groups):
-    """--amx-rows all: the stack's packed matmuls take the tile loop (decoder.tiles), bit for bit the modules'
+    """--amx-rows all: the stack's packed matmuls take the prompt loop (decoder.tiles), bit for bit the modules'
     NativeWeight on the tiles, and not the VNNI loop's results; also where the step is large enough for the
     row-group path (which the tiles skip: all the rows in one call, each weight dequantized once)."""
     if row_groups:
@@ -279,7 +279,7 @@ def test_with_every_row_marked_the_stack_multiplies_on_the_tiles_as_the_modules_
     assert not torch.equal(tiled, runner.decode_path.run(runner.model, step))
 
 
-@pytest.mark.skipif(available() is None or not available().uses_amx, reason="no AMX tiles here")
+@pytest.mark.skipif(available() is None or available().prompt_loop is None, reason="no prompt loop here")
 def test_the_lm_head_takes_the_tiles_under_the_all_rule_and_the_vnni_loop_under_prompt(tiny_checkpoint_factory,
                                                                                        native_packed):
     runner = _runner(_load(tiny_checkpoint_factory("llama"), "int8"))

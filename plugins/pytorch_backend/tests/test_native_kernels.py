@@ -234,10 +234,10 @@ BATCH_CASES = {"one chunk": (96, 11, [(0, 1), (3, 5), (2, 9), (5, 11)]),
 def test_a_rows_result_does_not_depend_on_its_batch(kernels, bits, case, tiles):
     """Each activation row is quantized and summed the same way whatever M is: a prompt's KV cache is
     the same whether its prefix was prefilled alone, in a batch or read from the prefix cache. The tile
-    loop too: a row is the same sequence of tile products over K in any tile, pair or chunk of rows (a
-    weight of 16-input groups takes the VNNI loop there)."""
-    if tiles and not kernels.uses_amx:
-        pytest.skip(f"the {kernels.variant} variant has no AMX tile loop")
+    loop and the vector prompt loop too: a row is the same sequence of products over K in any tile, pair or chunk
+    of rows (a weight of 16-input groups takes the VNNI loop there)."""
+    if tiles and kernels.prompt_loop is None:
+        pytest.skip(f"the {kernels.variant} variant has no prompt loop")
     k, rows, slices = BATCH_CASES[case]
     weight = NativeWeight.from_affine(_weight(40, k, bits), kernels)
     x = torch.randn(rows, k)
@@ -257,12 +257,21 @@ def _bf16_oracle(codes: AffineWeight, x: torch.Tensor, bias: torch.Tensor | None
 
 
 TILES = pytest.mark.skipif(not any(load(v).uses_amx for v in RUNNABLE), reason="no AMX tiles on this machine")
+PROMPT_LOOP = pytest.mark.skipif(not any(load(v).prompt_loop for v in RUNNABLE), reason="no prompt loop on this machine")
 
 
 @pytest.fixture
 def tile_kernels(kernels):
     if not kernels.uses_amx:
         pytest.skip(f"the {kernels.variant} variant has no AMX tile loop")
+    return kernels
+
+
+@pytest.fixture
+def prompt_kernels(kernels):
+    """A variant with a prompt loop: the AMX tile loop, or the vector prompt loop (AVX512-BF16)."""
+    if kernels.prompt_loop is None:
+        pytest.skip(f"the {kernels.variant} variant has no prompt loop")
     return kernels
 
 
@@ -330,13 +339,13 @@ def test_the_tile_loops_vector_twin_gives_the_tiles_bits(tile_kernels, bits, dty
             assert torch.equal(twin[fused], tiles[fused]) and torch.equal(twin[fused], many[fused][:rows]), (rows, fused)
 
 
-@TILES
+@PROMPT_LOOP
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("shape", [(48, 256), (40, 96), (16, 32), (72, 128), (576, 1536)])
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 33, 70])  # one tile of rows, a pair, a pair and more
-def test_the_tile_loop_multiplies_in_bfloat16(tile_kernels, bits, shape, rows):
+def test_the_prompt_loop_multiplies_in_bfloat16(prompt_kernels, bits, shape, rows):
     codes = _weight(*shape, bits)
-    weight = NativeWeight.from_affine(codes, tile_kernels)
+    weight = NativeWeight.from_affine(codes, prompt_kernels)
     x = torch.randn(rows, shape[1])
     bias = torch.randn(shape[0])
     tiles = weight.linear(x, bias, tiles=True)
@@ -346,6 +355,34 @@ def test_the_tile_loop_multiplies_in_bfloat16(tile_kernels, bits, shape, rows):
     out = weight.linear(x.bfloat16(), None, tiles=True)  # bfloat16 in and out
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), (tiles - bias).bfloat16().float(), rtol=1e-2, atol=1e-2)
+
+
+@PROMPT_LOOP
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("shape", [(72, 1536), (40, 96), (16, 32), (200, 160)])
+@pytest.mark.parametrize("rows", [1, 5, 33, 70])  # one unit of rows (PROMPT_UNIT_ROWS), more, a partial tile
+def test_the_vector_prompt_loop_gives_the_bf16_weights_bits(prompt_kernels, bits, shape, rows):
+    """The vector prompt loop (csrc/packed_linear.c packed_linear_prompt) is the bf16 loop of half_linear.c on the
+    weight dequantized as the tile loop does (q * s + o rounded once to float32, then to bfloat16) and the
+    activations rounded to bfloat16: bit for bit that loop's plain-C reference (vdpbf16ps's arithmetic), for
+    float32 outputs (the kernel called directly) and bfloat16 ones."""
+    if prompt_kernels.prompt_loop != "vectors":
+        pytest.skip("the AMX tile loop has its own arithmetic (test_the_tile_loop_gives_the_tiles_arithmetic_bit_for_bit)")
+    codes = _weight(*shape, bits)
+    weight = NativeWeight.from_affine(codes, prompt_kernels)
+    scale = np.repeat(codes.scale.astype(np.float64), codes.group_size, axis=1)[:, : codes.q.shape[1]]
+    offset = np.repeat(codes.offset.astype(np.float64), codes.group_size, axis=1)[:, : codes.q.shape[1]]
+    dense = torch.from_numpy((codes.q.astype(np.float64) * scale + offset).astype(np.float32)).bfloat16()
+    half = NativeWeight.from_half(dense, prompt_kernels)
+    generator = torch.Generator().manual_seed(rows + shape[0])
+    x, bias = torch.randn(rows, shape[1], generator=generator), torch.randn(shape[0], generator=generator)
+    n, k = shape
+    rounded, expected = x.bfloat16(), torch.empty(rows, n)
+    prompt_kernels.call("core_packed_linear_reference", rounded.data_ptr(), 1, rows, k, half.codes.data_ptr(), 16, 32,
+                        n, half.padded_k, half.scale.data_ptr(), half.offset.data_ptr(), 1, bias.data_ptr(),
+                        expected.data_ptr(), 0)  # bfloat16 activations, float32 outputs
+    assert torch.equal(weight.linear(x, bias, tiles=True), expected)
+    assert torch.equal(weight.linear(rounded, bias, tiles=True), half.linear(rounded, bias, reference=True))
 
 
 @TILES
@@ -414,22 +451,22 @@ def test_the_exact_tiles_give_the_vnni_loops_bits(tile_kernels, bits, shape, row
     assert with_tiles.dtype == dtype and torch.equal(with_tiles, alone)
 
 
-def test_the_tile_loop_is_refused_without_tiles(kernels):
-    if kernels.uses_amx:
-        pytest.skip("this variant has the tiles")
+def test_the_prompt_loop_is_refused_without_one(kernels):
+    if kernels.prompt_loop is not None:
+        pytest.skip(f"the {kernels.variant} variant has a prompt loop")
     weight = NativeWeight.from_affine(_weight(16, 64, 4), kernels)
-    with pytest.raises(CpuKernelError, match="core_packed_linear_tiles: no AMX tiles"):
+    with pytest.raises(CpuKernelError, match="core_packed_linear_tiles: no prompt loop"):
         weight.linear(torch.randn(2, 64), None, tiles=True)
 
 
-@TILES
+@PROMPT_LOOP
 @pytest.mark.parametrize("max_runs", [8, 0], ids=["runs in place", "gathered"])
-def test_marked_rows_take_the_tiles_and_the_others_the_vnni_loop(tile_kernels, monkeypatch, max_runs):
+def test_marked_rows_take_the_prompt_loop_and_the_others_the_vnni_loop(prompt_kernels, monkeypatch, max_runs):
     """tile_rows: a step's prompt-token rows (marked) on the tiles, its generated tokens' by the VNNI loop,
     each row as it would be alone (each run of rows in place, or each loop's rows gathered where the runs
     are too many); unmarked passes, and a weight called with another row count, all VNNI."""
     monkeypatch.setattr("core_pytorch_backend.native.packed_weight.MAX_RUNS", max_runs)
-    weight = NativeWeight.from_affine(_weight(40, 96, 4), tile_kernels)
+    weight = NativeWeight.from_affine(_weight(40, 96, 4), prompt_kernels)
     x = torch.randn(9, 96)
     tiles, vnni = weight.linear(x, None, tiles=True), weight.linear(x, None, tiles=False)
     assert not torch.equal(tiles, vnni)

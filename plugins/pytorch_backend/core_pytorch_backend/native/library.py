@@ -15,8 +15,11 @@ from pathlib import Path
 from .build import CpuBuildError, build_library, chosen_variant
 
 log = logging.getLogger(__name__)
-ABI_VERSION = 16  # csrc/packed_linear.c CORE_PACKED_ABI
-STATUS = {1: "bad arguments", 2: "out of memory", 3: "no AMX tiles (not an amx-bf16 build, or Linux refused them)"}
+ABI_VERSION = 17  # csrc/packed_linear.c CORE_PACKED_ABI
+STATUS = {1: "bad arguments", 2: "out of memory", 3: "no prompt loop (a build without AVX512-BF16)"}
+
+# csrc/packed_linear.c core_packed_prompt_loop: the packed matmuls' loop for prompt tokens' rows
+PROMPT_LOOPS = {0: None, 1: "vectors", 2: "amx"}
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES: dict[str, list] = {
@@ -73,8 +76,10 @@ class CpuKernels:
             raise CpuKernelError(f"{self.path} has C ABI version {version}, expected {ABI_VERSION}; rebuild it")
         self.variant = self._lib.core_packed_variant().decode()
         self._lib.core_packed_uses_amx.restype = ctypes.c_int
-        # whether core_packed_linear_tiles runs (native/tile_rows.py: which rows take it)
+        # whether the AMX tiles are granted (the prompt loop on them, the VNNI loop's exact int8 tiles)
         self.uses_amx = bool(self._lib.core_packed_uses_amx())
+        # the loop core_packed_linear_tiles runs, None where it refuses (native/tile_rows.py: which rows take it)
+        self.prompt_loop = PROMPT_LOOPS[self._lib.core_packed_prompt_loop()]
         self._functions = {}
         for name, argtypes in SIGNATURES.items():
             function = getattr(self._lib, name)
@@ -136,7 +141,10 @@ def available() -> CpuKernels | None:
         return None
     tiles = ("; AMX tiles granted (the packed matmuls' bfloat16 tile loop for prompt tokens, and the VNNI loop's "
              "exact int8 tiles from 16 rows a call)") if kernels.uses_amx else ""
+    if kernels.prompt_loop == "vectors":
+        tiles = "; the packed matmuls' bfloat16 vector loop for prompt tokens (AVX512-BF16)"
     if kernels.variant == "amx-bf16" and not kernels.uses_amx:
-        tiles = "; Linux refused the AMX tiles: every packed matmul takes the AVX-512 VNNI loop"
+        tiles = ("; Linux refused the AMX tiles: prompt tokens take the bfloat16 vector loop, the rest the "
+                 "AVX-512 VNNI loop")
     log.info("native CPU kernels: the %s variant (%s)%s, %s", kernels.variant, why, tiles, kernels.path)
     return kernels

@@ -208,7 +208,7 @@ class NativeWeight(nn.Module):
 
     def _by_rows(self, flat: torch.Tensor, code: int, bias: torch.Tensor | None) -> torch.Tensor:
         """The step's prompt-token rows on the tiles, the others by the VNNI loop (tile_rows.py)."""
-        rows = tile_rows.current() if self.kernels.uses_amx and self.bits != 16 else None
+        rows = tile_rows.current() if self.kernels.prompt_loop is not None and self.bits != 16 else None
         if rows is None or rows.total != flat.shape[0]:
             return self._call("core_packed_linear", flat, code, bias)
         if rows.all_tiled:

@@ -1,10 +1,13 @@
-"""Which rows of the forward pass in progress the packed weights multiply on the AMX tiles.
+"""Which rows of the forward pass in progress the packed weights multiply by their prompt loop.
 
-On a CPU with AMX (an ``amx-bf16`` build whose process Linux grants the tiles), ``NativeWeight`` has two
-loops: the VNNI loop (exact integer dots of the 4/8-bit codes with activations in two int8 steps; from 16
-rows a call it takes those dots on the tiles too, 16 rows at a time, with the same bits) and the bf16
-tile loop (the codes dequantized to bfloat16, float32 sums over all of K: 2-2.6x faster from 64 rows on,
-several times slower at one). They round differently, so the rule that picks one must not depend on the
+On a CPU with AVX512-BF16, ``NativeWeight`` has two loops: the VNNI loop (exact integer dots of the 4/8-bit
+codes with activations in two int8 steps; on AMX CPUs from 16 rows a call it takes those dots on the tiles
+too, 16 rows at a time, with the same bits) and the prompt loop (the codes dequantized to bfloat16, the
+activations rounded to bfloat16, float32 sums over all of K; ``CpuKernels.prompt_loop``): on AMX CPUs (an
+``amx-bf16`` build whose process Linux grants the tiles) the tile loop, 2-2.6x faster than the VNNI loop
+from 64 rows on, and elsewhere (Zen 4 and later EPYCs) the vector prompt loop (``vdpbf16ps`` on a few
+dequantized blocks at a time), 1.2-1.5x faster from 64 rows on; both several times slower at one row. "The
+tiles" below means either. They round differently, so the rule that picks one must not depend on the
 batch a row is in, or a request's greedy output would depend on whether its prompt's prefix was cached
 or which requests shared its steps (DESIGN.md: the packed kernel). The rule here is a property of the
 token: **a prompt token's row takes the tiles, a generated token's row the VNNI loop**, whatever the
@@ -14,7 +17,9 @@ and the LM head, whose rows are no prompt token's own, takes the VNNI loop. That
 the default. The ``all`` rule (``--amx-rows all``) puts every row on the tiles, generated tokens' and
 the LM head's too: as batch-independent (one loop for every row), faster from 16 rows a step (decode
 steps of 16 / 32 / 64 rows 1.2x / 1.5x / 1.7x on the 2-core Xeon), 2.9x slower at one row (a lone stream);
-a choice of the server, not of the batch.
+a choice of the server, not of the batch. The ``none`` rule (``--amx-rows none``) marks nothing: every row
+by the VNNI loop, whose two int8 steps follow the float model more closely (the default model's top-1
+agreement with its float32 oracle, teacher-forced: 99.75% against the prompt loop's 99.45%), prompts slower.
 
 The model runner (where ``has_tiled_weights``) marks the step (``prompt_token_rows``: the rows' spans) around its forward pass; each
 ``NativeWeight.linear`` of the pass reads ``current()``. Nothing is marked outside a pass, and a weight
@@ -51,8 +56,9 @@ class TileRows:
 
 
 _local = threading.local()
-RULES = {"prompt": "prompt tokens' rows of the packed matmuls on the tiles, generated tokens' by the VNNI loop",
-         "all": "every row of the packed matmuls on the tiles, the LM head's too (--amx-rows all)"}
+RULES = {"prompt": "prompt tokens' rows of the packed matmuls by the prompt loop, generated tokens' by the VNNI loop",
+         "all": "every row of the packed matmuls by the prompt loop, the LM head's too (--amx-rows all)",
+         "none": "every row of the packed matmuls by the VNNI loop, the prompt loop unused (--amx-rows none)"}
 
 
 def current() -> TileRows | None:
@@ -89,15 +95,24 @@ def _runs(spans: Sequence[tuple[int, int]], total: int) -> tuple[tuple[int, int,
     return tuple(runs)
 
 
-def has_tiled_weights(model: torch.nn.Module) -> bool:
-    """Whether `model` has packed weights whose kernels have AMX tiles (the runner then marks its steps)."""
+def prompt_loop_of(model: torch.nn.Module) -> str | None:
+    """The prompt loop of `model`'s packed weights' kernels ("amx" or "vectors": ``CpuKernels.prompt_loop``), or
+    None where it has no packed weights or their kernels have none."""
     from .packed_weight import NativeWeight  # it imports this module
 
-    return any(isinstance(m, NativeWeight) and m.kernels.uses_amx for m in model.modules())
+    return next((m.kernels.prompt_loop for m in model.modules()
+                 if isinstance(m, NativeWeight) and m.kernels.prompt_loop is not None), None)
+
+
+def has_tiled_weights(model: torch.nn.Module) -> bool:
+    """Whether `model` has packed weights whose kernels have a prompt loop (the runner then marks its steps)."""
+    return prompt_loop_of(model) is not None
 
 
 def marked(rule: str, spans: Sequence[tuple[int, int]], total: int) -> TileRows | None:
     """The rows of a step of `total` rows that `rule` (one of RULES) puts on the tiles."""
+    if rule == "none":
+        return None
     return TileRows(total) if rule == "all" and total else rows_of(spans, total)
 
 

@@ -37,7 +37,7 @@
 
 #define BLOCK 16
 #define ROWS 4         /* activation rows a tile */
-#define BLOCKS 4       /* weight blocks a tile: each broadcast of a row's input serves them all */
+#define BLOCKS HALF_TILE_BLOCKS /* weight blocks a tile: each broadcast of a row's input serves them all */
 #define CHUNK_ROWS 256 /* activation rows a unit of work (their inputs stay in L2 across its blocks) */
 
 /* a bfloat16 value with a subnormal read as zero */
@@ -255,11 +255,12 @@ static inline __attribute__((always_inline)) void tile_simd(const half_team *t, 
 }
 #endif
 
-/* the outputs of blocks [b, b + blocks) for activation rows [m0, m1), ROWS at a time */
-static void unit_outputs(const half_team *c, int64_t b, int blocks, int64_t m0, int64_t m1) {
+/* the outputs of y's columns [col0, col0 + 16 blocks) for activation rows [m0, m1), ROWS at a time, from the
+ * `blocks` weight blocks at `first` */
+static void outputs_of_blocks(const half_team *c, const uint16_t *first, int64_t col0, int blocks, int64_t m0,
+                              int64_t m1) {
     float out[ROWS][BLOCKS * BLOCK];
-    const uint16_t *first = c->w + b * c->block_elems;
-    const int64_t col0 = b * BLOCK, cols = c->n - col0 < blocks * BLOCK ? c->n - col0 : blocks * BLOCK;
+    const int64_t cols = c->n - col0 < blocks * BLOCK ? c->n - col0 : blocks * BLOCK;
     for (int64_t i0 = m0; i0 < m1;) {
         const int rows = m1 - i0 >= ROWS ? ROWS : (int)(m1 - i0);
 #if defined(SIMD)
@@ -286,6 +287,11 @@ static void unit_outputs(const half_team *c, int64_t b, int blocks, int64_t m0, 
         }
         i0 += rows;
     }
+}
+
+/* the outputs of blocks [b, b + blocks) for activation rows [m0, m1) */
+static void unit_outputs(const half_team *c, int64_t b, int blocks, int64_t m0, int64_t m1) {
+    outputs_of_blocks(c, c->w + b * c->block_elems, b * BLOCK, blocks, m0, m1);
 }
 
 static void half_work(void *context, int64_t thread, int64_t threads) {
@@ -318,3 +324,16 @@ int core_half_linear(const void *x, int x_dtype, int64_t m, int64_t k, const uin
     free(acts);
     return OK;
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* y's columns [col0, col0 + 16 blocks) (at most HALF_TILE_BLOCKS) for activation rows [m0, m1) by the
+ * bf16 loop above (vdpbf16ps), from bfloat16 weight blocks at `first` ([blocks][Kp/2][16][2]) and bfloat16
+ * activation rows `acts` ([M][Kp], zero beyond K): packed_linear.c's vector prompt loop, which dequantizes a
+ * 4- or 8-bit weight a few blocks at a time and multiplies each as a bfloat16 weight is. */
+void core_half_bf16_blocks(const uint16_t *first, int blocks, const uint16_t *acts, int64_t kp, int64_t m0, int64_t m1,
+                           int64_t col0, int64_t n, const float *bias, void *y, int y_dtype) {
+    const half_team c = {NULL, DT_BF16, DT_BF16, kp, kp, first, (void *)acts, m1, n, kp * BLOCK, 0, 0, bias, y, y_dtype,
+                         0, NULL};
+    outputs_of_blocks(&c, first, col0, blocks, m0, m1);
+}
+#endif

@@ -50,7 +50,7 @@
 #include <immintrin.h>
 #endif
 
-#define CORE_PACKED_ABI 16
+#define CORE_PACKED_ABI 17
 #define ERR_NO_TILES 3
 #define GROUP 32
 #define PAIR 64
@@ -550,6 +550,117 @@ static inline __attribute__((always_inline)) void block_dots_simd(const uint8_t 
     block_dots_generic(block, bits, w, halves, base, a, m0, tile, out)
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* the activations as bfloat16 rows of Kp (zero beyond K), Mp rows (zero beyond M) */
+static uint16_t *bf16_acts(const void *x, int dtype, int64_t m, int64_t k, int64_t kp, int64_t mp) {
+    uint16_t *a = aligned_alloc(64, (size_t)(mp * kp) * 2);
+    if (!a) return NULL;
+#pragma omp parallel for schedule(static) if (core_team(m * k > PARALLEL_MIN_WORK))
+    for (int64_t row = 0; row < mp; ++row) {
+        uint16_t *out = a + row * kp;
+        int64_t col = 0;
+        if (row < m) {
+            if (dtype == DT_BF16) {
+                memcpy(out, (const uint16_t *)x + row * k, (size_t)k * 2);
+                col = k;
+            } else {
+                const float *in = (const float *)x + row * k;
+                for (; col + 16 <= k; col += 16)
+                    _mm256_storeu_si256((__m256i *)(out + col), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + col)));
+                for (; col < k; ++col) out[col] = f32_to_bf16(in[col]);
+            }
+        }
+        memset(out + col, 0, (size_t)(kp - col) * 2);
+    }
+    return a;
+}
+
+/* The vector prompt loop (AVX512-BF16 CPUs, the AMX tile loop's place where there are no tiles: Zen 4 and later
+ * EPYCs): the codes dequantized a few blocks at a time to bfloat16 weights (w = q * s + o in float32, rounded
+ * once, as the tile loop does) in half_linear.c's block layout, and multiplied as a bfloat16 weight is there
+ * (`vdpbf16ps`, float32 sums over all of K in order) with the activations rounded to bfloat16. Not the VNNI loop's
+ * arithmetic, so which rows come here is a property of the token that owns a row (native/tile_rows.py: a prompt
+ * token's rows); within the loop a row's result does not depend on the other rows of the call. No per-group fold
+ * and one bfloat16 product a weight and row where the VNNI loop has two int8 ones: on a 2-core Zen 4 EPYC the
+ * default model's projections at 64-512 rows 1.1-1.5x faster than the VNNI loop (a prefill chunk), slower at a
+ * few rows (each block dequantized for them: 0.7-0.95x at 16). Each thread takes a contiguous share of (blocks, rows) units in
+ * block order, so that it dequantizes each group of blocks once a call. */
+#define PROMPT_UNIT_ROWS 32 /* activation rows of a unit: units enough to share a prompt of 128 rows evenly */
+
+/* one block's codes (its scales and offsets from element `at`) as bfloat16 weights in half_linear.c's layout
+ * ([Kp/2][16][2]: pair P of row r holds inputs 2P and 2P + 1) */
+static void dequantize_block_bf16(const uint8_t *codes, int bits, scales_t w, int64_t groups, int64_t at,
+                                  uint16_t *out) {
+    const __m512i low_byte = _mm512_set1_epi32(0xff);
+    for (int64_t g = 0; g < groups; ++g) {
+        const __m512 s = load16(w.s, w.dtype, at + g * BLOCK), o = load16(w.o, w.dtype, at + g * BLOCK);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) { /* step j: inputs 4j .. 4j + 3 of the group, a byte each in each row's lane */
+            const __m512i step = step_codes(codes, bits, g, j);
+            __m512i weights[4];
+            for (int t = 0; t < 4; ++t) {
+                const __m512i q = _mm512_and_si512(_mm512_srli_epi32(step, 8 * t), low_byte);
+                const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s, o);
+                weights[t] = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+            }
+            for (int p = 0; p < 2; ++p)
+                _mm512_store_si512((void *)(out + (g * 16 + 2 * j + p) * 2 * BLOCK),
+                                   _mm512_or_si512(weights[2 * p], _mm512_slli_epi32(weights[2 * p + 1], 16)));
+        }
+    }
+}
+
+typedef struct {
+    const uint16_t *acts;
+    int64_t m, n, kp;
+    const uint8_t *codes;
+    int bits;
+    scales_t w;
+    const float *bias;
+    void *y;
+    int y_dtype;
+    int *status;
+} prompt_call;
+
+static void prompt_work(void *context, int64_t thread, int64_t threads) {
+    const prompt_call *c = context;
+    const int64_t groups = c->kp / GROUP, block_bytes = (c->bits == 4 ? c->kp / 2 : c->kp) * BLOCK;
+    const int64_t blocks = (c->n + BLOCK - 1) / BLOCK, sets = (blocks + HALF_TILE_BLOCKS - 1) / HALF_TILE_BLOCKS;
+    const int64_t chunks = (c->m + PROMPT_UNIT_ROWS - 1) / PROMPT_UNIT_ROWS;
+    uint16_t *weights = aligned_alloc(64, (size_t)(HALF_TILE_BLOCKS * c->kp * BLOCK) * 2);
+    if (!weights) {
+        team_fail(c->status, ERR_MEMORY);
+        return;
+    }
+    int64_t u0, u1, have = -1;
+    team_share(sets * chunks, thread, threads, &u0, &u1);
+    for (int64_t u = u0; u < u1; ++u) {
+        const int64_t set = u / chunks, b = set * HALF_TILE_BLOCKS, m0 = u % chunks * PROMPT_UNIT_ROWS;
+        const int together = blocks - b < HALF_TILE_BLOCKS ? (int)(blocks - b) : HALF_TILE_BLOCKS;
+        if (set != have) {
+            for (int bb = 0; bb < together; ++bb)
+                dequantize_block_bf16(c->codes + (b + bb) * block_bytes, c->bits, c->w, groups,
+                                      (b + bb) * groups * BLOCK, weights + bb * c->kp * BLOCK);
+            have = set;
+        }
+        const int64_t m1 = m0 + PROMPT_UNIT_ROWS < c->m ? m0 + PROMPT_UNIT_ROWS : c->m;
+        core_half_bf16_blocks(weights, together, c->acts, c->kp, m0, m1, b * BLOCK, c->n, c->bias, c->y, c->y_dtype);
+    }
+    free(weights);
+}
+
+static int packed_linear_prompt(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
+                                int64_t n, int64_t kp, scales_t w, const float *bias, void *y, int y_dtype) {
+    uint16_t *acts = bf16_acts(x, x_dtype, m, k, kp, m);
+    if (!acts) return ERR_MEMORY;
+    int status = OK;
+    prompt_call call = {acts, m, n, kp, codes, bits, w, bias, y, y_dtype, &status};
+    run_team(1, prompt_work, &call);
+    free(acts);
+    return status;
+}
+#endif
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 /* The AMX loop (Sapphire Rapids and later Xeons): each block's codes dequantized, a group at a time, to
  * bfloat16 weights (w = q * s + o in float32, rounded once) in the tiles' pair layout, the activations
@@ -579,30 +690,6 @@ static int amx_granted(void) {
         __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
     }
     return state > 0;
-}
-
-/* the activations as bfloat16 rows of Kp (zero beyond K), Mp rows (zero beyond M) */
-static uint16_t *amx_acts(const void *x, int dtype, int64_t m, int64_t k, int64_t kp, int64_t mp) {
-    uint16_t *a = aligned_alloc(64, (size_t)(mp * kp) * 2);
-    if (!a) return NULL;
-#pragma omp parallel for schedule(static) if (core_team(m * k > PARALLEL_MIN_WORK))
-    for (int64_t row = 0; row < mp; ++row) {
-        uint16_t *out = a + row * kp;
-        int64_t col = 0;
-        if (row < m) {
-            if (dtype == DT_BF16) {
-                memcpy(out, (const uint16_t *)x + row * k, (size_t)k * 2);
-                col = k;
-            } else {
-                const float *in = (const float *)x + row * k;
-                for (; col + 16 <= k; col += 16)
-                    _mm256_storeu_si256((__m256i *)(out + col), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + col)));
-                for (; col < k; ++col) out[col] = f32_to_bf16(in[col]);
-            }
-        }
-        memset(out + col, 0, (size_t)(kp - col) * 2);
-    }
-    return a;
 }
 
 /* Byte shuffles that put a step's codes (16 weight rows x 4 inputs, a byte each) into int32 lanes: pick[h][p]
@@ -888,7 +975,7 @@ static void twin_work(void *context, int64_t thread, int64_t threads) {
 /* packed_linear_amx's results for m <= TWIN_ROWS rows, on vectors */
 static int packed_linear_twin(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
                               int64_t n, int64_t kp, scales_t w, const float *bias, void *y, int y_dtype, int gated) {
-    uint16_t *rounded = amx_acts(x, x_dtype, m, k, kp, m);
+    uint16_t *rounded = bf16_acts(x, x_dtype, m, k, kp, m);
     float *acts = aligned_alloc(64, (size_t)(m * kp) * 4);
     if (!rounded || !acts) {
         free(rounded);
@@ -911,7 +998,7 @@ static int packed_linear_amx(const void *x, int x_dtype, int64_t m, int64_t k, c
     if (m <= TWIN_ROWS && __atomic_load_n(&tile_twin_allowed, __ATOMIC_RELAXED))
         return packed_linear_twin(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype, gated);
     const int64_t mp = (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS, groups = kp / GROUP;
-    uint16_t *acts = amx_acts(x, x_dtype, m, k, kp, mp);
+    uint16_t *acts = bf16_acts(x, x_dtype, m, k, kp, mp);
     if (!acts) return ERR_MEMORY;
     const int stream = y_dtype == DT_F32 && m * (gated ? n / 2 : n) * 4 >= AMX_STREAM_BYTES;
     const int64_t blocks = (n + BLOCK - 1) / BLOCK, block_bytes = (bits == 4 ? kp / 2 : kp) * BLOCK;
@@ -1362,23 +1449,42 @@ int core_packed_uses_amx(void) {
 #endif
 }
 
-/* y = x @ W^T + bias on the AMX tiles (bfloat16 products, float32 sums over all of K; see the AMX loop);
- * returns 0, 1 (bad arguments), 2 (memory) or 3 (no tiles: not an amx-bf16 build, or Linux refused them). */
+/* The prompt loop this build and CPU have: PROMPT_LOOP_AMX (an amx-bf16 build whose process Linux grants the
+ * tiles: the AMX tile loop), PROMPT_LOOP_VECTORS (another AVX512-BF16 build, or the tiles refused: the vector
+ * prompt loop) or PROMPT_LOOP_NONE (core_packed_linear_tiles refuses: ERR_NO_TILES). Asks for the tiles, once. */
+enum { PROMPT_LOOP_NONE = 0, PROMPT_LOOP_VECTORS = 1, PROMPT_LOOP_AMX = 2 };
+
+int core_packed_prompt_loop(void) {
+    if (core_packed_uses_amx()) return PROMPT_LOOP_AMX;
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return PROMPT_LOOP_VECTORS;
+#else
+    return PROMPT_LOOP_NONE;
+#endif
+}
+
+/* y = x @ W^T + bias by the prompt loop (bfloat16 products, float32 sums over all of K: on the AMX tiles, else the
+ * vector prompt loop); returns 0, 1 (bad arguments), 2 (memory) or 3 (no prompt loop: a build without AVX512-BF16). */
 int core_packed_linear_tiles(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
                              int group, int64_t n, int64_t kp, const void *scale, const void *offset, int scale_dtype,
                              const float *bias, void *y, int y_dtype) {
     if (!arguments_valid(x, x_dtype, m, k, codes, bits, group, n, kp, scale, offset, scale_dtype, y, y_dtype))
         return ERR_ARGS;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (!amx_granted()) return ERR_NO_TILES;
+    const int loop = core_packed_prompt_loop();
+    if (loop == PROMPT_LOOP_NONE) return ERR_NO_TILES;
     if (m == 0) return OK;
-    if (group != GROUP || bits == 16) /* the tile loop dequantizes a group of codes under one scale: 16-input
+    if (group != GROUP || bits == 16) /* the prompt loops dequantize a group of codes under one scale: 16-input
                                           groups take the VNNI loop, 16-bit weights half_linear.c's */
         return packed_linear(x, x_dtype, m, k, codes, bits, group, n, kp, scale, offset, scale_dtype, bias, y,
                              y_dtype, 0);
     const scales_t w = {scale, offset, scale_dtype};
-    return packed_linear_amx(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype, 0);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (loop == PROMPT_LOOP_AMX) return packed_linear_amx(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype, 0);
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return packed_linear_prompt(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype);
 #else
+    (void)w;
     return ERR_NO_TILES;
 #endif
 }
