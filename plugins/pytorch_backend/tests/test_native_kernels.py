@@ -385,16 +385,16 @@ def test_the_vector_prompt_loop_gives_the_bf16_weights_bits(prompt_kernels, bits
     assert torch.equal(weight.linear(rounded, bias, tiles=True), half.linear(rounded, bias, reference=True))
 
 
-@TILES
+@PROMPT_LOOP
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 17, 70])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_gated_tile_loop_gives_the_bits_of_the_product_then_silu(tile_kernels, bits, dtype, rows, with_bias):
-    """gated_linear (silu * up in the tile loop's epilogue) is bit for bit the tile loop's [gate | up]
-    product and then the native silu * up, for the rows the tiles take; None where it does not apply."""
+def test_the_gated_prompt_loop_gives_the_bits_of_the_product_then_silu(prompt_kernels, bits, dtype, rows, with_bias):
+    """gated_linear (silu * up in the prompt loop's epilogue) is bit for bit the prompt loop's [gate | up]
+    product and then the native silu * up, for the rows the prompt loop takes; None where it does not apply."""
     codes = _weight(2 * 48, 160, bits)  # gate and up of 48 each: three blocks a half
-    weight = NativeWeight.from_affine(codes, tile_kernels)
+    weight = NativeWeight.from_affine(codes, prompt_kernels)
     x, bias = torch.randn(rows, 160).to(dtype), torch.randn(96) if with_bias else None
     expected = native.silu_and_mul(weight.linear(x, bias, tiles=True))
     assert weight.gated_linear(x, bias, "silu") is None  # no step marked: the VNNI loop's rows
@@ -402,7 +402,7 @@ def test_the_gated_tile_loop_gives_the_bits_of_the_product_then_silu(tile_kernel
         fused = weight.gated_linear(x, bias, "silu")
         assert weight.gated_linear(x, bias, "gelu_tanh") is None
     assert fused.dtype == dtype and torch.equal(fused, expected)
-    odd = NativeWeight.from_affine(_weight(2 * 40, 160, bits), tile_kernels)  # halves not whole blocks
+    odd = NativeWeight.from_affine(_weight(2 * 40, 160, bits), prompt_kernels)  # halves not whole blocks
     with tile_rows.prompt_token_rows(tile_rows.rows_of([(0, rows)], rows)):
         assert odd.gated_linear(x, None, "silu") is None
 
@@ -493,14 +493,14 @@ def test_prompt_token_rows_of_a_step():
     assert touching.runs == ((0, 2, False), (2, 6, True), (6, 8, False))
 
 
-@TILES
+@PROMPT_LOOP
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("spans", [[(0, 20)], [(17, 19)], [(3, 5), (20, 16)]], ids=["first", "last", "between"])
-def test_a_step_of_prompt_and_generated_rows_takes_the_gated_epilogue_run_by_run(tile_kernels, dtype, spans):
-    """gated_linear in a step of prompt and generated rows: the prompt rows' runs silu * up in the tile loop's
+def test_a_step_of_prompt_and_generated_rows_takes_the_gated_epilogue_run_by_run(prompt_kernels, dtype, spans):
+    """gated_linear in a step of prompt and generated rows: the prompt rows' runs silu * up in the prompt loop's
     epilogue, the generated rows' product by the VNNI loop then the native silu * up: the bits of linear
     and then silu_and_mul over the whole step."""
-    weight = NativeWeight.from_affine(_weight(2 * 48, 160, 4), tile_kernels)
+    weight = NativeWeight.from_affine(_weight(2 * 48, 160, 4), prompt_kernels)
     x = torch.randn(36, 160).to(dtype)
     with tile_rows.prompt_token_rows(tile_rows.rows_of(spans, 36)):
         expected = native.silu_and_mul(weight.linear(x, None))

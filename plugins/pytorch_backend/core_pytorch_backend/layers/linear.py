@@ -46,7 +46,7 @@ class MergedLinear(Linear):
     def gated(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
         """``act(self(x))`` for a [gate | up] projection and its gated activation (``act.name``): in one call
         where this layer's weight multiplies and applies it together (``gated_matmul``, set with the
-        weight: a packed weight's tile loop, silu), the same values; else the product, then ``act``."""
+        weight: a packed weight's prompt loop, silu), the same values; else the product, then ``act``."""
         if self.gated_matmul is not None and self.lora is None:
             out = self.gated_matmul(x, self.bias, getattr(act, "name", None))
             if out is not None:

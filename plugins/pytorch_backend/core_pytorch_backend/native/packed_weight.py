@@ -5,9 +5,10 @@ and offset each, or 8-bit codes per group of 16: GGUF's Q6_K) in blocks of 16 ro
 of 64 with zero codes, scales and offsets; within a block, each step of 4 inputs holds the 16 rows' 4
 codes in turn, and 4-bit codes of groups 2p and 2p+1 share a byte (low and high nibble). A symmetric
 code's offset (``o = -2^(bits-1) * s``: GGUF Q4_0 and Q8_0, int8) is stored like any other. ``linear``
-takes float32 or bfloat16 activations and returns the same dtype. Where the kernels have AMX tiles, the
-rows that ``tile_rows.current()`` marks (a prompt's tokens) take the tile loop and the others the VNNI loop
-(see tile_rows.py for the rule and why it is a property of the token).
+takes float32 or bfloat16 activations and returns the same dtype. Where the kernels have a prompt loop (the
+AMX tile loop, or the AVX512-BF16 vector prompt loop), the rows that ``tile_rows.current()`` marks (a
+prompt's tokens) take it and the others the VNNI loop (see tile_rows.py for the rule and why it is a
+property of the token).
 
 ``NativeWeight.from_half`` keeps a 16-bit float weight (a bf16 checkpoint's, a GGUF file's F16 / BF16
 tensor) in the same blocks (``bits == 16``, no scales or offsets; ``csrc/half_linear.c``), multiplied in
@@ -88,9 +89,10 @@ class NativeWeight(nn.Module):
         self.group = group
         self.padded_k = padded_k
         self.kernels = kernels
-        # whether gated_linear can take this weight as a [gate | up] pair: codes in groups of 32 on a CPU with the
-        # tiles, each half whole pairs of blocks
-        self.fuses_silu = bits != 16 and group == GROUP and shape[0] % (2 * BLOCK) == 0 and kernels.uses_amx
+        # whether gated_linear can take this weight as a [gate | up] pair: codes in groups of 32 on a CPU with a
+        # prompt loop, each half whole blocks
+        self.fuses_silu = (bits != 16 and group == GROUP and shape[0] % (2 * BLOCK) == 0
+                           and kernels.prompt_loop is not None)
 
     @classmethod
     def from_affine(cls, weight: AffineWeight, kernels: CpuKernels) -> NativeWeight:
@@ -175,7 +177,7 @@ class NativeWeight(nn.Module):
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
     def gated_linear(self, x: torch.Tensor, bias: torch.Tensor | None, activation: str | None) -> torch.Tensor | None:
-        """silu(gate) * up of this [gate | up] weight's product (``activation`` "silu"), [..., N / 2], in the tile
+        """silu(gate) * up of this [gate | up] weight's product (``activation`` "silu"), [..., N / 2], in the prompt
         loop's epilogue: the bits of ``linear`` and then the native silu * up, in a marked step
         (``tile_rows.current()``: a prefill chunk, any step under ``--amx-rows all``, or a step of prompt and
         generated rows in at most MAX_RUNS runs, whose generated rows' product is followed by silu * up);

@@ -174,7 +174,7 @@ int core_half_linear(const void *x, int x_dtype, int64_t m, int64_t k, const uin
 #define HALF_TILE_BLOCKS 4 /* weight blocks of half_linear.c's tile, the most core_half_bf16_blocks takes */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 void core_half_bf16_blocks(const uint16_t *first, int blocks, const uint16_t *acts, int64_t kp, int64_t m0, int64_t m1,
-                           int64_t col0, int64_t n, const float *bias, void *y, int y_dtype);
+                           int64_t col0, int64_t n, const float *bias, void *y, int y_dtype, int gated);
 #endif
 int core_decode_attention(const void *q, int q_dtype, int64_t rows, int64_t hq, int64_t d, const void *k_cache,
                           const void *v_cache, int cache_dtype, int64_t block_size, int64_t hkv,

@@ -63,11 +63,8 @@ static int linear(const core_decoder *m, const core_packed *w, const void *x, in
                                                                       w->scale_dtype, w->bias, y, m->dtype);
 }
 
-/* whether core_packed_linear_tiles_silu takes this [gate | up] weight (else the product, then silu * up): the AMX
- * tile loop has the epilogue, the vector prompt loop not */
-static inline int gated_on_tiles(const core_packed *w) {
-    return w->group == 32 && w->bits != 16 && w->n % 32 == 0 && core_packed_uses_amx();
-}
+/* whether core_packed_linear_tiles_silu takes this [gate | up] weight (else the product, then silu * up) */
+static inline int gated_on_tiles(const core_packed *w) { return w->group == 32 && w->bits != 16 && w->n % 32 == 0; }
 
 /* rows [T, width] `stride` elements apart from src into contiguous dst */
 static void copy_rows(const char *src, int64_t stride, int64_t rows, int64_t width, int64_t size, char *dst) {

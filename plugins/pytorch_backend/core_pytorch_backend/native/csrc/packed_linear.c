@@ -618,14 +618,25 @@ typedef struct {
     scales_t w;
     const float *bias;
     void *y;
-    int y_dtype;
+    int y_dtype, gated;
     int *status;
 } prompt_call;
 
+/* A unit's blocks: `together` blocks from block b, or gated, `together` gate blocks from b and as many up blocks
+ * from b + `up` (the product's second half) after them */
+static void prompt_unit_weights(const prompt_call *c, int64_t b, int together, int64_t up, uint16_t *weights) {
+    const int64_t groups = c->kp / GROUP, block_bytes = (c->bits == 4 ? c->kp / 2 : c->kp) * BLOCK;
+    for (int slot = 0; slot < (c->gated ? 2 : 1) * together; ++slot) {
+        const int64_t block = slot < together ? b + slot : b + up + slot - together;
+        dequantize_block_bf16(c->codes + block * block_bytes, c->bits, c->w, groups, block * groups * BLOCK,
+                              weights + slot * c->kp * BLOCK);
+    }
+}
+
 static void prompt_work(void *context, int64_t thread, int64_t threads) {
     const prompt_call *c = context;
-    const int64_t groups = c->kp / GROUP, block_bytes = (c->bits == 4 ? c->kp / 2 : c->kp) * BLOCK;
-    const int64_t blocks = (c->n + BLOCK - 1) / BLOCK, sets = (blocks + HALF_TILE_BLOCKS - 1) / HALF_TILE_BLOCKS;
+    const int64_t per_set = c->gated ? HALF_TILE_BLOCKS / 2 : HALF_TILE_BLOCKS; /* gated: as many up blocks again */
+    const int64_t blocks = (c->gated ? c->n / 2 : c->n + BLOCK - 1) / BLOCK, sets = (blocks + per_set - 1) / per_set;
     const int64_t chunks = (c->m + PROMPT_UNIT_ROWS - 1) / PROMPT_UNIT_ROWS;
     uint16_t *weights = aligned_alloc(64, (size_t)(HALF_TILE_BLOCKS * c->kp * BLOCK) * 2);
     if (!weights) {
@@ -635,26 +646,27 @@ static void prompt_work(void *context, int64_t thread, int64_t threads) {
     int64_t u0, u1, have = -1;
     team_share(sets * chunks, thread, threads, &u0, &u1);
     for (int64_t u = u0; u < u1; ++u) {
-        const int64_t set = u / chunks, b = set * HALF_TILE_BLOCKS, m0 = u % chunks * PROMPT_UNIT_ROWS;
-        const int together = blocks - b < HALF_TILE_BLOCKS ? (int)(blocks - b) : HALF_TILE_BLOCKS;
+        const int64_t set = u / chunks, b = set * per_set, m0 = u % chunks * PROMPT_UNIT_ROWS;
+        const int together = blocks - b < per_set ? (int)(blocks - b) : (int)per_set;
         if (set != have) {
-            for (int bb = 0; bb < together; ++bb)
-                dequantize_block_bf16(c->codes + (b + bb) * block_bytes, c->bits, c->w, groups,
-                                      (b + bb) * groups * BLOCK, weights + bb * c->kp * BLOCK);
+            prompt_unit_weights(c, b, together, blocks, weights);
             have = set;
         }
         const int64_t m1 = m0 + PROMPT_UNIT_ROWS < c->m ? m0 + PROMPT_UNIT_ROWS : c->m;
-        core_half_bf16_blocks(weights, together, c->acts, c->kp, m0, m1, b * BLOCK, c->n, c->bias, c->y, c->y_dtype);
+        core_half_bf16_blocks(weights, (c->gated ? 2 : 1) * together, c->acts, c->kp, m0, m1, b * BLOCK, c->n, c->bias,
+                              c->y, c->y_dtype, c->gated);
     }
     free(weights);
 }
 
+/* y = x @ W^T + bias by the vector prompt loop; `gated` (n / 2 a multiple of 16): y [m, n / 2] = silu(gate) * up of
+ * the two halves of that product instead (gate block b and up block n / 32 + b multiplied together) */
 static int packed_linear_prompt(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
-                                int64_t n, int64_t kp, scales_t w, const float *bias, void *y, int y_dtype) {
+                                int64_t n, int64_t kp, scales_t w, const float *bias, void *y, int y_dtype, int gated) {
     uint16_t *acts = bf16_acts(x, x_dtype, m, k, kp, m);
     if (!acts) return ERR_MEMORY;
     int status = OK;
-    prompt_call call = {acts, m, n, kp, codes, bits, w, bias, y, y_dtype, &status};
+    prompt_call call = {acts, m, n, kp, codes, bits, w, bias, y, y_dtype, gated, &status};
     run_team(1, prompt_work, &call);
     free(acts);
     return status;
@@ -1482,29 +1494,34 @@ int core_packed_linear_tiles(const void *x, int x_dtype, int64_t m, int64_t k, c
     if (loop == PROMPT_LOOP_AMX) return packed_linear_amx(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype, 0);
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    return packed_linear_prompt(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype);
+    return packed_linear_prompt(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype, 0);
 #else
     (void)w;
     return ERR_NO_TILES;
 #endif
 }
 
-/* y [m, n / 2] = silu(gate) * up of a merged [gate | up] weight's product on the AMX tiles (each half n / 2
+/* y [m, n / 2] = silu(gate) * up of a merged [gate | up] weight's product by the prompt loop (each half n / 2
  * rows, a multiple of 16; groups of 32 inputs, 4- or 8-bit codes): the bits of core_packed_linear_tiles and
  * then core_silu_and_mul, without the [m, n] product in memory; returns 0, 1 (bad arguments: other shapes
- * too), 2 (memory) or 3 (no tiles). */
+ * too), 2 (memory) or 3 (no prompt loop). */
 int core_packed_linear_tiles_silu(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
                                   int group, int64_t n, int64_t kp, const void *scale, const void *offset,
                                   int scale_dtype, const float *bias, void *y, int y_dtype) {
     if (!arguments_valid(x, x_dtype, m, k, codes, bits, group, n, kp, scale, offset, scale_dtype, y, y_dtype) ||
         n % (2 * BLOCK) || group != GROUP || bits == 16 || x_dtype != y_dtype)
         return ERR_ARGS;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (!amx_granted()) return ERR_NO_TILES;
+    const int loop = core_packed_prompt_loop();
+    if (loop == PROMPT_LOOP_NONE) return ERR_NO_TILES;
     if (m == 0) return OK;
     const scales_t w = {scale, offset, scale_dtype};
-    return packed_linear_amx(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype, 1);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (loop == PROMPT_LOOP_AMX) return packed_linear_amx(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype, 1);
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return packed_linear_prompt(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype, 1);
 #else
+    (void)w;
     return ERR_NO_TILES;
 #endif
 }
