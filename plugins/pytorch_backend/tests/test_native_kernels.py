@@ -493,6 +493,15 @@ def test_prompt_token_rows_of_a_step():
     assert touching.runs == ((0, 2, False), (2, 6, True), (6, 8, False))
 
 
+def test_each_rule_marks_its_rows():
+    """prompt: the prompt tokens' rows; all: every row (the LM head's too: no spans); none (--amx-rows none):
+    no row, so every row takes the VNNI loop."""
+    assert tile_rows.marked("prompt", [(1, 2)], 4).rows(True).tolist() == [1, 2]
+    assert tile_rows.marked("prompt", (), 3) is None
+    assert tile_rows.marked("all", (), 3).all_tiled and tile_rows.marked("all", [(1, 2)], 4).all_tiled
+    assert tile_rows.marked("none", [(0, 4)], 4) is None and tile_rows.marked("none", (), 3) is None
+
+
 @PROMPT_LOOP
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("spans", [[(0, 20)], [(17, 19)], [(3, 5), (20, 16)]], ids=["first", "last", "between"])
