@@ -451,6 +451,13 @@ def test_the_exact_tiles_give_the_vnni_loops_bits(tile_kernels, bits, shape, row
     assert with_tiles.dtype == dtype and torch.equal(with_tiles, alone)
 
 
+def test_each_variant_has_the_prompt_loop_its_instructions_allow(kernels):
+    """AVX512-BF16 builds have a prompt loop (the AMX tiles where Linux grants them, else vectors), the others
+    none: the prompt-loop tests skip by it, so a wrong answer here would skip them all silently."""
+    expected = {"amx-bf16": "amx" if kernels.uses_amx else "vectors", "avx512-bf16": "vectors"}.get(kernels.variant)
+    assert kernels.prompt_loop == expected
+
+
 def test_the_prompt_loop_is_refused_without_one(kernels):
     if kernels.prompt_loop is not None:
         pytest.skip(f"the {kernels.variant} variant has a prompt loop")

@@ -636,7 +636,8 @@ static void prompt_unit_weights(const prompt_call *c, int64_t b, int together, i
 static void prompt_work(void *context, int64_t thread, int64_t threads) {
     const prompt_call *c = context;
     const int64_t per_set = c->gated ? HALF_TILE_BLOCKS / 2 : HALF_TILE_BLOCKS; /* gated: as many up blocks again */
-    const int64_t blocks = (c->gated ? c->n / 2 : c->n + BLOCK - 1) / BLOCK, sets = (blocks + per_set - 1) / per_set;
+    const int64_t outputs = c->gated ? c->n / 2 : c->n; /* gated: the gate's, whose blocks are the sets' first */
+    const int64_t blocks = (outputs + BLOCK - 1) / BLOCK, sets = (blocks + per_set - 1) / per_set;
     const int64_t chunks = (c->m + PROMPT_UNIT_ROWS - 1) / PROMPT_UNIT_ROWS;
     uint16_t *weights = c->weights + thread * HALF_TILE_BLOCKS * c->kp * BLOCK;
     int64_t u0, u1, have = -1;
@@ -1478,6 +1479,20 @@ int core_packed_prompt_loop(void) {
 #endif
 }
 
+/* core_packed_linear_tiles(_silu)'s product (`gated`: silu * up of it) by this CPU's prompt loop, for a weight of
+ * 32-input groups and 4- or 8-bit codes */
+static int prompt_product(int loop, const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
+                          int64_t n, int64_t kp, scales_t w, const float *bias, void *y, int y_dtype, int gated) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (loop == PROMPT_LOOP_AMX) return packed_linear_amx(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype, gated);
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return packed_linear_prompt(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype, gated);
+#else
+    return ERR_NO_TILES; /* not reached: such a build's core_packed_prompt_loop is PROMPT_LOOP_NONE */
+#endif
+}
+
 /* y = x @ W^T + bias by the prompt loop (bfloat16 products, float32 sums over all of K: on the AMX tiles, else the
  * vector prompt loop); returns 0, 1 (bad arguments), 2 (memory) or 3 (no prompt loop: a build without AVX512-BF16). */
 int core_packed_linear_tiles(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
@@ -1493,15 +1508,7 @@ int core_packed_linear_tiles(const void *x, int x_dtype, int64_t m, int64_t k, c
         return packed_linear(x, x_dtype, m, k, codes, bits, group, n, kp, scale, offset, scale_dtype, bias, y,
                              y_dtype, 0);
     const scales_t w = {scale, offset, scale_dtype};
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (loop == PROMPT_LOOP_AMX) return packed_linear_amx(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype, 0);
-#endif
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    return packed_linear_prompt(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype, 0);
-#else
-    (void)w;
-    return ERR_NO_TILES;
-#endif
+    return prompt_product(loop, x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype, 0);
 }
 
 /* y [m, n / 2] = silu(gate) * up of a merged [gate | up] weight's product by the prompt loop (each half n / 2
@@ -1518,13 +1525,5 @@ int core_packed_linear_tiles_silu(const void *x, int x_dtype, int64_t m, int64_t
     if (loop == PROMPT_LOOP_NONE) return ERR_NO_TILES;
     if (m == 0) return OK;
     const scales_t w = {scale, offset, scale_dtype};
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (loop == PROMPT_LOOP_AMX) return packed_linear_amx(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype, 1);
-#endif
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    return packed_linear_prompt(x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype, 1);
-#else
-    (void)w;
-    return ERR_NO_TILES;
-#endif
+    return prompt_product(loop, x, x_dtype, m, k, codes, bits, n, kp, w, bias, y, y_dtype, 1);
 }
