@@ -5,8 +5,12 @@
  * quantized per row and group of 32 in two int8 steps: x ~ d * q1 (d = max|x| / 127, llama.cpp's Q8
  * activations) and the rest, x - d * q1, ~ (d / B) * q2, B = ACTS_BASE (127; 16 for 4-bit codes on builds
  * with exact int8 tiles). So x ~ (d / B) * (B q1 + q2), within max|x| / 32258 (B = 127; 4064 for 16), where one step
- * alone loses up to max|x| / 254, which in every layer of a model costs a point of top-1 agreement. A
- * group's contribution is s * (d / B) * (B sum(q * q1) + sum(q * q2)) + o * sum(x): two integer dot
+ * alone loses up to max|x| / 254, which in every layer of a model costs a point of top-1 agreement. (Nor can
+ * some layers take one step: teacher-forced top-1 agreement of the default model with its float32 oracle, every
+ * row on this loop, 2,000 tokens, Zen 4 EPYC: 99.75% with two steps everywhere; 98.10% with one for the inputs
+ * of q/k/v and gate/up, whose normed rows carry the outliers; 99.25% with one for the down projection's only.
+ * Simulated by rounding those inputs to one step before the call, whose quantization then leaves them as
+ * they are.) A group's contribution is s * (d / B) * (B sum(q * q1) + sum(q * q2)) + o * sum(x): two integer dot
  * products, one multiply by the two scales, and one multiply-add of the offset by the group's float sum.
  *
  * Layout: 16 weight rows side by side (a "block"), so that one vector holds 16 rows' partial dots and
