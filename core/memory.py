@@ -2,7 +2,8 @@
 
 glibc keeps freed memory in its arenas: after a large transient allocation (a model's load, a
 multi-megabyte prompt rendered and tokenized on a preparation thread) the process's resident memory
-stays at its peak until something trims it.
+stays at its peak until something trims it. The loader trims after a load, the preparation stage after a
+failed preparation, and the pytorch backend's engine loop once it goes idle after steps.
 """
 
 from __future__ import annotations

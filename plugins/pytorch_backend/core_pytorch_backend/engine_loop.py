@@ -15,6 +15,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 from core.backend import BackendStats, EndResult, FinishReason, TokenLogprob
 from core.channel import batched_sends
 from core.errors import BackendError, ModelNotFoundError
+from core.memory import trim_heap
 from core.scheduling import BlockManager, ScheduledSequence, Scheduler, SchedulerOutput, Sequence
 from core_pytorch_backend.lora.manager import AdapterManager
 from core_pytorch_backend.model_runner import ModelRunner
@@ -35,7 +37,7 @@ from core_pytorch_backend.speculative import SpeculativeDecoder
 from core_pytorch_backend.step_inputs import PromptRows
 
 log = logging.getLogger(__name__)
-IDLE_WAIT_SECONDS = 0.5
+IDLE_WAIT_SECONDS = 0.5  # also how long the loop is idle, after steps, before it trims the heap
 Scored = list[tuple[PromptRows, list[TokenLogprob]]]  # a step's prompt rows and their scored entries
 Pooled = list[tuple[PromptRows, torch.Tensor]]  # a step's pooling rows and their hidden states
 
@@ -65,6 +67,7 @@ class EngineLoop:
         self._by_seq: dict[str, tuple[RequestState, int]] = {}
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.SimpleQueue()
         self._stopping = False
+        self._stepped_since_trim = False  # steps ran since the heap was last trimmed (_trim_when_idle)
         self._thread = threading.Thread(target=self._run, name="core-pytorch-engine", daemon=True)
         self._thread.start()
 
@@ -127,6 +130,7 @@ class EngineLoop:
             self._drain_commands(block=not self.scheduler.has_unfinished)
             if self._stopping or not self.scheduler.has_unfinished:
                 continue
+            self._stepped_since_trim = True
             with batched_sends():  # the step's outputs reach the event loop in one wake-up
                 try:
                     self._step()
@@ -139,6 +143,8 @@ class EngineLoop:
             try:
                 fn, future = self._commands.get(timeout=IDLE_WAIT_SECONDS) if block else self._commands.get_nowait()
             except queue.Empty:
+                if block:
+                    self._trim_when_idle()
                 return
             block = False
             if future.set_running_or_notify_cancel():
@@ -146,6 +152,18 @@ class EngineLoop:
                     future.set_result(fn())
                 except BaseException as exc:
                     future.set_exception(exc)
+
+    def _trim_when_idle(self) -> None:
+        """Once the loop has been idle IDLE_WAIT_SECONDS after steps, hand the C heap's freed memory back to the OS.
+        A step's activations of a few MB each come from glibc's arenas once its mmap threshold has risen
+        past them (it follows the largest block freed, up to 32 MB), and the arenas keep their peak: on a
+        2-core Zen 4 EPYC the default model's server held 1,334 MB resident after loads of 1 to 64 streams,
+        1,196 MB after a trim. Idle only, so no request waits for it under load."""
+        if self._stepped_since_trim:
+            self._stepped_since_trim = False
+            start = time.perf_counter()
+            trim_heap()
+            log.debug("idle: heap trimmed in %.1f ms", 1e3 * (time.perf_counter() - start))
 
     def _shutdown(self) -> None:
         for state in list(self.requests.values()):
