@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--decode-steps", type=int, default=20)
     parser.add_argument("--amx-rows", default="prompt", choices=["prompt", "all", "none"],
-                        help="native/tile_rows.py's rule (on a CPU with AMX tiles)")
+                        help="native/tile_rows.py's rule (on a CPU with a prompt loop: AVX512-BF16 or AMX)")
     args = parser.parse_args()
     from core.scheduling import Sequence
 

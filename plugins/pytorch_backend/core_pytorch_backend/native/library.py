@@ -139,12 +139,17 @@ def available() -> CpuKernels | None:
         log.warning("the native CPU kernels are unavailable (%s); the plain-torch ops and torch's packed "
                     "kernels run instead", exc)
         return None
-    tiles = ("; AMX tiles granted (the packed matmuls' bfloat16 tile loop for prompt tokens, and the VNNI loop's "
-             "exact int8 tiles from 16 rows a call)") if kernels.uses_amx else ""
-    if kernels.prompt_loop == "vectors":
-        tiles = "; the packed matmuls' bfloat16 vector loop for prompt tokens (AVX512-BF16)"
-    if kernels.variant == "amx-bf16" and not kernels.uses_amx:
-        tiles = ("; Linux refused the AMX tiles: prompt tokens take the bfloat16 vector loop, the rest the "
-                 "AVX-512 VNNI loop")
-    log.info("native CPU kernels: the %s variant (%s)%s, %s", kernels.variant, why, tiles, kernels.path)
+    log.info("native CPU kernels: the %s variant (%s)%s, %s", kernels.variant, why, _loops_note(kernels), kernels.path)
     return kernels
+
+
+def _loops_note(kernels: CpuKernels) -> str:
+    """What the start-up log says of the packed matmuls' loops beyond the VNNI loop (empty: that loop alone)."""
+    if kernels.uses_amx:
+        return ("; AMX tiles granted (the packed matmuls' bfloat16 tile loop for prompt tokens, and the VNNI loop's "
+                "exact int8 tiles from 16 rows a call)")
+    if kernels.variant == "amx-bf16":
+        return "; Linux refused the AMX tiles: prompt tokens take the bfloat16 vector loop, the rest the AVX-512 VNNI loop"
+    if kernels.prompt_loop == "vectors":
+        return "; the packed matmuls' bfloat16 vector loop for prompt tokens (AVX512-BF16)"
+    return ""

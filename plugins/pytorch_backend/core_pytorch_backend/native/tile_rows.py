@@ -6,7 +6,7 @@ too, 16 rows at a time, with the same bits) and the prompt loop (the codes dequa
 activations rounded to bfloat16, float32 sums over all of K; ``CpuKernels.prompt_loop``): on AMX CPUs (an
 ``amx-bf16`` build whose process Linux grants the tiles) the tile loop, 2-2.6x faster than the VNNI loop
 from 64 rows on, and elsewhere (Zen 4 and later EPYCs) the vector prompt loop (``vdpbf16ps`` on a few
-dequantized blocks at a time), 1.2-1.5x faster from 64 rows on; both several times slower at one row. "The
+dequantized blocks at a time), 1.1-1.5x faster from 64 rows on; both several times slower at one row. "The
 tiles" below means either. They round differently, so the rule that picks one must not depend on the
 batch a row is in, or a request's greedy output would depend on whether its prompt's prefix was cached
 or which requests shared its steps (DESIGN.md: the packed kernel). The rule here is a property of the
