@@ -22,13 +22,20 @@ import torch
 
 from core.config import EngineConfig
 from core_pytorch_backend.attention_metadata import AttentionMetadata
-from core_pytorch_backend.kernels import select_ops
+from core_pytorch_backend.kernels import kv_int8, select_ops
 
 HEADS, KV_HEADS, HEAD_DIM, CHUNK = 9, 3, 64, 128
 
 
 DTYPES = {"bfloat16": (torch.bfloat16, torch.bfloat16), "float32": (torch.float32, torch.float32),
-          "float32/bfloat16": (torch.float32, torch.bfloat16)}  # name -> (query dtype, cache dtype)
+          "float32/bfloat16": (torch.float32, torch.bfloat16),
+          "float32/int8": (torch.float32, kv_int8.DTYPE)}  # name -> (query dtype, cache dtype)
+
+
+def random_cache(blocks: int, block_size: int, cache_dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """A cache of random rows (an int8 cache's quantized from them, as core_store_kv writes it)."""
+    values = torch.randn(blocks, block_size, KV_HEADS, HEAD_DIM, generator=gen)
+    return kv_int8.quantize(values) if kv_int8.is_int8(cache_dtype) else values.to(cache_dtype)
 
 
 def case(context: int, new: int, dtypes: tuple[torch.dtype, torch.dtype], block_size: int):
@@ -36,8 +43,8 @@ def case(context: int, new: int, dtypes: tuple[torch.dtype, torch.dtype], block_
     query_dtype, cache_dtype = dtypes
     blocks = -(-context // block_size)
     gen = torch.Generator().manual_seed(context)
-    k_cache = torch.randn(blocks + 8, block_size, KV_HEADS, HEAD_DIM, generator=gen).to(cache_dtype)
-    v_cache = torch.randn(blocks + 8, block_size, KV_HEADS, HEAD_DIM, generator=gen).to(cache_dtype)
+    k_cache = random_cache(blocks + 8, block_size, cache_dtype, gen)
+    v_cache = random_cache(blocks + 8, block_size, cache_dtype, gen)
     table = torch.randperm(blocks + 8, generator=gen)[:blocks].tolist()
     meta = AttentionMetadata.build([context - new], [new], [table], block_size)
     query = torch.randn(new, HEADS, HEAD_DIM, generator=gen).to(query_dtype)

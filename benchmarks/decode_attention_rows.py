@@ -1,7 +1,7 @@
 """A decode step's attention over many sequences, as a server at C streams runs it.
 
     python benchmarks/decode_attention_rows.py [--rows 8 32 64] [--contexts 128 192 1024]
-        [--dtype float32/bfloat16] [--ops native reference] [--layers 30] [--threads 2]
+        [--dtype float32/bfloat16 float32/int8] [--ops native reference] [--layers 30] [--threads 2]
 
 SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64), block_size 16, R decode rows
 each over its own context, the blocks scattered at random as a long-running server leaves them. One
@@ -22,7 +22,13 @@ import core_pytorch_backend  # noqa: F401  (before torch: large tensors on huge 
 
 # isort: split
 import torch
-from attention_context import DTYPES, HEAD_DIM, HEADS, KV_HEADS  # the same shapes, one sequence at a time
+from attention_context import (  # the same shapes, one sequence at a time
+    DTYPES,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    random_cache,
+)
 
 from core.config import EngineConfig
 from core_pytorch_backend.attention_metadata import AttentionMetadata
@@ -35,8 +41,7 @@ def step_case(rows: int, context: int, layers: int, dtypes: tuple[torch.dtype, t
     per_row = -(-context // block_size)
     blocks = rows * per_row
     gen = torch.Generator().manual_seed(rows * 7919 + context)
-    caches = [tuple(torch.randn(blocks, block_size, KV_HEADS, HEAD_DIM, generator=gen).to(cache_dtype)
-                    for _ in range(2)) for _ in range(layers)]
+    caches = [tuple(random_cache(blocks, block_size, cache_dtype, gen) for _ in range(2)) for _ in range(layers)]
     tables = torch.randperm(blocks, generator=gen).view(rows, per_row).tolist()
     meta = AttentionMetadata.build([context - 1] * rows, [1] * rows, tables, block_size)
     query = torch.randn(rows, HEADS, HEAD_DIM, generator=gen).to(query_dtype)
@@ -80,7 +85,8 @@ def main() -> None:
             for rows in args.rows:
                 for context in args.contexts:
                     query, caches, meta = step_case(rows, context, args.layers, DTYPES[name], block_size)
-                    kv_bytes = sum(k.element_size() for k, _ in caches) * rows * context * KV_HEADS * HEAD_DIM * 2
+                    row_bytes = sum(k.shape[-1] * k.element_size() for k, _ in caches)  # an int8 row's scale too
+                    kv_bytes = row_bytes * rows * context * KV_HEADS * 2
                     for kind in args.ops:
                         ms = step_ms(select_ops("cpu", kind=kind), query, caches, meta, scale, args.repeats)
                         ns = ms * 1e6 / (args.layers * rows * context * HEADS)

@@ -86,8 +86,11 @@ def test_backend_flags_become_backend_options():
     assert engine_config(parser.parse_args([])).backend_options == {}
     both = engine_config(parser.parse_args(["--enforce-eager", "--amx-rows", "all"])).backend_options
     assert both == {"enforce_eager": True, "amx_rows": "all"}
+    assert engine_config(parser.parse_args(["--kv-cache-dtype", "int8"])).backend_options == {"kv_cache_dtype": "int8"}
     with pytest.raises(SystemExit):
         parser.parse_args(["--amx-rows", "decode"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "fp8"])
 
 
 def test_served_model_names_split_into_the_reported_name_and_aliases():

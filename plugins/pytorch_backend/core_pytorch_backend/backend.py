@@ -31,7 +31,7 @@ from core_pytorch_backend import huge_pages
 from core_pytorch_backend.cuda_graphs import make_decode_graphs
 from core_pytorch_backend.distributed import TensorParallel
 from core_pytorch_backend.engine_loop import EngineLoop
-from core_pytorch_backend.kernels import select_ops
+from core_pytorch_backend.kernels import kv_int8, select_ops
 from core_pytorch_backend.loader import LoadedModel, default_model_path, load_checkpoint
 from core_pytorch_backend.lora.manager import AdapterManager
 from core_pytorch_backend.model_runner import ModelRunner, kv_cache_blocks
@@ -44,6 +44,7 @@ from core_pytorch_backend.speculative import make_speculative_decoder
 
 log = logging.getLogger(__name__)
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,16 @@ class PytorchOptions:
         (the AMX tiles where the CPU has them; native/tile_rows.py, ``--amx-rows``): ``prompt`` (prompt
         tokens), ``all`` (every row, generated tokens' and the LM head's too, in the native decode stack as
         well) or ``none`` (every row by the VNNI loop).
+    :param kv_cache_dtype: ``auto`` (the model's dtype; bfloat16 for a float32 model on the native packed
+        kernels) or ``int8`` (CPU only: each position's row of a KV head as 8-bit codes with its scale and
+        minimum, kernels/kv_int8.py: 1.8x the tokens in the same memory and half the bytes a decode step's
+        attention reads; ``--kv-cache-dtype``).
     """
 
     kv_cache_memory_fraction: float = 0.85
     enforce_eager: bool = False
     amx_rows: str = "prompt"
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> PytorchOptions:
@@ -83,6 +89,9 @@ class PytorchOptions:
         if chosen.amx_rows not in tile_rows.RULES:
             raise InvalidRequestError(f"amx_rows must be one of {', '.join(tile_rows.RULES)}, got {chosen.amx_rows!r}",
                                       param="backend_options.amx_rows")
+        if chosen.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                                      f"{chosen.kv_cache_dtype!r}", param="backend_options.kv_cache_dtype")
         return chosen
 
 
@@ -112,6 +121,9 @@ class PytorchBackend(Backend):
         self.config = config
         self.options = PytorchOptions.from_mapping(config.backend_options)
         self.device = resolve_device(config.device)
+        if self.options.kv_cache_dtype == "int8" and self.device.type != "cpu":
+            raise InvalidRequestError(f"kv_cache_dtype int8 runs on the CPU only; the device is {self.device}",
+                                      param="backend_options.kv_cache_dtype")
         self.source = str(config.model) if config.model else str(default_model_path())
         self._architectures = architectures if architectures is not None else architectures_for(self.name)
         self.ops = self._select_ops()  # chosen once; a level-2 wakeup reloads the weights onto the same set
@@ -119,7 +131,7 @@ class PytorchBackend(Backend):
         loaded = self._load()
         self.tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
-        kv_dtype = loaded.kv_cache_dtype
+        kv_dtype = kv_int8.DTYPE if self.options.kv_cache_dtype == "int8" else loaded.kv_cache_dtype
         num_blocks = kv_cache_blocks(loaded.model, config.block_size, kv_dtype, self.device,
                                      config.kv_cache_memory_gib, self.options.kv_cache_memory_fraction)
         max_len = self._max_model_len(loaded, num_blocks)
@@ -154,7 +166,7 @@ class PytorchBackend(Backend):
                                argmax_kernel=getattr(self.ops, "argmax_rows", None), adapters=self.lora,
                                speculative=speculative)
         log.info("KV cache: %d blocks of %d tokens (%d tokens) on %s, %s", num_blocks, config.block_size,
-                 num_blocks * config.block_size, self.device, str(kv_dtype).replace("torch.", ""))
+                 num_blocks * config.block_size, self.device, kv_int8.describe(kv_dtype))
         if self.device.type == "cpu":
             log.info("large CPU tensors: %s", huge_pages())
         release_openmp_pool()  # this thread's idle OpenMP workers would slow the engine thread's (core.openmp)

@@ -52,9 +52,9 @@ class DecodePath(Protocol):
 
 def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers (keys and values)."""
-    _, _, heads, head_dim = kv_cache_shape(model, 1, block_size)
-    element_bytes = torch.finfo(dtype).bits // 8
-    return 2 * len(attention_layers(model)) * block_size * heads * head_dim * element_bytes
+    _, _, heads, width = kv_cache_shape(model, 1, block_size, dtype)
+    element_bytes = dtype.itemsize
+    return 2 * len(attention_layers(model)) * block_size * heads * width * element_bytes
 
 
 def kv_cache_blocks(model: torch.nn.Module, block_size: int, dtype: torch.dtype, device: torch.device,

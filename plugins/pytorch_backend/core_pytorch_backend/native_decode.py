@@ -13,7 +13,7 @@ It is what CUDA graphs are on a GPU (cuda_graphs.py), with the same interface to
 
 It takes a model whose decoder is exactly ``models.llama``'s (Llama, Qwen2, Qwen3, Mistral and the VL
 models over them) built on the native op set, with every projection a ``NativeWeight`` (GGUF quants,
-``--quantization int8|int4``), float32 or bfloat16 activations and KV cache, and no hooks (tensor
+``--quantization int8|int4``), float32 or bfloat16 activations, a float32, bfloat16 or int8 KV cache, and no hooks (tensor
 parallel ranks all-reduce in hooks). Steps with a prefill chunk, M-RoPE positions or bidirectional image
 spans, and steps whose rows carry LoRA adapters (the runner routes those elsewhere), run through the
 modules; so does everything with ``--enforce-eager``.
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from core_pytorch_backend.kernels.native import CACHE_CODES
 from core_pytorch_backend.layers.activation import SiluAndMul
 from core_pytorch_backend.layers.attention import attention_layers
 from core_pytorch_backend.layers.norm import RMSNorm
@@ -186,8 +187,8 @@ def describe(model: nn.Module) -> _Plan:
     cache = attention.attn.k_cache
     if cache is None:
         raise DoesNotFit("no KV cache is bound")
-    if dtype not in _STEP_DTYPES or cache.dtype not in _STEP_DTYPES:
-        raise DoesNotFit(f"{dtype} activations or a {cache.dtype} KV cache (float32 or bfloat16 only)")
+    if dtype not in _STEP_DTYPES or cache.dtype not in CACHE_CODES:
+        raise DoesNotFit(f"{dtype} activations or a {cache.dtype} KV cache (float32 or bfloat16, or an int8 cache)")
     heads, kv_heads, head_dim = attention.attn.num_heads, attention.attn.num_kv_heads, attention.head_dim
     if head_dim > MAX_HEAD_DIM or heads // kv_heads > MAX_GROUP:
         raise DoesNotFit(f"{head_dim}-wide heads in groups of {heads // kv_heads}")
@@ -202,7 +203,7 @@ def describe(model: nn.Module) -> _Plan:
     keep: list[torch.Tensor] = [rotary.cos_cache, rotary.sin_cache]
     spec = _Decoder(hidden=first.input_layernorm.weight.shape[0], heads=heads, kv_heads=kv_heads,
                     head_dim=head_dim, inter=mlp.down_proj.input_size, dtype=DTYPE_CODES[dtype],
-                    cache_dtype=DTYPE_CODES[cache.dtype],
+                    cache_dtype=CACHE_CODES[cache.dtype],
                     table_dtype=DTYPE_CODES[rotary.cos_cache.dtype], eps=first.input_layernorm.eps,
                     block_size=cache.shape[1], num_slots=cache.shape[0] * cache.shape[1],
                     max_position=rotary.cos_cache.shape[0], cos=_ptr(rotary.cos_cache, keep),

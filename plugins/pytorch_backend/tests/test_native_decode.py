@@ -18,7 +18,7 @@ import torch
 from core.scheduling.scheduler import ScheduledSequence
 from core.scheduling.sequence import Sequence
 from core_pytorch_backend.attention_metadata import AttentionMetadata
-from core_pytorch_backend.kernels import select_ops
+from core_pytorch_backend.kernels import kv_int8, select_ops
 from core_pytorch_backend.loader import load_checkpoint
 from core_pytorch_backend.model_runner import ModelRunner, StepInputs
 from core_pytorch_backend.native import tile_rows
@@ -44,9 +44,9 @@ def _load(path, quantization: str, dtype: str = "float32", kind: str = "native")
     return load_checkpoint(path, dtype=dtype, quantization=quantization, ops=select_ops("cpu", kind=kind)).model
 
 
-def _runner(model, num_blocks: int = 64) -> ModelRunner:
+def _runner(model, num_blocks: int = 64, kv_cache_dtype: torch.dtype | None = None) -> ModelRunner:
     return ModelRunner(model, block_size=BLOCK, num_blocks=num_blocks, device=CPU,
-                       dtype=next(model.parameters()).dtype,
+                       dtype=next(model.parameters()).dtype, kv_cache_dtype=kv_cache_dtype,
                        decode_path=lambda m: make_native_decode(m, device=CPU, enabled=True))
 
 
@@ -83,6 +83,20 @@ def test_the_stack_gives_the_modules_hidden_states_bit_for_bit(tiny_checkpoint_f
                                                                  quantization, dtype):
     runner = _runner(_load(tiny_checkpoint_factory(arch), quantization, dtype))
     assert isinstance(runner.decode_path, NativeDecodeStack)
+    _decode_both_ways(runner)
+
+
+@pytest.mark.parametrize("group_rows", [0, 1])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_stack_over_an_int8_kv_cache_gives_the_modules_bits(tiny_checkpoint_factory, native_packed, monkeypatch,
+                                                                  dtype, group_rows):
+    """--kv-cache-dtype int8: the stack stores and attends over the cache's 8-bit rows (kernels/kv_int8.py) as the
+    modules' native ops do, in the kernels' splits and in row groups."""
+    monkeypatch.setattr("core_pytorch_backend.native_decode.GROUP_ROWS", max(group_rows, 1))
+    monkeypatch.setattr("core_pytorch_backend.native_decode.EXACT_TILES_GROUP_ROWS", 0)
+    monkeypatch.setattr("core_pytorch_backend.native_decode.row_group_from", lambda _: 2 if group_rows else 10**6)
+    runner = _runner(_load(tiny_checkpoint_factory("llama"), "int4", dtype), kv_cache_dtype=kv_int8.DTYPE)
+    assert runner.kv_caches[0][0].dtype == kv_int8.DTYPE and isinstance(runner.decode_path, NativeDecodeStack)
     _decode_both_ways(runner)
 
 

@@ -135,6 +135,21 @@ async def test_packed_int8_shards_match_one_rank(tiny_checkpoint_factory):
         await asyncio.to_thread(close, single)
 
 
+async def test_an_int8_kv_cache_on_every_rank_matches_one_rank(tiny_checkpoint_factory):
+    """--kv-cache-dtype int8 reaches every rank (WorkerSpec.kv_cache_dtype); a cache row is one KV head's, so
+    each rank's shard of the heads quantizes its rows as one rank does."""
+    path = tiny_checkpoint_factory("llama")
+    int8 = {"backend_options": {"kv_cache_dtype": "int8"}}
+    single, tp = backend(path, 1, **int8), backend(path, 2, **int8)
+    try:
+        assert tp.loop.runner.local.kv_cache_dtype == torch.uint8
+        expected = [r.token_ids for r in await generate_all(AsyncEngine(single), count=4)]
+        assert [r.token_ids for r in await generate_all(AsyncEngine(tp), count=4)] == expected
+    finally:
+        await asyncio.to_thread(close, tp)
+        await asyncio.to_thread(close, single)
+
+
 async def test_a_killed_rank_fails_the_requests_and_the_health_check_without_hanging(tiny_checkpoint_factory):
     tp = backend(tiny_checkpoint_factory("llama"), 2)
     engine = AsyncEngine(tp)

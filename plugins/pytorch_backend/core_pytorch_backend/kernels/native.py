@@ -4,8 +4,8 @@ A decode step of a small model is mostly dispatch: the reference's decode attent
 every context block, a mask and SDPA (about 40 us a layer for one sequence on a 2-core EPYC), its
 RMSNorm five ops, its rotary embedding seven. ``core_decode_attention``, ``core_rms_norm``,
 ``core_silu_and_mul``, ``core_rotary`` and ``core_store_kv`` (``native/csrc/cpu_ops.c``) do each in one
-call over float32 or bfloat16 tensors, and ``core_chunk_attention`` (``native/csrc/chunk_attention.c``)
-a step's prefill chunks. What they do not take (other dtypes, M-RoPE positions, bidirectional spans,
+call over float32 or bfloat16 tensors (and KV caches of int8 rows: ``kv_int8``), and
+``core_chunk_attention`` (``native/csrc/chunk_attention.c``) a step's prefill chunks. What they do not take (other dtypes, M-RoPE positions, bidirectional spans,
 heads over 256 wide in a chunk) goes to the reference ops, which stay the oracle: the tests compare the
 two.
 """
@@ -19,12 +19,13 @@ import torch
 from ..attention_metadata import AttentionMetadata
 from ..native.library import CpuKernels, available
 from ..native.packed_weight import DTYPE_CODES
-from . import reference
+from . import kv_int8, reference
 
 NAME = "native"
 MAX_HEAD_DIM, MAX_GROUP = 512, 64  # csrc/cpu_ops.c
 MAX_CHUNK_HEAD_DIM = 256  # csrc/chunk_attention.c
 gelu_tanh_and_mul = reference.gelu_tanh_and_mul
+CACHE_CODES = {torch.float32: 0, torch.bfloat16: 1, kv_int8.DTYPE: 3}  # the KV caches the kernels take: csrc DT_*
 
 
 def kernels() -> CpuKernels | None:
@@ -34,6 +35,10 @@ def kernels() -> CpuKernels | None:
 
 def _code(tensor: torch.Tensor) -> int | None:
     return DTYPE_CODES.get(tensor.dtype)
+
+
+def _cache_code(cache: torch.Tensor) -> int | None:
+    return CACHE_CODES.get(cache.dtype)
 
 
 class _DecodeRows(NamedTuple):
@@ -62,7 +67,7 @@ def _decode_rows(meta: AttentionMetadata) -> _DecodeRows | None:
 def _decode_fits(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     hq, d = query.shape[1:]
     hkv = k_cache.shape[2]
-    return (query.device.type == "cpu" and _code(query) is not None and _code(k_cache) is not None
+    return (query.device.type == "cpu" and _code(query) is not None and _cache_code(k_cache) is not None
             and d <= MAX_HEAD_DIM and hq % hkv == 0 and hq // hkv <= MAX_GROUP and k_cache.is_contiguous()
             and v_cache.is_contiguous() and v_cache.dtype == k_cache.dtype)
 
@@ -74,7 +79,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = torch.empty_like(query)
     rows, hq, d = query.shape
     kernels().call("core_decode_attention", query.data_ptr(), _code(query), rows, hq, d, k_cache.data_ptr(),
-                   v_cache.data_ptr(), _code(k_cache), k_cache.shape[1], k_cache.shape[2], tables.data_ptr(),
+                   v_cache.data_ptr(), _cache_code(k_cache), k_cache.shape[1], k_cache.shape[2], tables.data_ptr(),
                    tables.shape[1], lengths.data_ptr(), sliding_window or 0, scale, out.data_ptr())
     return out
 
@@ -110,7 +115,7 @@ def chunk_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """Fill the chunk rows of ``out`` [T, Hq, D] with their causal attention (``core_chunk_attention``)."""
     _, hq, d = query.shape
     kernels().call("core_chunk_attention", query.data_ptr(), _code(query), hq, d, k_cache.data_ptr(),
-                   v_cache.data_ptr(), _code(k_cache), k_cache.shape[1], k_cache.shape[2], plan.count,
+                   v_cache.data_ptr(), _cache_code(k_cache), k_cache.shape[1], k_cache.shape[2], plan.count,
                    plan.query_start.data_ptr(), plan.query_len.data_ptr(), plan.seq_len.data_ptr(),
                    plan.tables.data_ptr(), plan.tables.shape[1], sliding_window or 0, scale, out.data_ptr())
 
@@ -204,11 +209,12 @@ def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor
 def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """As ``reference.store_kv_cache``, in one ``core_store_kv`` call."""
-    if (key.dtype != value.dtype or _code(key) is None or _code(k_cache) is None or key.device.type != "cpu"
-            or slot_mapping.dtype != torch.int64 or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+    if (key.dtype != value.dtype or _code(key) is None or _cache_code(k_cache) is None or key.device.type != "cpu"
+            or v_cache.dtype != k_cache.dtype or slot_mapping.dtype != torch.int64
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         return reference.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
     (key, k_stride), (value, v_stride) = _rows(key), _rows(value)
     slots = slot_mapping.contiguous()
     kernels().call("core_store_kv", key.data_ptr(), value.data_ptr(), _code(key), key.shape[0], key.shape[1],
                    key.shape[2], k_stride, v_stride, slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                   _code(k_cache), k_cache.shape[0] * k_cache.shape[1])
+                   _cache_code(k_cache), k_cache.shape[0] * k_cache.shape[1])

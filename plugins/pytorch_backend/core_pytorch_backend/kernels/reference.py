@@ -1,6 +1,7 @@
 """Plain-torch versions of every hot op: the CPU path and the oracle for faster kernels.
 
-Cache layout: ``k_cache`` / ``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+Cache layout: ``k_cache`` / ``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``; an int8
+cache's rows are ``head_dim + kv_int8.ROW_EXTRA`` bytes (``kv_int8``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention_metadata import AttentionMetadata
+from . import kv_int8
 
 NAME = "reference"
 
@@ -23,13 +25,16 @@ def store_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write each new token's K/V ([T, Hkv, D]) into its cache slot; negative slots are skipped."""
+    """Write each new token's K/V ([T, Hkv, D]) into its cache slot; negative slots are skipped. An int8
+    cache (``kv_int8``) takes the rows' codes, scales and minimums."""
     slots = k_cache.shape[0] * k_cache.shape[1]
     # One min (a host sync off the CPU) instead of a mask and .all(); a slot < 0 only comes from
     # padded rows (CUDA graphs, tests), whose rows are then dropped.
     if slot_mapping.numel() and int(slot_mapping.min()) < 0:
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    if kv_int8.is_int8(k_cache.dtype):
+        key, value = kv_int8.quantize(key), kv_int8.quantize(value)
     k_cache.view(slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
@@ -93,7 +98,12 @@ def paged_chunks(
 
 def _gather_context(cache: torch.Tensor, table: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """[num_blocks * block_size, Hkv, D] context rows of one block table."""
-    return cache.index_select(0, table[:num_blocks].long()).flatten(0, 1)
+    return _values(cache.index_select(0, table[:num_blocks].long()).flatten(0, 1))
+
+
+def _values(rows: torch.Tensor) -> torch.Tensor:
+    """Rows read from a cache as values: an int8 cache's dequantized (float32), the others' as they are."""
+    return kv_int8.dequantize(rows) if kv_int8.is_int8(rows.dtype) else rows
 
 
 class _DecodePlan(NamedTuple):
@@ -150,8 +160,8 @@ def _decode_attention(q, k_cache, v_cache, plan: _DecodePlan, scale, window, sof
     b, hq, d = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     length = plan.num_blocks * block_size
-    k = k_cache.index_select(0, plan.blocks).view(b, length, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
-    v = v_cache.index_select(0, plan.blocks).view(b, length, hkv, d).transpose(1, 2)
+    k = _values(k_cache.index_select(0, plan.blocks)).view(b, length, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
+    v = _values(v_cache.index_select(0, plan.blocks)).view(b, length, hkv, d).transpose(1, 2)
     # Grouped-query attention without copying K/V per query head: the G query heads that share a
     # KV head become G query rows of that head.
     out = _sdpa(q.view(b, hkv, hq // hkv, d), k, v, _decode_mask(plan, block_size, window, q.dtype), scale, softcap)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..attention_metadata import AttentionMetadata
-from ..kernels import reference
+from ..kernels import kv_int8, reference
 
 
 class Attention(nn.Module):
@@ -44,9 +44,9 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        expected = (self.num_kv_heads, self.head_dim)
+        expected = (self.num_kv_heads, kv_int8.row_width(self.head_dim, k_cache.dtype))
         for cache in (k_cache, v_cache):
-            if cache.dim() != 4 or tuple(cache.shape[2:]) != expected:
+            if cache.dim() != 4 or tuple(cache.shape[2:]) != expected or cache.dtype != k_cache.dtype:
                 raise ValueError(
                     f"layer {self.layer_index}: KV cache must be [num_blocks, block_size, {expected[0]}, "
                     f"{expected[1]}], got {tuple(cache.shape)}"
@@ -84,10 +84,13 @@ def attention_layers(model: nn.Module) -> list[Attention]:
     return sorted(layers, key=lambda m: m.layer_index)
 
 
-def kv_cache_shape(model: nn.Module, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
-    """Shape of one layer's K (or V) cache; all layers of the built-in models share it."""
+def kv_cache_shape(model: nn.Module, num_blocks: int, block_size: int,
+                   dtype: torch.dtype | None = None) -> tuple[int, int, int, int]:
+    """Shape of one layer's K (or V) cache of ``dtype`` (an int8 cache's rows are wider: ``kv_int8``); all
+    layers of the built-in models share it."""
     first = attention_layers(model)[0]
-    return (num_blocks, block_size, first.num_kv_heads, first.head_dim)
+    width = first.head_dim if dtype is None else kv_int8.row_width(first.head_dim, dtype)
+    return (num_blocks, block_size, first.num_kv_heads, width)
 
 
 def bind_kv_caches(model: nn.Module, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -115,7 +118,8 @@ def allocate_kv_caches(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Allocate every layer's caches (model dtype/device by default) and bind them.
 
-    All layers' K and V are views of one tensor ``[layers, 2, num_blocks, block_size, Hkv, D]``. With
+    All layers' K and V are views of one tensor ``[layers, 2, num_blocks, block_size, Hkv, D]`` (an int8
+    cache's rows ``D + kv_int8.ROW_EXTRA`` bytes wide). With
     ``zeroed=False`` its memory is left as allocated, and the caller zeroes each block before a step
     first reads it (``ModelRunner`` does on the CPU: one large fresh allocation costs no resident
     memory until it is written, so the cache's footprint grows with use). Such a CPU cache is kept off
@@ -126,7 +130,7 @@ def allocate_kv_caches(
     dtype = dtype or param.dtype
     device = device or param.device
     layers = attention_layers(model)
-    shape = (len(layers), 2, *kv_cache_shape(model, num_blocks, block_size))
+    shape = (len(layers), 2, *kv_cache_shape(model, num_blocks, block_size, dtype))
     allocate = torch.zeros if zeroed else torch.empty
     storage = allocate(shape, dtype=dtype, device=device)
     if not zeroed and storage.device.type == "cpu":

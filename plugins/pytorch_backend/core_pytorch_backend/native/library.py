@@ -31,8 +31,8 @@ SIGNATURES: dict[str, list] = {
     "core_packed_linear_tiles": [_P, _I, _L, _L, _P, _I, _I, _L, _L, _P, _P, _I, _P, _P, _I],
     # the same arguments; y [M, N / 2]: silu(gate) * up of a merged [gate | up] weight's product
     "core_packed_linear_tiles_silu": [_P, _I, _L, _L, _P, _I, _I, _L, _L, _P, _P, _I, _P, _P, _I],
-    # q, q dtype, rows, Hq, D, k cache, v cache, cache dtype, block size, Hkv, tables, table width,
-    # lengths, window, scale, out
+    # q, q dtype, rows, Hq, D, k cache, v cache, cache dtype (kernels/native.py CACHE_CODES: 3 an int8 cache's
+    # rows, kernels/kv_int8.py), block size, Hkv, tables, table width, lengths, window, scale, out
     "core_decode_attention": [_P, _I, _L, _L, _L, _P, _P, _I, _L, _L, _P, _L, _P, _L, _F, _P],
     # x, dtype, T, H, residual, weight, weight dtype, eps, out, residual out
     "core_rms_norm": [_P, _I, _L, _L, _P, _P, _I, _F, _P, _P],

@@ -7,7 +7,7 @@
 #include <string.h>
 #include <omp.h>
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 }; /* library.py passes these */
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_KV8 = 3 }; /* library.py passes these; DT_KV8: a KV cache only */
 enum { OK = 0, ERR_ARGS = 1, ERR_MEMORY = 2 }; /* library.py STATUS */
 
 /* Elements of work from which an elementwise kernel (a norm, rotary, silu * up, the activations'
@@ -112,6 +112,52 @@ static inline void store_row(void *dst, int dtype, int64_t offset, int64_t n, co
     } else {
         memcpy((float *)dst + offset, src, (size_t)n * sizeof(float));
     }
+}
+
+/* An int8 KV cache (DT_KV8, kernels/kv_int8.py) keeps each position's row of one KV head as its D values'
+ * codes c (uint8, 0..255), then its float32 scale s and minimum m: the values are m + c s (two roundings:
+ * the build contracts no multiply-add), the codes round((x - m) / s) with s = (max - min) / 255 (0, and
+ * every code 0, where the row's values are all equal). */
+#define KV8_EXTRA 8
+
+/* bytes of one KV head's row of one position in a cache of `dtype` */
+static inline int64_t cache_row_bytes(int dtype, int64_t d) {
+    return dtype == DT_KV8 ? d + KV8_EXTRA : d * (dtype == DT_F32 ? 4 : 2);
+}
+
+/* row `row` (slot * Hkv + KV head) of a cache of float32, bfloat16 or int8 rows, as float32 */
+static inline void load_cache_row(const void *cache, int dtype, int64_t row, int64_t d, float *dst) {
+    if (dtype != DT_KV8) {
+        load_row(cache, dtype, row * d, d, dst);
+        return;
+    }
+    const uint8_t *codes = (const uint8_t *)cache + row * (d + KV8_EXTRA);
+    float scale, low;
+    memcpy(&scale, codes + d, sizeof(float));
+    memcpy(&low, codes + d + sizeof(float), sizeof(float));
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) dst[i] = (float)codes[i] * scale + low;
+}
+
+/* row `row` of a cache of float32, bfloat16 or int8 rows from float32 values */
+static inline void store_cache_row(void *cache, int dtype, int64_t row, int64_t d, const float *src) {
+    if (dtype != DT_KV8) {
+        store_row(cache, dtype, row * d, d, src);
+        return;
+    }
+    uint8_t *codes = (uint8_t *)cache + row * (d + KV8_EXTRA);
+    float low = src[0], high = src[0];
+    for (int64_t i = 1; i < d; ++i) {
+        low = src[i] < low ? src[i] : low;
+        high = src[i] > high ? src[i] : high;
+    }
+    const float scale = (high - low) / 255.f;
+    for (int64_t i = 0; i < d; ++i) {
+        const float code = scale > 0.f ? __builtin_nearbyintf((src[i] - low) / scale) : 0.f;
+        codes[i] = (uint8_t)(code < 0.f ? 0.f : code > 255.f ? 255.f : code);
+    }
+    memcpy(codes + d, &scale, sizeof(float));
+    memcpy(codes + d + sizeof(float), &low, sizeof(float));
 }
 
 /* e^x as 2^n * p(f), n = round(x log2 e), p a degree-6 polynomial of f = (x log2 e - n) ln 2 in

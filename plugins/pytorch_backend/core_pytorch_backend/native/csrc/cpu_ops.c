@@ -5,7 +5,8 @@
  * Each rounds where the plain-torch reference (kernels/reference.py) rounds, so bfloat16 results match
  * it to the last bit or one ulp (the sums run in a different order), and float32 ones to rounding;
  * except decode attention over a bfloat16 cache in the avx512-bf16 build (partial_bf16), which
- * multiplies in bfloat16 (a float32 query and the softmax weights rounded to it).
+ * multiplies in bfloat16 (a float32 query and the softmax weights rounded to it), and over an int8 cache
+ * (DT_KV8, common.h) in the AVX512-VNNI builds (partial_kv8), which multiplies its codes in integers.
  * Tensors are contiguous; dtype codes as packed_linear.c (0 float32, 1 bfloat16).
  */
 #include <stdint.h>
@@ -111,12 +112,12 @@ static inline __attribute__((always_inline)) int partial(const void *q, int q_dt
     if (!queries) return ERR_MEMORY;
     float *scores = queries + hq * d;
     load_row(q, q_dtype, row * hq * d, hq * d, queries);
-    const int64_t row_bytes = hkv * d * (cache_dtype == DT_BF16 ? 2 : 4);
+    const int64_t row_bytes = hkv * cache_row_bytes(cache_dtype, d);
     for (int64_t j = 0; j < span; ++j) {
         const int64_t slot = slot_of(table, begin + j, block_size);
         if (j + PREFETCH < span) prefetch_row(k_cache, slot_of(table, begin + j + PREFETCH, block_size), row_bytes);
         for (int64_t kv = 0; kv < hkv; ++kv) {
-            load_row(k_cache, cache_dtype, (slot * hkv + kv) * d, d, cached);
+            load_cache_row(k_cache, cache_dtype, slot * hkv + kv, d, cached);
             for (int64_t head = kv * group; head < (kv + 1) * group; ++head)
                 scores[head * span + j] = dot(queries + head * d, cached, d) * scale;
         }
@@ -135,7 +136,7 @@ static inline __attribute__((always_inline)) int partial(const void *q, int q_dt
         const int64_t slot = slot_of(table, begin + j, block_size);
         if (j + PREFETCH < span) prefetch_row(v_cache, slot_of(table, begin + j + PREFETCH, block_size), row_bytes);
         for (int64_t kv = 0; kv < hkv; ++kv) {
-            load_row(v_cache, cache_dtype, (slot * hkv + kv) * d, d, cached);
+            load_cache_row(v_cache, cache_dtype, slot * hkv + kv, d, cached);
             for (int64_t head = kv * group; head < (kv + 1) * group; ++head) {
                 const float p = scores[head * span + j];
                 float *a = part + head * (2 + d) + 2;
@@ -156,7 +157,7 @@ static inline __attribute__((always_inline)) void gather_rows(const void *k_cach
                                                                int64_t block_size, int64_t hkv, int64_t d,
                                                                const int32_t *table, int64_t begin, int64_t span,
                                                                float *keys, float *values) {
-    const int64_t row_bytes = hkv * d * (cache_dtype == DT_BF16 ? 2 : 4);
+    const int64_t row_bytes = hkv * cache_row_bytes(cache_dtype, d);
     for (int64_t j = 0; j < span; ++j) {
         if (j + GATHER_AHEAD < span) {
             const int64_t ahead = slot_of(table, begin + j + GATHER_AHEAD, block_size);
@@ -165,8 +166,8 @@ static inline __attribute__((always_inline)) void gather_rows(const void *k_cach
         }
         const int64_t slot = slot_of(table, begin + j, block_size);
         for (int64_t kv = 0; kv < hkv; ++kv) {
-            load_row(k_cache, cache_dtype, (slot * hkv + kv) * d, d, keys + (kv * span + j) * d);
-            load_row(v_cache, cache_dtype, (slot * hkv + kv) * d, d, values + (kv * span + j) * d);
+            load_cache_row(k_cache, cache_dtype, slot * hkv + kv, d, keys + (kv * span + j) * d);
+            load_cache_row(v_cache, cache_dtype, slot * hkv + kv, d, values + (kv * span + j) * d);
         }
     }
 }
@@ -236,7 +237,7 @@ static inline __attribute__((always_inline)) int partial_simd(const void *q, int
                                                                const int32_t *table, int64_t begin, int64_t end,
                                                                float scale, context_walk *next, float *part) {
     const int64_t group = hq / hkv, span = end - begin, chunks = d / LANES;
-    const int64_t slot_bytes = hkv * d * (cache_dtype == DT_BF16 ? 2 : 4);
+    const int64_t slot_bytes = hkv * cache_row_bytes(cache_dtype, d);
     float *queries = malloc((size_t)(hq * d + hq * span + 2 * hkv * span * d) * sizeof(float));
     if (!queries) return ERR_MEMORY;
     float *scores = queries + hq * d, *all_keys = scores + hq * span, *all_values = all_keys + hkv * span * d;
@@ -438,6 +439,212 @@ static inline __attribute__((always_inline)) int partial_bf16(const void *q, int
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define KV8_MAX_RUNS 2 /* runs of 64 codes (a register) a row: heads of up to 128 */
+#define KV8_PASS_SUMS 16 /* V sum registers a pass: D / 16 a head */
+#define KV8_MAX_PASS_HEADS 3
+
+/* A query head in two int8 steps for vpdpbusd against a row's uint8 codes: q ~ step (a + b / 256), a the
+ * rounding of q / step (step = max |q| / 127), b that of the rest in 256ths of a step (clamped to 127):
+ * ~15 bits of each element, where bfloat16 keeps 8. `total`: the sum of q, for the rows' minimums. */
+static inline __attribute__((always_inline)) void kv8_query(const float *q, int64_t d, int8_t *a, int8_t *b,
+                                                            float *step, float *total) {
+    float top = 0.f, sum = 0.f;
+#pragma omp simd reduction(max : top) reduction(+ : sum)
+    for (int64_t i = 0; i < d; ++i) {
+        top = fabsf(q[i]) > top ? fabsf(q[i]) : top;
+        sum += q[i];
+    }
+    const float s = top > 0.f ? top / 127.f : 1.f, inverse = 1.f / s;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) {
+        const float high = __builtin_nearbyintf(q[i] * inverse);
+        const float rest = __builtin_nearbyintf((q[i] * inverse - high) * 256.f);
+        a[i] = (int8_t)(high > 127.f ? 127.f : high < -127.f ? -127.f : high);
+        b[i] = (int8_t)(rest > 127.f ? 127.f : rest < -127.f ? -127.f : rest);
+    }
+    *step = s;
+    *total = sum;
+}
+
+/* One int8 row's scale and minimum */
+static inline void kv8_tail(const uint8_t *row, int64_t d, float *scale, float *low) {
+    memcpy(scale, row + d, sizeof(float));
+    memcpy(low, row + d + sizeof(float), sizeof(float));
+}
+
+/* sum over a row's codes c of c * q in the query's two steps (its `step` still to apply) */
+static inline __attribute__((always_inline)) __m512 kv8_dot(const uint8_t *codes, const __m512i *a, const __m512i *b,
+                                                            int64_t runs) {
+    __m512i high = _mm512_setzero_si512(), low = _mm512_setzero_si512();
+    for (int64_t c = 0; c < runs; ++c) {
+        const __m512i x = _mm512_loadu_si512(codes + 64 * c);
+        high = _mm512_dpbusd_epi32(high, x, a[c]);
+        low = _mm512_dpbusd_epi32(low, x, b[c]);
+    }
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), _mm512_set1_ps(1.f / 256.f), _mm512_cvtepi32_ps(high));
+}
+
+/* Weights w [n] (>= 0) as int16 for vpdpwssd against the V rows' codes: w ~ step x a, a = round(w / step),
+ * step = max w / 32767 (15 bits, where bfloat16 keeps 8); zero from n to an even count. */
+static inline __attribute__((always_inline)) float kv8_weights(const float *w, int64_t n, int16_t *a) {
+    float top = 0.f;
+#pragma omp simd reduction(max : top)
+    for (int64_t i = 0; i < n; ++i) top = w[i] > top ? w[i] : top;
+    const float s = top > 0.f ? top / 32767.f : 1.f, inverse = 1.f / s;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+        const float code = __builtin_nearbyintf(w[i] * inverse);
+        a[i] = (int16_t)(code > 32767.f ? 32767.f : code);
+    }
+    if (n % 2) a[n] = 0;
+    return s;
+}
+
+static const uint8_t kv8_zeros[128]; /* a padding row's codes (weight 0) */
+
+/* The V sums of `heads` query heads over the codes of the rows, two positions at a time by vpdpwssd: the
+ * two positions' 64-byte runs of codes interleaved and widened to 16 bits (unpack lo / hi with each other,
+ * then with zeros) so that a dword holds one element of both, multiplied by the two positions' int16
+ * weights (kv8_weights, [heads][apart]) broadcast. Lane 4k + l of sum register 4v + r holds element
+ * 64v + 16k + 4r + l: times the head's step, plus the minimums' share, and put back in order on the way out. */
+static inline __attribute__((always_inline)) void kv8_values(const uint8_t *v_cache, int64_t d, const int64_t *rows,
+                                                              int64_t span, const int16_t *w, int64_t apart,
+                                                              const float *steps, const float *shares, int heads,
+                                                              float *part) {
+    const int64_t runs = d / 64;
+    const __m512i zero = _mm512_setzero_si512();
+    __m512i sums[KV8_MAX_PASS_HEADS][8];
+    for (int h = 0; h < heads; ++h)
+        for (int64_t r = 0; r < 4 * runs; ++r) sums[h][r] = zero;
+    for (int64_t j = 0; j < span; j += 2) {
+        const uint8_t *first = v_cache + rows[j], *second = j + 1 < span ? v_cache + rows[j + 1] : kv8_zeros;
+        __m512i pair[KV8_MAX_PASS_HEADS];
+        for (int h = 0; h < heads; ++h) {
+            int32_t both;
+            memcpy(&both, w + h * apart + j, sizeof both);
+            pair[h] = _mm512_set1_epi32(both);
+        }
+        for (int64_t v = 0; v < runs; ++v) {
+            const __m512i x0 = _mm512_loadu_si512(first + 64 * v), x1 = _mm512_loadu_si512(second + 64 * v);
+            const __m512i lo = _mm512_unpacklo_epi8(x0, x1), hi = _mm512_unpackhi_epi8(x0, x1);
+            const __m512i r[4] = {_mm512_unpacklo_epi8(lo, zero), _mm512_unpackhi_epi8(lo, zero),
+                                  _mm512_unpacklo_epi8(hi, zero), _mm512_unpackhi_epi8(hi, zero)};
+            for (int h = 0; h < heads; ++h)
+                for (int q = 0; q < 4; ++q) sums[h][4 * v + q] = _mm512_dpwssd_epi32(sums[h][4 * v + q], r[q], pair[h]);
+        }
+    }
+    for (int h = 0; h < heads; ++h) {
+        const __m512 step = _mm512_set1_ps(steps[h]), share = _mm512_set1_ps(shares[h]);
+        float *out = part + h * (2 + d) + 2;
+        for (int64_t v = 0; v < runs; ++v) { /* a 4 x 4 transpose of 128-bit lanes: sum register r's lane k -> out's
+                                                  16 elements from 64v + 16k, lane r */
+            __m512 r[4];
+            for (int q = 0; q < 4; ++q) r[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[h][4 * v + q]), step, share);
+            const __m512 t0 = _mm512_shuffle_f32x4(r[0], r[1], 0x44), t1 = _mm512_shuffle_f32x4(r[0], r[1], 0xEE),
+                         t2 = _mm512_shuffle_f32x4(r[2], r[3], 0x44), t3 = _mm512_shuffle_f32x4(r[2], r[3], 0xEE);
+            _mm512_storeu_ps(out + 64 * v, _mm512_shuffle_f32x4(t0, t2, 0x88));
+            _mm512_storeu_ps(out + 64 * v + 16, _mm512_shuffle_f32x4(t0, t2, 0xDD));
+            _mm512_storeu_ps(out + 64 * v + 32, _mm512_shuffle_f32x4(t1, t3, 0x88));
+            _mm512_storeu_ps(out + 64 * v + 48, _mm512_shuffle_f32x4(t1, t3, 0xDD));
+        }
+    }
+}
+
+/* partial() over an int8 cache (heads of D = 64 or 128): each score's sum of products of a row's codes
+ * and the query in its two int8 steps (kv8_query) by vpdpbusd, 64 products an instruction, read in place
+ * from the cache (no conversion), then times the row's scale, plus its minimum times the query's sum;
+ * the V sums over the codes by vpdpwssd (kv8_values) against the softmax weights times each row's scale
+ * in int16, the minimums' share added once. Against float32 math on the dequantized rows: within
+ * ~2^-15 of the query's and the weights' largest element (tests: 2e-4 on random rows). A bfloat16 cache
+ * of the same tokens takes as long on a 2-core Zen 4 EPYC (decode_attention_rows.py: 0.9-1.03x at 1-64
+ * rows of 192-1,024 positions): the arithmetic, not the bytes, bounds both there. */
+static inline __attribute__((always_inline)) int partial_kv8(const void *q, int q_dtype, int64_t row, int64_t hq,
+                                                              int64_t d, const uint8_t *k_cache, const uint8_t *v_cache,
+                                                              int64_t block_size, int64_t hkv, const int32_t *table,
+                                                              int64_t begin, int64_t end, float scale,
+                                                              context_walk *next, float *part) {
+    const int64_t group = hq / hkv, span = end - begin, runs = d / 64, row_bytes = d + KV8_EXTRA;
+    const int64_t slot_bytes = hkv * row_bytes;
+    const int pass = KV8_PASS_SUMS / (int)(d / 16) > KV8_MAX_PASS_HEADS ? KV8_MAX_PASS_HEADS
+                                                                       : KV8_PASS_SUMS / (int)(d / 16);
+    /* each position's row offsets [span] (slot) and [span] (the KV head at hand), the rows' scales and
+       minimums [span] each, scores [hq][span], the queries [hq][d] float32, then a pass's int16 weights */
+    const int64_t apart = (span + 1) / 2 * 2; /* a head's int16 weights, padded to whole pairs */
+    int64_t *starts = malloc((size_t)span * 2 * sizeof(int64_t) + (size_t)(2 * span + hq * span + hq * d) * sizeof(float) +
+                             (size_t)(KV8_MAX_PASS_HEADS * apart) * sizeof(int16_t));
+    if (!starts) return ERR_MEMORY;
+    int64_t *rows = starts + span;
+    float *scales = (float *)(rows + span), *lows = scales + span, *scores = lows + span, *queries = scores + hq * span;
+    int16_t *weights = (int16_t *)(queries + hq * d); /* [KV8_MAX_PASS_HEADS][apart] */
+    load_row(q, q_dtype, row * hq * d, hq * d, queries);
+    context_walk walk = context_walk_at(table, begin, end, block_size);
+    for (int64_t j = 0; j < span; ++j) starts[j] = walk_slot(&walk, block_size) * slot_bytes;
+    for (int64_t kv = 0; kv < hkv; ++kv) {
+        for (int64_t j = 0; j < span; ++j) {
+            rows[j] = starts[j] + kv * row_bytes;
+            kv8_tail(k_cache + rows[j], d, scales + j, lows + j);
+        }
+        for (int64_t head = kv * group; head < (kv + 1) * group; ++head) {
+            int8_t a[128] __attribute__((aligned(64))), b[128] __attribute__((aligned(64)));
+            float step, total;
+            kv8_query(queries + head * d, d, a, b, &step, &total);
+            __m512i av[KV8_MAX_RUNS], bv[KV8_MAX_RUNS];
+            for (int64_t c = 0; c < runs; ++c) av[c] = _mm512_load_si512(a + 64 * c), bv[c] = _mm512_load_si512(b + 64 * c);
+            float *s = scores + head * span;
+            const __m512 stepped = _mm512_set1_ps(step), summed = _mm512_set1_ps(total), scaled = _mm512_set1_ps(scale);
+            int64_t j = 0;
+            for (; j + 16 <= span; j += 16) {
+                __m512 acc[16];
+                for (int p = 0; p < 16; ++p) acc[p] = kv8_dot(k_cache + rows[j + p], av, bv, runs);
+                const __m512 dots = _mm512_mul_ps(lane_sums(acc), stepped);
+                const __m512 x = _mm512_fmadd_ps(_mm512_loadu_ps(scales + j), dots, _mm512_mul_ps(_mm512_loadu_ps(lows + j), summed));
+                _mm512_storeu_ps(s + j, _mm512_mul_ps(x, scaled));
+                fetch_next_position(next, k_cache, v_cache, block_size, slot_bytes);
+                fetch_next_position(next, k_cache, v_cache, block_size, slot_bytes);
+            }
+            for (; j < span; ++j)
+                s[j] = (scales[j] * _mm512_reduce_add_ps(kv8_dot(k_cache + rows[j], av, bv, runs)) * step + lows[j] * total) *
+                       scale;
+            float top = -INFINITY, sum = 0.f;
+#pragma omp simd reduction(max : top)
+            for (int64_t i = 0; i < span; ++i) top = s[i] > top ? s[i] : top;
+            exp_shifted(s, span, top);
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < span; ++i) sum += s[i];
+            part[head * (2 + d)] = top;
+            part[head * (2 + d) + 1] = sum;
+        }
+        for (int64_t j = 0; j < span; ++j) kv8_tail(v_cache + rows[j], d, scales + j, lows + j);
+        for (int64_t head = kv * group; head < (kv + 1) * group; head += pass) {
+            const int64_t left = (kv + 1) * group - head;
+            const int count = left < pass ? (int)left : pass;
+            float steps[KV8_MAX_PASS_HEADS], shares[KV8_MAX_PASS_HEADS];
+            for (int h = 0; h < count; ++h) { /* the weights times the rows' scales; the minimums' share */
+                float *w = scores + (head + h) * span, share = 0.f;
+#pragma omp simd reduction(+ : share)
+                for (int64_t i = 0; i < span; ++i) {
+                    share += w[i] * lows[i];
+                    w[i] *= scales[i];
+                }
+                shares[h] = share;
+                steps[h] = kv8_weights(w, span, weights + h * apart);
+            }
+#define VALUES(H) kv8_values(v_cache, d, rows, span, weights, apart, steps, shares, H, part + head * (2 + d))
+            switch (count) { /* a constant count, so that the sums stay in registers */
+            case 1: VALUES(1); break;
+            case 2: VALUES(2); break;
+            default: VALUES(3); break;
+            }
+#undef VALUES
+        }
+    }
+    while (next->left > 0) fetch_next_position(next, k_cache, v_cache, block_size, slot_bytes);
+    free(starts);
+    return OK;
+}
+#endif
+
 static int partial_any(const void *q, int q_dtype, int64_t row, int64_t hq, int64_t d, const void *k_cache,
                        const void *v_cache, int cache_dtype, int64_t block_size, int64_t hkv, const int32_t *table,
                        int64_t begin, int64_t end, float scale, context_walk *next, float *part) {
@@ -457,6 +664,15 @@ static int partial_any(const void *q, int q_dtype, int64_t row, int64_t hq, int6
     }
 #undef PARTIAL_BF16
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PARTIAL_KV8(QT, D) partial_kv8(q, QT, row, hq, D, k_cache, v_cache, block_size, hkv, table, begin, end, scale, \
+                                       next, part)
+    if (cache_dtype == DT_KV8 && (d == 64 || d == 128)) {
+        if (q_dtype == DT_BF16) return d == 64 ? PARTIAL_KV8(DT_BF16, 64) : PARTIAL_KV8(DT_BF16, 128);
+        return d == 64 ? PARTIAL_KV8(DT_F32, 64) : PARTIAL_KV8(DT_F32, 128);
+    }
+#undef PARTIAL_KV8
+#endif
     if (q_dtype == DT_BF16 && cache_dtype == DT_BF16) {
         if (d == 64) return PARTIAL(DT_BF16, DT_BF16, 64);
         if (d == 128) return PARTIAL(DT_BF16, DT_BF16, 128);
@@ -466,6 +682,11 @@ static int partial_any(const void *q, int q_dtype, int64_t row, int64_t hq, int6
     } else if (q_dtype == DT_F32 && cache_dtype == DT_BF16) { /* a float32 model over a bfloat16 cache (GGUF) */
         if (d == 64) return PARTIAL(DT_F32, DT_BF16, 64);
         if (d == 128) return PARTIAL(DT_F32, DT_BF16, 128);
+    } else if (cache_dtype == DT_KV8) {
+        if (q_dtype == DT_F32 && d == 64) return PARTIAL(DT_F32, DT_KV8, 64);
+        if (q_dtype == DT_F32 && d == 128) return PARTIAL(DT_F32, DT_KV8, 128);
+        if (q_dtype == DT_BF16 && d == 64) return PARTIAL(DT_BF16, DT_KV8, 64);
+        if (q_dtype == DT_BF16 && d == 128) return PARTIAL(DT_BF16, DT_KV8, 128);
     }
     return partial(q, q_dtype, row, hq, d, k_cache, v_cache, cache_dtype, block_size, hkv, table, begin, end, scale,
                    part);
@@ -497,7 +718,7 @@ static void combine(const float *parts, int64_t count, int64_t apart, int64_t hq
 }
 
 /* out[R, Hq, D] = softmax(q K^T * scale) V for R decode rows, each over its own paged context:
- * caches [num_blocks, block_size, Hkv, D]; tables [R, table_width] int32; lengths [R] int32 (cached
+ * caches [num_blocks, block_size, Hkv, D] (an int8 cache's rows D + KV8_EXTRA bytes); tables [R, table_width] int32; lengths [R] int32 (cached
  * tokens, the new one included); window > 0 keeps the last `window` positions only.
  *
  * The work is cut into tasks of one row and up to PARTITION positions (so that one long sequence
@@ -570,7 +791,8 @@ int core_decode_attention(const void *q, int q_dtype, int64_t rows, int64_t hq, 
                           float scale, void *out) {
     if ((rows > 0 && (!q || !tables || !lengths || !out)) || !k_cache || !v_cache || rows < 0 || hkv <= 0 ||
         hq % hkv || hq / hkv > MAX_GROUP || d <= 0 || d > MAX_HEAD_DIM || block_size <= 0 ||
-        (q_dtype != DT_F32 && q_dtype != DT_BF16) || (cache_dtype != DT_F32 && cache_dtype != DT_BF16))
+        (q_dtype != DT_F32 && q_dtype != DT_BF16) || (cache_dtype != DT_F32 && cache_dtype != DT_BF16 &&
+                                                       cache_dtype != DT_KV8))
         return ERR_ARGS;
     if (rows == 0) return OK;
     const int64_t stride = hq * (2 + d); /* floats of one partition */
@@ -753,13 +975,14 @@ int core_rotary(const void *q, const void *k, int dtype, int64_t tokens, int64_t
 }
 
 /* Write each new token's K and V ([T, Hkv, D], rows `*_row_stride` apart) into its cache slot
- * (caches [slots, Hkv, D] of cache_dtype); a negative slot is skipped, one past the cache an error. */
+ * (caches [slots, Hkv, D] of cache_dtype; an int8 cache's rows quantized, store_cache_row); a negative slot
+ * is skipped, one past the cache an error. */
 int core_store_kv(const void *k, const void *v, int dtype, int64_t tokens, int64_t hkv, int64_t d,
                   int64_t k_row_stride, int64_t v_row_stride, const int64_t *slots, void *k_cache, void *v_cache,
                   int cache_dtype, int64_t num_slots) {
     if ((tokens > 0 && (!k || !v || !slots)) || !k_cache || !v_cache || tokens < 0 || d <= 0 || hkv <= 0 ||
         (dtype != DT_F32 && dtype != DT_BF16) ||
-        (cache_dtype != DT_F32 && cache_dtype != DT_BF16))
+        (cache_dtype != DT_F32 && cache_dtype != DT_BF16 && cache_dtype != DT_KV8))
         return ERR_ARGS;
     for (int64_t t = 0; t < tokens; ++t)
         if (slots[t] >= num_slots) return ERR_ARGS;
@@ -769,9 +992,9 @@ int core_store_kv(const void *k, const void *v, int dtype, int64_t tokens, int64
     for (int64_t t = 0; t < tokens; ++t) {
         if (slots[t] < 0) continue;
         load_row(k, dtype, t * k_row_stride, width, row);
-        store_row(k_cache, cache_dtype, slots[t] * width, width, row);
+        for (int64_t kv = 0; kv < hkv; ++kv) store_cache_row(k_cache, cache_dtype, slots[t] * hkv + kv, d, row + kv * d);
         load_row(v, dtype, t * v_row_stride, width, row);
-        store_row(v_cache, cache_dtype, slots[t] * width, width, row);
+        for (int64_t kv = 0; kv < hkv; ++kv) store_cache_row(v_cache, cache_dtype, slots[t] * hkv + kv, d, row + kv * d);
     }
     free(row);
     return OK;
