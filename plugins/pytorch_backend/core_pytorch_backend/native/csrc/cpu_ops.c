@@ -665,12 +665,10 @@ static int partial_any(const void *q, int q_dtype, int64_t row, int64_t hq, int6
 #undef PARTIAL_BF16
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define PARTIAL_KV8(QT, D) partial_kv8(q, QT, row, hq, D, k_cache, v_cache, block_size, hkv, table, begin, end, scale, \
-                                       next, part)
-    if (cache_dtype == DT_KV8 && (d == 64 || d == 128)) {
-        if (q_dtype == DT_BF16) return d == 64 ? PARTIAL_KV8(DT_BF16, 64) : PARTIAL_KV8(DT_BF16, 128);
-        return d == 64 ? PARTIAL_KV8(DT_F32, 64) : PARTIAL_KV8(DT_F32, 128);
-    }
+#define PARTIAL_KV8(D) partial_kv8(q, q_dtype, row, hq, D, k_cache, v_cache, block_size, hkv, table, begin, end, scale, \
+                                   next, part)
+    /* a constant head size (the query's dtype only reaches one load_row: not worth a copy each) */
+    if (cache_dtype == DT_KV8 && (d == 64 || d == 128)) return d == 64 ? PARTIAL_KV8(64) : PARTIAL_KV8(128);
 #undef PARTIAL_KV8
 #endif
     if (q_dtype == DT_BF16 && cache_dtype == DT_BF16) {
@@ -682,12 +680,12 @@ static int partial_any(const void *q, int q_dtype, int64_t row, int64_t hq, int6
     } else if (q_dtype == DT_F32 && cache_dtype == DT_BF16) { /* a float32 model over a bfloat16 cache (GGUF) */
         if (d == 64) return PARTIAL(DT_F32, DT_BF16, 64);
         if (d == 128) return PARTIAL(DT_F32, DT_BF16, 128);
-    } else if (cache_dtype == DT_KV8) {
-        if (q_dtype == DT_F32 && d == 64) return PARTIAL(DT_F32, DT_KV8, 64);
-        if (q_dtype == DT_F32 && d == 128) return PARTIAL(DT_F32, DT_KV8, 128);
-        if (q_dtype == DT_BF16 && d == 64) return PARTIAL(DT_BF16, DT_KV8, 64);
-        if (q_dtype == DT_BF16 && d == 128) return PARTIAL(DT_BF16, DT_KV8, 128);
     }
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__)) /* there partial_kv8 takes these (and they cost seconds
+                                                           of the build) */
+    if (cache_dtype == DT_KV8 && (d == 64 || d == 128))
+        return d == 64 ? PARTIAL(q_dtype, DT_KV8, 64) : PARTIAL(q_dtype, DT_KV8, 128);
+#endif
     return partial(q, q_dtype, row, hq, d, k_cache, v_cache, cache_dtype, block_size, hkv, table, begin, end, scale,
                    part);
 #undef PARTIAL
