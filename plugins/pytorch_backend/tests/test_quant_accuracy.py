@@ -44,6 +44,7 @@ from core_pytorch_backend.loader import LoadedModel, cached_gguf_folder, load_ch
 
 MIN_AGREEMENT = 0.99  # top-1 agreement with the float32 oracle (issue 14)
 MIN_AGREEMENT_BF16 = 0.965  # where the model runs in bfloat16 on torch's kernel: the band bf16 reaches (see above)
+MIN_AGREEMENT_INT8_KV = 0.985  # an int8 KV cache on top of the packed weights (see CANDIDATES)
 MAX_PERPLEXITY_DEVIATION = 0.01  # |ppl / ppl_oracle - 1|
 TOKENS = 2000
 
@@ -85,8 +86,12 @@ def test_oracle_reads_the_text_as_text(oracle):
 # the bfloat16 KV cache (bfloat16 dot products in the avx512-bf16 and amx-bf16 builds; prefill chunks of 256 take
 # chunk attention instead). Measured on a Zen 4 EPYC: 99.55% (the avx512-vnni build's float32 attention: 99.65%),
 # perplexity ratio 1.0004. "int8 KV cache" keeps the keys and values as --kv-cache-dtype int8 does (kernels/kv_int8.py:
-# 8-bit codes with a scale and a minimum a row): measured on a Zen 4 EPYC, 99.15% in chunks of 256 (chunk attention's
-# float32 loop over the dequantized rows), 99.20% one token a step (csrc partial_kv8), perplexity ratio 0.999-1.0015.
+# 8-bit codes with a scale and a minimum a row), which rounds what attention reads on top of the weights' codes, so it
+# has a bar of its own (MIN_AGREEMENT_INT8_KV; the perplexity bar is the same). Measured on a Zen 4 EPYC: 99.15% in
+# chunks of 256 (chunk attention's float32 loop over the dequantized rows; 99.05% with the rows scored as generated
+# tokens', on the VNNI loop), 99.20% one token a step (csrc partial_kv8), perplexity ratio 0.999-1.0002; the bfloat16
+# cache 99.45% / 99.75% / 99.75%. The margin is for other CPUs' prompt loops (the AMX Xeon's tiles: 99.40% with the
+# bfloat16 cache); a wrong scale, minimum or code would fall far below it.
 def _int8_kv_cache(loaded: LoadedModel) -> LoadedModel:
     loaded.kv_cache_dtype = kv_int8.DTYPE
     return loaded
@@ -115,5 +120,6 @@ def test_quantized_path_follows_the_float32_model(name, default_gguf_path, oracl
     result = quality.compare(run, oracle_run)
     del loaded  # only numbers below: a failure's report stays short, and the weights go before the next load
     summary = f"{name} ({weights}; {dtype}): {result}"
-    assert result.agreement >= (MIN_AGREEMENT if dtype == torch.float32 else MIN_AGREEMENT_BF16), summary
+    bar = MIN_AGREEMENT if dtype == torch.float32 else MIN_AGREEMENT_BF16
+    assert result.agreement >= (MIN_AGREEMENT_INT8_KV if "int8 KV cache" in name else bar), summary
     assert abs(result.perplexity_ratio - 1) <= MAX_PERPLEXITY_DEVIATION, summary
