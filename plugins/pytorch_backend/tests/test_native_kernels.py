@@ -675,7 +675,9 @@ def test_paged_attention_matches_the_reference(ops, dtypes, window, case, heads)
     # the avx512-bf16 and amx-bf16 variants multiply a bfloat16 cache in bfloat16 (heads of 64 or 128; decode rows in
     # csrc partial_bf16, the query and the softmax weights rounded to bfloat16; prefill chunks in chunk_attention.c's
     # run_task_bf16, the weights rounded): a float32 query over it is held to bf16's bar
-    bf16_math = cache_dtype == torch.bfloat16 and native.kernels().variant in ("avx512-bf16", "amx-bf16") and d in (64, 128)
+    # (an int8 cache's prefill chunks too: its codes by the query in bfloat16 dot products, the weights rounded)
+    bf16_math = cache_dtype in (torch.bfloat16, kv_int8.DTYPE) and native.kernels().variant in ("avx512-bf16", "amx-bf16") \
+        and d in (64, 128)
     # the AVX512-VNNI variants score an int8 cache's decode rows against the query in two int8 steps and weigh its
     # values in int16 (csrc partial_kv8: ~15 bits of each)
     query_steps = kv_int8.is_int8(cache_dtype) and native.kernels().variant in ("avx512-vnni", "avx512-bf16", "amx-bf16") \

@@ -87,10 +87,10 @@ def test_oracle_reads_the_text_as_text(oracle):
 # chunk attention instead). Measured on a Zen 4 EPYC: 99.55% (the avx512-vnni build's float32 attention: 99.65%),
 # perplexity ratio 1.0004. "int8 KV cache" keeps the keys and values as --kv-cache-dtype int8 does (kernels/kv_int8.py:
 # 8-bit codes with a scale and a minimum a row), which rounds what attention reads on top of the weights' codes, so it
-# has a bar of its own (MIN_AGREEMENT_INT8_KV; the perplexity bar is the same). Measured on a Zen 4 EPYC: 99.15% in
-# chunks of 256 (chunk attention's float32 loop over the dequantized rows; 99.05% with the rows scored as generated
-# tokens', on the VNNI loop), 99.20% one token a step (csrc partial_kv8), perplexity ratio 0.999-1.0002; the bfloat16
-# cache 99.45% / 99.75% / 99.75%. The margin is for other CPUs' prompt loops (the AMX Xeon's tiles: 99.40% with the
+# has a bar of its own (MIN_AGREEMENT_INT8_KV; the perplexity bar is the same). Measured on a Zen 4 EPYC: 99.00% in
+# chunks of 256 (chunk attention's bfloat16 loop over the codes; 99.25% with the rows scored as generated tokens', on
+# the VNNI loop), 99.20% one token a step (csrc partial_kv8), perplexity ratio 0.999-1.0; the bfloat16 cache 99.45% /
+# 99.75% / 99.75%. The margin is for other CPUs' prompt loops (the AMX Xeon's tiles: 99.40% with the
 # bfloat16 cache); a wrong scale, minimum or code would fall far below it.
 def _int8_kv_cache(loaded: LoadedModel) -> LoadedModel:
     loaded.kv_cache_dtype = kv_int8.DTYPE

@@ -12,13 +12,16 @@
  * horizontal sums), and merged into each vector's running softmax (maximum, sum, weighted values: the
  * flash-attention recurrence). Key tiles start at multiples of KEYS whatever the query tile, so a row's
  * sums run in the same order in any chunk. e^x is fast_exp (relative error ~2e-7). An int8 cache's rows
- * (DT_KV8) are dequantized to float32 into the tile (load_cache_row) and take this loop on every build:
- * the bfloat16 loop below over them rounded to bfloat16 took a third less time a 128-token chunk
- * (benchmarks/attention_context.py) but agreed with the float32 model at 98.65% of 2,000 teacher-forced
- * tokens, this loop at 99.15% (default model, Zen 4 EPYC). Over a bfloat16
- * cache with heads of 64 or 128, the avx512-bf16 and amx-bf16 builds take the same tasks and tiles in
- * bfloat16 dot products instead (run_task_bf16 below), and the amx-bf16 build, where Linux grants the
- * tiles, larger tasks on the AMX tiles (run_task_amx).
+ * (DT_KV8) are dequantized to float32 into the tile here (load_cache_row). Over a bfloat16 cache with
+ * heads of 64 or 128, the avx512-bf16 and amx-bf16 builds take the same tasks and tiles in bfloat16 dot
+ * products instead (run_task_bf16 below), and so does an int8 cache there: its codes (0..255, exact in
+ * bfloat16) are the keys and values, each score the codes' sum times the row's scale plus its minimum
+ * times the query's sum, each weight times its row's scale (the minimums' share summed apart). The
+ * amx-bf16 build, where Linux grants the tiles, takes larger tasks on the AMX tiles (run_task_amx, a
+ * bfloat16 cache only). Default model, 2,000 tokens teacher-forced in chunks of 256 over an int8 cache,
+ * Zen 4 EPYC: 99.00% agreement with the float32 model this way, 99.15% by the float32 loop above, 98.65%
+ * with the rows dequantized and rounded to bfloat16; a 128-token chunk 1.1-1.2x the bfloat16 cache's time
+ * at 128-4,096 positions, against 1.6-1.7x by the float32 loop (benchmarks/attention_context.py).
  */
 #include <math.h>
 #include <stdint.h>
@@ -209,6 +212,11 @@ typedef struct {
     uint32_t w[MAX_VECTORS + QK_BLOCK][KEYS / 2]; /* the tile's softmax weights as bfloat16 pairs */
     __m512i kt[BF16_MAX_PAIRS];
     __m512i vt[KEYS / 2][BF16_MAX_SUMS];
+    /* an int8 cache only: each query's sum, the minimums' share of its V sums, the key tile's rows' codes as
+       bfloat16 (exact: 0..255) and their scales and minimums */
+    float q_sum[MAX_VECTORS + QK_BLOCK], low_share[MAX_VECTORS + QK_BLOCK];
+    uint16_t codes[2][KEYS][2 * BF16_MAX_PAIRS];
+    float k_scale[KEYS], k_low[KEYS], v_scale[KEYS], v_low[KEYS];
 } bf16_scratch;
 
 /* r[i] lane j <- r[j] lane i (16 x 16 int32) */
@@ -273,44 +281,85 @@ static inline void interleaved_values(const uint16_t *const *v, int pairs, int64
         }
 }
 
-/* key tile [j0, j0 + KEYS) of KV head `head` into s->kt and s->vt (positions past `last`: zero) */
-static inline __attribute__((always_inline)) void load_keys_bf16(const uint16_t *k_cache, const uint16_t *v_cache,
-                                                                  const int32_t *table, int64_t block_size,
-                                                                  int64_t hkv, int64_t head, int64_t d, int64_t j0,
-                                                                  int64_t last, bf16_scratch *s) {
+/* key_rows() of an int8 cache: each row's codes as bfloat16 (exact) into s->codes, its scale and minimum into
+ * s->k_scale / k_low and v_scale / v_low (positions past `last`: zero codes, scale and minimum) */
+static inline void key_rows_kv8(const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *table,
+                                int64_t block_size, int64_t hkv, int64_t head, int64_t d, int64_t j0, int64_t last,
+                                bf16_scratch *s, const uint16_t **k, const uint16_t **v) {
+    const uint8_t *caches[2] = {k_cache, v_cache};
+    float *scales[2] = {s->k_scale, s->v_scale}, *lows[2] = {s->k_low, s->v_low};
+    for (int jj = 0; jj < KEYS; ++jj) {
+        const int past = j0 + jj > last;
+        const int64_t at = past ? 0 : (slot_of(table, j0 + jj, block_size) * hkv + head) * (d + KV8_EXTRA);
+        for (int c = 0; c < 2; ++c) {
+            const uint8_t *row = caches[c] + at;
+            uint16_t *codes = s->codes[c][jj];
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) codes[i] = past ? 0 : f32_to_bf16((float)row[i]);
+            float scale = 0.f, low = 0.f;
+            if (!past) {
+                memcpy(&scale, row + d, sizeof scale);
+                memcpy(&low, row + d + sizeof scale, sizeof low);
+            }
+            scales[c][jj] = scale, lows[c][jj] = low;
+        }
+        k[jj] = s->codes[0][jj], v[jj] = s->codes[1][jj];
+    }
+}
+
+/* key tile [j0, j0 + KEYS) of KV head `head` into s->kt and s->vt (positions past `last`: zero), from a
+ * bfloat16 cache's rows or an int8 cache's codes */
+static inline __attribute__((always_inline)) void load_keys_bf16(const void *k_cache, const void *v_cache,
+                                                                  int cache_dtype, const int32_t *table,
+                                                                  int64_t block_size, int64_t hkv, int64_t head,
+                                                                  int64_t d, int64_t j0, int64_t last,
+                                                                  bf16_scratch *s) {
     const uint16_t *k[KEYS], *v[KEYS];
-    key_rows(k_cache, v_cache, table, block_size, hkv, head, d, j0, last, KEYS, k, v);
+    if (cache_dtype == DT_KV8)
+        key_rows_kv8(k_cache, v_cache, table, block_size, hkv, head, d, j0, last, s, k, v);
+    else
+        key_rows(k_cache, v_cache, table, block_size, hkv, head, d, j0, last, KEYS, k, v);
     transposed_pairs(k, d, s->kt);
     interleaved_values(v, KEYS / 2, d, s->vt[0], BF16_MAX_SUMS, 1);
 }
 
 /* a vector's normalized V sums (each 32 outputs as two vectors in the interleaved lane order: lo's lane i
  * holds output 8 (i / 4) + i % 4 of its 32, hi's the one 4 after it) into out's row at `at` */
-static inline void store_sums(const float *acc, float sum, int64_t d, void *out, int q_dtype, int64_t at) {
+static inline void store_sums(const float *acc, float add, float sum, int64_t d, void *out, int q_dtype, int64_t at) {
     const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23),
                   second16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
     float result[MAX_CHUNK_HEAD_DIM];
     for (int64_t c = 0; c < d / 32; ++c) {
         const __m512 lo = _mm512_loadu_ps(acc + 32 * c), hi = _mm512_loadu_ps(acc + 32 * c + 16);
-        _mm512_storeu_ps(result + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first16, hi), inv));
-        _mm512_storeu_ps(result + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second16, hi), inv));
+        const __m512 added = _mm512_set1_ps(add);
+        _mm512_storeu_ps(result + 32 * c, _mm512_mul_ps(_mm512_add_ps(_mm512_permutex2var_ps(lo, first16, hi), added), inv));
+        _mm512_storeu_ps(result + 32 * c + 16,
+                         _mm512_mul_ps(_mm512_add_ps(_mm512_permutex2var_ps(lo, second16, hi), added), inv));
     }
     store_row(out, q_dtype, at, d, result);
 }
 
-/* a query as bfloat16 (q_dtype's row at `at`): a float32 one as its rounding and the rounding of the rest */
-static inline void bf16_query(const void *q, int q_dtype, int64_t at, int64_t d, uint16_t *query, uint16_t *rest) {
+/* a query as bfloat16 (q_dtype's row at `at`): a float32 one as its rounding and the rounding of the rest;
+ * its sum (for an int8 cache's minimums) into *total */
+static inline void bf16_query(const void *q, int q_dtype, int64_t at, int64_t d, uint16_t *query, uint16_t *rest,
+                              float *total) {
+    float sum = 0.f;
     if (q_dtype == DT_BF16) {
         memcpy(query, (const uint16_t *)q + at, (size_t)d * sizeof(uint16_t));
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < d; ++i) sum += bf16_to_f32(query[i]);
+        *total = sum;
         return;
     }
     const float *qf = (const float *)q + at;
-#pragma omp simd
+#pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < d; ++i) {
         query[i] = f32_to_bf16(qf[i]);
         rest[i] = f32_to_bf16(qf[i] - bf16_to_f32(query[i]));
+        sum += qf[i];
     }
+    *total = sum;
 }
 
 /* Scores of vectors [first, first + QK_BLOCK) against the key tile, merged into their running softmax:
@@ -318,7 +367,7 @@ static inline void bf16_query(const void *q, int q_dtype, int64_t at, int64_t d,
  * (1 and no weight where nothing of the tile is visible to a vector). */
 static inline __attribute__((always_inline)) void score_block_bf16(bf16_scratch *s, int64_t first, int64_t d,
                                                                     int64_t j0, const int64_t *pos, int64_t window,
-                                                                    float scale, int split) {
+                                                                    float scale, int split, int kv8) {
     __m512 even[QK_BLOCK], odd[QK_BLOCK]; /* two sums a vector, so that each waits on half as many */
     for (int v = 0; v < QK_BLOCK; ++v) even[v] = odd[v] = _mm512_setzero_ps();
     if (split) {
@@ -341,7 +390,11 @@ static inline __attribute__((always_inline)) void score_block_bf16(bf16_scratch 
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int v = 0; v < QK_BLOCK; ++v) {
         const int64_t vec = first + v;
-        __m512 score = _mm512_mul_ps(_mm512_add_ps(even[v], odd[v]), _mm512_set1_ps(scale));
+        __m512 score = _mm512_add_ps(even[v], odd[v]);
+        if (kv8) /* the codes' sum, times each key's scale, plus its minimum times the query's sum */
+            score = _mm512_fmadd_ps(score, _mm512_loadu_ps(s->k_scale),
+                                    _mm512_mul_ps(_mm512_loadu_ps(s->k_low), _mm512_set1_ps(s->q_sum[vec])));
+        score = _mm512_mul_ps(score, _mm512_set1_ps(scale));
         /* visible: j0 + jj <= pos and (no window or j0 + jj > pos - window) */
         const __m512i j = _mm512_add_epi32(_mm512_set1_epi32((int32_t)j0), lanes);
         __mmask16 keep = _mm512_cmple_epi32_mask(j, _mm512_set1_epi32((int32_t)pos[v]));
@@ -359,7 +412,16 @@ static inline __attribute__((always_inline)) void score_block_bf16(bf16_scratch 
         _mm512_storeu_ps(e, _mm512_sub_ps(score, _mm512_set1_ps(top)));
 #pragma omp simd
         for (int jj = 0; jj < KEYS; ++jj) e[jj] = fast_exp(e[jj]);
-        const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_mov_ps(keep, _mm512_loadu_ps(e)));
+        const __m512 weights = _mm512_maskz_mov_ps(keep, _mm512_loadu_ps(e));
+        if (kv8) { /* the codes' weights: each weight times its row's scale; the minimums' share apart */
+            _mm256_storeu_si256((__m256i *)s->w[vec],
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(weights, _mm512_loadu_ps(s->v_scale))));
+            s->low_share[vec] = s->low_share[vec] * s->rescale[vec] +
+                                _mm512_reduce_add_ps(_mm512_mul_ps(weights, _mm512_loadu_ps(s->v_low)));
+            s->sum[vec] = s->sum[vec] * s->rescale[vec] + _mm512_reduce_add_ps(weights);
+            continue;
+        }
+        const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(weights);
         _mm256_storeu_si256((__m256i *)s->w[vec], rounded);
         const __m512 as_float = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
         s->sum[vec] = s->sum[vec] * s->rescale[vec] + _mm512_reduce_add_ps(as_float);
@@ -387,8 +449,8 @@ static inline __attribute__((always_inline)) void weigh_values_bf16(bf16_scratch
 }
 
 static inline __attribute__((always_inline)) void run_task_bf16_d(const void *q, int q_dtype, int64_t hq, int64_t d,
-                                                                   const uint16_t *k_cache, const uint16_t *v_cache,
-                                                                   int64_t block_size, int64_t hkv,
+                                                                   const void *k_cache, const void *v_cache,
+                                                                   int cache_dtype, int64_t block_size, int64_t hkv,
                                                                    const int32_t *query_start, const int32_t *query_len,
                                                                    const int32_t *seq_len, const int32_t *tables,
                                                                    int64_t table_width, int64_t window, float scale,
@@ -402,14 +464,17 @@ static inline __attribute__((always_inline)) void run_task_bf16_d(const void *q,
     for (int64_t vec = 0; vec < padded; ++vec) {
         const int64_t real = vec < vectors ? vec : vectors - 1;
         pos[vec] = first_pos + real / group;
-        bf16_query(q, q_dtype, vector_at(query_start, task, real, group, hq, d), d, (uint16_t *)s->q[vec], (uint16_t *)s->q_rest[vec]);
+        bf16_query(q, q_dtype, vector_at(query_start, task, real, group, hq, d), d, (uint16_t *)s->q[vec],
+                   (uint16_t *)s->q_rest[vec], &s->q_sum[vec]);
+        s->low_share[vec] = 0.f;
         for (int64_t t = 0; t < sums; ++t) s->acc[vec][t] = _mm512_setzero_ps();
         s->top[vec] = -INFINITY, s->sum[vec] = 0.f;
     }
     const int64_t last = first_pos + task.count - 1;
     for (int64_t j0 = first_key_tile(first_pos, window, KEYS); j0 <= last; j0 += KEYS) {
-        load_keys_bf16(k_cache, v_cache, table, block_size, hkv, task.head, d, j0, last, s);
-        for (int64_t vec = 0; vec < padded; vec += QK_BLOCK) score_block_bf16(s, vec, d, j0, pos + vec, window, scale, q_dtype == DT_F32);
+        load_keys_bf16(k_cache, v_cache, cache_dtype, table, block_size, hkv, task.head, d, j0, last, s);
+        for (int64_t vec = 0; vec < padded; vec += QK_BLOCK)
+            score_block_bf16(s, vec, d, j0, pos + vec, window, scale, q_dtype == DT_F32, cache_dtype == DT_KV8);
         for (int64_t vec = 0; vec < vectors; vec += per_pass) {
             const int count = vectors - vec < per_pass ? (int)(vectors - vec) : per_pass;
             if (count == per_pass) weigh_values_bf16(s, vec, per_pass, (int)sums); /* constant counts: sums in registers */
@@ -417,14 +482,15 @@ static inline __attribute__((always_inline)) void run_task_bf16_d(const void *q,
         }
     }
     for (int64_t vec = 0; vec < vectors; ++vec)
-        store_sums((const float *)s->acc[vec], s->sum[vec], d, out, q_dtype, vector_at(query_start, task, vec, group, hq, d));
+        store_sums((const float *)s->acc[vec], s->low_share[vec], s->sum[vec], d, out, q_dtype,
+                   vector_at(query_start, task, vec, group, hq, d));
 }
 
 static void run_task_bf16(const void *q, int q_dtype, int64_t hq, int64_t d, const void *k_cache, const void *v_cache,
-                          int64_t block_size, int64_t hkv, const int32_t *query_start, const int32_t *query_len,
+                          int cache_dtype, int64_t block_size, int64_t hkv, const int32_t *query_start, const int32_t *query_len,
                           const int32_t *seq_len, const int32_t *tables, int64_t table_width, int64_t window,
                           float scale, void *out, chunk_task task, bf16_scratch *s) {
-#define TASK(D) run_task_bf16_d(q, q_dtype, hq, D, k_cache, v_cache, block_size, hkv, query_start, query_len, seq_len, \
+#define TASK(D) run_task_bf16_d(q, q_dtype, hq, D, k_cache, v_cache, cache_dtype, block_size, hkv, query_start, query_len, seq_len, \
                                 tables, table_width, window, scale, out, task, s)
     if (d == 64) TASK(64);
     else TASK(128);
@@ -569,7 +635,8 @@ static void run_task_amx(const void *q, int q_dtype, int64_t hq, int64_t d, cons
     for (int64_t vec = 0; vec < padded; ++vec) {
         const int64_t real = vec < vectors ? vec : vectors - 1;
         pos[vec] = first_pos + real / group;
-        bf16_query(q, q_dtype, vector_at(query_start, task, real, group, hq, d), d, s->q[0][vec], s->q[1][vec]);
+        float total; /* (an int8 cache's: not on the tiles) */
+        bf16_query(q, q_dtype, vector_at(query_start, task, real, group, hq, d), d, s->q[0][vec], s->q[1][vec], &total);
         memset(s->acc[vec], 0, (size_t)d * sizeof(float));
         s->top[vec] = -INFINITY, s->sum[vec] = 0.f;
     }
@@ -581,7 +648,7 @@ static void run_task_amx(const void *q, int q_dtype, int64_t hq, int64_t d, cons
                 amx_attend_tile(s, vec, d, j0, pos + vec, window, scale, split);
     }
     for (int64_t vec = 0; vec < vectors; ++vec)
-        store_sums(s->acc[vec], s->sum[vec], d, out, q_dtype, vector_at(query_start, task, vec, group, hq, d));
+        store_sums(s->acc[vec], 0.f, s->sum[vec], d, out, q_dtype, vector_at(query_start, task, vec, group, hq, d));
 }
 #endif
 
@@ -620,10 +687,10 @@ int core_chunk_attention(const void *q, int q_dtype, int64_t hq, int64_t d, cons
             }
     int status = OK;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    const int in_bf16 = cache_dtype == DT_BF16 && (d == 64 || d == 128);
+    const int in_bf16 = (cache_dtype == DT_BF16 || cache_dtype == DT_KV8) && (d == 64 || d == 128);
     const size_t scratch_bytes = on_tiles ? sizeof(amx_scratch) : in_bf16 ? sizeof(bf16_scratch) : sizeof(chunk_scratch);
 #elif defined(__AVX512BF16__) && defined(__AVX512BW__)
-    const int in_bf16 = cache_dtype == DT_BF16 && (d == 64 || d == 128);
+    const int in_bf16 = (cache_dtype == DT_BF16 || cache_dtype == DT_KV8) && (d == 64 || d == 128);
     const size_t scratch_bytes = in_bf16 ? sizeof(bf16_scratch) : sizeof(chunk_scratch);
 #else
     const size_t scratch_bytes = sizeof(chunk_scratch);
@@ -650,8 +717,8 @@ int core_chunk_attention(const void *q, int q_dtype, int64_t hq, int64_t d, cons
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
             if (in_bf16) {
-                run_task_bf16(q, q_dtype, hq, d, k_cache, v_cache, block_size, hkv, query_start, query_len, seq_len,
-                              tables, table_width, window, scale, out, tasks[i], scratch);
+                run_task_bf16(q, q_dtype, hq, d, k_cache, v_cache, cache_dtype, block_size, hkv, query_start, query_len,
+                              seq_len, tables, table_width, window, scale, out, tasks[i], scratch);
                 continue;
             }
 #endif
