@@ -55,16 +55,19 @@ def test_a_row_of_equal_values_and_a_zeroed_row_read_back_exactly():
     assert torch.equal(kv_int8.dequantize(torch.zeros(4, 16 + kv_int8.ROW_EXTRA, dtype=torch.uint8)), torch.zeros(4, 16))
 
 
-def test_the_cache_holds_more_blocks_in_the_same_budget(tiny_checkpoint_factory):
-    float_backend = make_backend(tiny_checkpoint_factory("llama"), dtype="float32")
-    model = float_backend.loop.runner.model
-    per_float, per_int8 = kv_bytes_per_block(model, 16, torch.float32), kv_bytes_per_block(model, 16, kv_int8.DTYPE)
-    head_dim = model.config.hidden_size // model.config.num_attention_heads
-    assert per_float / per_int8 == (4 * head_dim) / (head_dim + kv_int8.ROW_EXTRA)
-    int8_backend = make_backend(tiny_checkpoint_factory("llama"), dtype="float32", backend_options=INT8)
-    k_cache, v_cache = int8_backend.loop.runner.kv_caches[0]
-    assert k_cache.dtype == v_cache.dtype == kv_int8.DTYPE and k_cache.shape[-1] == head_dim + kv_int8.ROW_EXTRA
-    assert int8_backend.loop.runner.num_blocks == int(0.01 * 2**30 // per_int8)
+async def test_the_cache_holds_more_blocks_in_the_same_budget(tiny_checkpoint_factory):
+    backend = make_backend(tiny_checkpoint_factory("llama"), dtype="float32", backend_options=INT8)
+    try:
+        runner = backend.loop.runner
+        per_float = kv_bytes_per_block(runner.model, 16, torch.float32)
+        per_int8 = kv_bytes_per_block(runner.model, 16, kv_int8.DTYPE)
+        head_dim = runner.model.config.hidden_size // runner.model.config.num_attention_heads
+        assert per_float / per_int8 == (4 * head_dim) / (head_dim + kv_int8.ROW_EXTRA)
+        k_cache, v_cache = runner.kv_caches[0]
+        assert k_cache.dtype == v_cache.dtype == kv_int8.DTYPE and k_cache.shape[-1] == head_dim + kv_int8.ROW_EXTRA
+        assert runner.num_blocks == int(0.01 * 2**30 // per_int8)
+    finally:
+        await backend.close()
 
 
 async def test_an_engine_over_an_int8_cache_serves_consistently(tiny_checkpoint_factory):

@@ -35,11 +35,6 @@ def row_width(head_dim: int, cache_dtype: torch.dtype) -> int:
     return head_dim + ROW_EXTRA if is_int8(cache_dtype) else head_dim
 
 
-def head_dim_of(cache: torch.Tensor) -> int:
-    """The head size a cache's rows hold."""
-    return cache.shape[-1] - ROW_EXTRA if is_int8(cache.dtype) else cache.shape[-1]
-
-
 def quantize(x: torch.Tensor) -> torch.Tensor:
     """[..., D] values (any float dtype) -> [..., D + ROW_EXTRA] uint8 rows, as core_store_kv writes them."""
     x = x.float()

@@ -297,10 +297,7 @@ static inline void key_rows_kv8(const uint8_t *k_cache, const uint8_t *v_cache, 
 #pragma omp simd
             for (int64_t i = 0; i < d; ++i) codes[i] = past ? 0 : f32_to_bf16((float)row[i]);
             float scale = 0.f, low = 0.f;
-            if (!past) {
-                memcpy(&scale, row + d, sizeof scale);
-                memcpy(&low, row + d + sizeof scale, sizeof low);
-            }
+            if (!past) kv8_tail(row, d, &scale, &low);
             scales[c][jj] = scale, lows[c][jj] = low;
         }
         k[jj] = s->codes[0][jj], v[jj] = s->codes[1][jj];
@@ -324,15 +321,15 @@ static inline __attribute__((always_inline)) void load_keys_bf16(const void *k_c
 }
 
 /* a vector's normalized V sums (each 32 outputs as two vectors in the interleaved lane order: lo's lane i
- * holds output 8 (i / 4) + i % 4 of its 32, hi's the one 4 after it) into out's row at `at` */
+ * holds output 8 (i / 4) + i % 4 of its 32, hi's the one 4 after it), each plus `add` (an int8 cache's
+ * minimums' share), into out's row at `at` */
 static inline void store_sums(const float *acc, float add, float sum, int64_t d, void *out, int q_dtype, int64_t at) {
     const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23),
                   second16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);
+    const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f), added = _mm512_set1_ps(add);
     float result[MAX_CHUNK_HEAD_DIM];
     for (int64_t c = 0; c < d / 32; ++c) {
         const __m512 lo = _mm512_loadu_ps(acc + 32 * c), hi = _mm512_loadu_ps(acc + 32 * c + 16);
-        const __m512 added = _mm512_set1_ps(add);
         _mm512_storeu_ps(result + 32 * c, _mm512_mul_ps(_mm512_add_ps(_mm512_permutex2var_ps(lo, first16, hi), added), inv));
         _mm512_storeu_ps(result + 32 * c + 16,
                          _mm512_mul_ps(_mm512_add_ps(_mm512_permutex2var_ps(lo, second16, hi), added), inv));

@@ -125,6 +125,12 @@ static inline int64_t cache_row_bytes(int dtype, int64_t d) {
     return dtype == DT_KV8 ? d + KV8_EXTRA : d * (dtype == DT_F32 ? 4 : 2);
 }
 
+/* an int8 row's scale and minimum (after its D codes) */
+static inline void kv8_tail(const uint8_t *row, int64_t d, float *scale, float *low) {
+    memcpy(scale, row + d, sizeof(float));
+    memcpy(low, row + d + sizeof(float), sizeof(float));
+}
+
 /* row `row` (slot * Hkv + KV head) of a cache of float32, bfloat16 or int8 rows, as float32 */
 static inline void load_cache_row(const void *cache, int dtype, int64_t row, int64_t d, float *dst) {
     if (dtype != DT_KV8) {
@@ -133,8 +139,7 @@ static inline void load_cache_row(const void *cache, int dtype, int64_t row, int
     }
     const uint8_t *codes = (const uint8_t *)cache + row * (d + KV8_EXTRA);
     float scale, low;
-    memcpy(&scale, codes + d, sizeof(float));
-    memcpy(&low, codes + d + sizeof(float), sizeof(float));
+    kv8_tail(codes, d, &scale, &low);
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) dst[i] = (float)codes[i] * scale + low;
 }

@@ -467,12 +467,6 @@ static inline __attribute__((always_inline)) void kv8_query(const float *q, int6
     *total = sum;
 }
 
-/* One int8 row's scale and minimum */
-static inline void kv8_tail(const uint8_t *row, int64_t d, float *scale, float *low) {
-    memcpy(scale, row + d, sizeof(float));
-    memcpy(low, row + d + sizeof(float), sizeof(float));
-}
-
 /* sum over a row's codes c of c * q in the query's two steps (its `step` still to apply) */
 static inline __attribute__((always_inline)) __m512 kv8_dot(const uint8_t *codes, const __m512i *a, const __m512i *b,
                                                             int64_t runs) {
