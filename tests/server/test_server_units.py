@@ -230,3 +230,20 @@ def test_vllm_prompt_logprobs_shape():
     assert shaped[1] == {"66": {"logprob": -1.5, "rank": 2, "decoded_token": "B"},
                          "90": {"logprob": -0.5, "rank": 1, "decoded_token": "Z"}}
     assert list(shaped[2]) == ["67", "90"] and tr.vllm_prompt_logprobs(None, _decode) is None
+
+
+def test_core_serve_parses_http_with_h11_even_where_httptools_is_installed():
+    """uvicorn's "auto" would take httptools where it is installed (ray[serve] brings it into the test run's
+    environment); `core serve` always takes h11, what a plain install has."""
+    import argparse
+
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from core.server.run import uvicorn_config
+
+    async def app(scope, receive, send):  # pragma: no cover - never called
+        raise AssertionError("not served")
+
+    config = uvicorn_config(app, argparse.Namespace(host="127.0.0.1", port=0))
+    config.load()
+    assert config.http_protocol_class is H11Protocol
