@@ -14,7 +14,8 @@ by the client at a random point. Under that load it sleeps the server at level 1
   finished text that still holds one of its stop strings;
 - after each round: running and waiting gauges and KV blocks in use back to their idle baseline, the
   same greedy outputs as before the first round, the server alive and its log free of tracebacks;
-- the server's resident memory (VmRSS) after each later round within 10% of after the first.
+- the server's resident memory (VmRSS) after the later half of the rounds within 10% of after the earlier
+  half (medians; two rounds: the second against the first).
 
 Prints the figures (requests by outcome and route, finish reasons, sleep/wakeup latencies, RSS before
 and after each round) and exits 1 listing the failures, if any. `nox -s soak` runs it on the default
@@ -31,6 +32,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -419,13 +421,20 @@ async def soak_rounds(server: ServeProcess, options: SoakOptions, report: SoakRe
 
 
 def rss_problems(rounds: Sequence[RoundFigures]) -> list[str]:
-    """Resident memory after each later round must stay within RSS_GROWTH_LIMIT of after the first."""
+    """The median resident memory after the later half of the rounds must stay within RSS_GROWTH_LIMIT of
+    the earlier half's (two rounds: the second against the first). A leak keeps growing round after round;
+    the C heap's size after a round wanders around its plateau (8 rounds of the default model on a 2-core
+    Zen 4 EPYC: 548, 573, 552, 554, 551, 579, 589, 569 MiB), and a bar on round 1's reading alone failed
+    about a third of such runs."""
     if len(rounds) < 2 or not rounds[0].rss_after_kib:
         return []
-    first = rounds[0].rss_after_kib
-    return [f"round {i + 1}: RSS {r.rss_after_kib / 1024:.0f} MiB, more than {RSS_GROWTH_LIMIT:.0%} over "
-            f"round 1's {first / 1024:.0f} MiB" for i, r in enumerate(rounds[1:], 1)
-            if r.rss_after_kib > first * (1 + RSS_GROWTH_LIMIT)]
+    half = len(rounds) // 2
+    early = statistics.median(r.rss_after_kib for r in rounds[:half])
+    late = statistics.median(r.rss_after_kib for r in rounds[half:])
+    if late <= early * (1 + RSS_GROWTH_LIMIT):
+        return []
+    return [f"RSS after rounds {half + 1}-{len(rounds)} (median {late / 1024:.0f} MiB) more than "
+            f"{RSS_GROWTH_LIMIT:.0%} over rounds 1-{half}'s (median {early / 1024:.0f} MiB)"]
 
 
 def soak(options: SoakOptions) -> SoakReport:

@@ -54,3 +54,23 @@ def test_soak_flags_problems(request: pytest.FixtureRequest) -> None:
     assert any("no [DONE]" in p for p in outcome.problems)
     assert any("stop string" in p for p in outcome.problems)
     assert FAKE in SERVER_SPECS and TINY_LLAMA in SERVER_SPECS
+
+
+def rss_rounds(soak, mib: list[int]) -> list:
+    return [soak.RoundFigures(rss_after_kib=value * 1024) for value in mib]
+
+
+@pytest.mark.parametrize("mib", [[548, 573, 552, 554, 551, 579, 589, 569],  # measured: a plateau
+                                 [508, 560, 585, 550, 571, 566, 559, 570],  # one high round early on
+                                 [500, 540], [500]])
+def test_the_rss_bar_passes_a_heap_that_wanders_around_its_plateau(mib: list[int]) -> None:
+    soak = load_soak()
+    assert soak.rss_problems(rss_rounds(soak, mib)) == []
+
+
+@pytest.mark.parametrize("mib", [[500, 520, 540, 560, 580, 600, 620, 640],  # 20 MiB a round
+                                 [500, 560], [500, 505, 600, 610]])
+def test_the_rss_bar_fails_memory_that_keeps_growing(mib: list[int]) -> None:
+    soak = load_soak()
+    problems = soak.rss_problems(rss_rounds(soak, mib))
+    assert len(problems) == 1 and "more than 10%" in problems[0], problems
