@@ -191,7 +191,8 @@ class PytorchBackend(Backend):
         if wanted > loaded.max_model_len:  # past the positions the model (and its rotary tables) knows
             raise InvalidRequestError(
                 f"max_model_len {wanted} exceeds the {loaded.max_model_len} positions {self.source} serves "
-                "(max_position_embeddings, or what its YaRN rope scaling extends that to)", param="max_model_len")
+                "(max_position_embeddings, what its YaRN rope scaling extends that to, or its LongRoPE's "
+                "original_max_position_embeddings)", param="max_model_len")
         capacity = num_blocks * self.config.block_size
         if wanted > capacity:
             log.warning("max_model_len %d exceeds the KV cache (%d tokens); using %d", wanted, capacity, capacity)

@@ -429,6 +429,7 @@ def gguf_config(gguf: Path) -> Any:
         config.head_dim = key_length
     _rope_from_file(config, metadata, architecture, gguf.name)
     _rope_factors_from_file(config, index.tensors, gguf.name)
+    _longrope_from_file(config, index.tensors, metadata, architecture, gguf.name)
     return config
 
 
@@ -440,12 +441,10 @@ ROPE_FACTORS_TENSOR, LONGROPE_TENSORS = "rope_freqs.weight", ("rope_factors_long
 def _rope_factors_from_file(config: Any, tensors: list[TensorEntry], name: str) -> None:
     """The file's per-frequency rotary divisors into ``config.rope_parameters["rope_freq_factors"]``
     (layers.rotary divides the frequencies by them, as llama.cpp does): transformers' GGUF loading reads no
-    such tensor, so a Llama 3.1 / 3.2 file ran at unscaled frequencies. LongRoPE's factors are refused."""
+    such tensor, so a Llama 3.1 / 3.2 file ran at unscaled frequencies."""
     import numpy as np
 
     by_name = {tensor.name: tensor for tensor in tensors}
-    if any(longrope in by_name for longrope in LONGROPE_TENSORS):
-        raise NotImplementedError(f"{name}: LongRoPE (its {' and '.join(LONGROPE_TENSORS)}) is not supported")
     factors = by_name.get(ROPE_FACTORS_TENSOR)
     if factors is None:
         return
@@ -456,6 +455,35 @@ def _rope_factors_from_file(config: Any, tensors: list[TensorEntry], name: str) 
     params["rope_freq_factors"] = np.asarray(factors.data, dtype=np.float32).reshape(-1).tolist()
     log.info("%s: %d rotary frequency divisors from the file's %s", name, len(params["rope_freq_factors"]),
              ROPE_FACTORS_TENSOR)
+
+
+def _longrope_from_file(config: Any, tensors: list[TensorEntry], metadata: dict[str, Any], architecture: str,
+                        name: str) -> None:
+    """Phi-3's LongRoPE as llama.cpp's converter writes it (its factors as the two tensors, the original
+    context as ``{arch}.rope.scaling.original_context_length``, the attention factor as
+    ``{arch}.rope.scaling.attn_factor``) into ``config.rope_parameters``, which transformers' GGUF mapping
+    leaves at default frequencies. layers.rotary serves it over the original context, with the short factors."""
+    import numpy as np
+
+    by_name = {tensor.name: tensor for tensor in tensors}
+    present = [tensor for tensor in LONGROPE_TENSORS if tensor in by_name]
+    if not present:
+        return
+    original = metadata.get(f"{architecture}.rope.scaling.original_context_length")
+    params = getattr(config, "rope_parameters", None)
+    if (len(present) < 2 or not isinstance(original, int) or original <= 0 or not isinstance(params, dict)
+            or params.get("rope_type", "default") != "default"):
+        raise NotImplementedError(f"{name}: LongRoPE needs both {' and '.join(LONGROPE_TENSORS)}, a positive "
+                                  f"{architecture}.rope.scaling.original_context_length and no other rope scaling")
+    long_factor, short_factor = (np.asarray(by_name[tensor].data, dtype=np.float32).reshape(-1).tolist()
+                                 for tensor in LONGROPE_TENSORS)
+    params.update(rope_type="longrope", long_factor=long_factor, short_factor=short_factor,
+                  original_max_position_embeddings=original)
+    attention = metadata.get(f"{architecture}.rope.scaling.attn_factor")
+    if isinstance(attention, (int, float)) and attention > 0:
+        params["attention_factor"] = float(attention)
+    log.info("%s: LongRoPE from the file (%d short factors), served over its original %d positions", name,
+             len(short_factor), original)
 
 
 def _rope_from_file(config: Any, metadata: dict[str, Any], architecture: str, name: str) -> None:

@@ -271,9 +271,9 @@ def test_a_checkpoint_setting_no_layer_implements_is_a_clear_start_up_error(tiny
     """`core serve` prints a CoreError as one line (a NotImplementedError was a traceback)."""
     from core.errors import UnsupportedError
 
-    path = tiny_checkpoint_factory("phi3", original_max_position_embeddings=64, rope_parameters={
-        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8})
-    with pytest.raises(UnsupportedError, match="rope_type 'longrope' is not supported"):
+    path = tiny_checkpoint_factory("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                           "partial_rotary_factor": 0.35})
+    with pytest.raises(UnsupportedError, match="partial_rotary_factor 0.35 gives 5 rotated values"):
         make_backend(path)
 
 
@@ -284,6 +284,19 @@ def test_max_model_len_past_the_models_positions_is_refused_at_start_up(tiny_che
     with pytest.raises(InvalidRequestError, match="max_model_len 600 exceeds the 256 positions") as raised:
         make_backend(tiny_checkpoint_factory("llama"), max_model_len=600)
     assert raised.value.param == "max_model_len"
+
+
+def test_longrope_serves_its_original_context(tiny_checkpoint_factory):
+    """Phi-3.5's layout: 256 positions extended from 48 by LongRoPE, whose short factors transformers keeps
+    only within the 48 (layers/rotary.py): 48 served, and a longer max_model_len refused naming why."""
+    from core.errors import InvalidRequestError
+
+    path = tiny_checkpoint_factory("phi3", max_position_embeddings=256, original_max_position_embeddings=48,
+                                   rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                    "short_factor": [1.5] * 8, "long_factor": [4.0] * 8})
+    assert make_backend(path).model_info.max_model_len == 48
+    with pytest.raises(InvalidRequestError, match="max_model_len 100 exceeds the 48 positions .* LongRoPE"):
+        make_backend(path, max_model_len=100)
 
 
 async def test_yarn_serves_the_original_context_times_its_factor(tiny_checkpoint_factory):

@@ -416,9 +416,49 @@ def test_a_llama_3_gguf_applies_its_rotary_divisors_as_transformers_applies_llam
     path = _tiny_gguf(folder, default_gguf_path, tmp_path / "llama3.gguf", "llama", keys,
                       extra={"rope_freqs.weight": divisors}, reorder=interleaved)
     assert loader.gguf_config(path).rope_parameters["rope_freq_factors"] == divisors.tolist()
-    longrope = _tiny_gguf(folder, default_gguf_path, tmp_path / "longrope.gguf", "llama", keys,
-                          extra={"rope_factors_long.weight": divisors, "rope_factors_short.weight": divisors},
-                          reorder=interleaved)
-    with pytest.raises(NotImplementedError, match="LongRoPE"):  # Phi-3.5's factors: refused, not ignored
-        loader.gguf_config(longrope)
     _assert_served_as_transformers_runs(folder, path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rotated", [1.0, 0.75], ids=["phi-3.5", "phi-4-mini"])
+def test_a_phi_3_gguf_with_longrope_factors_matches_transformers_within_its_original_context(
+        rotated, default_gguf_path, make_tiny_checkpoint, tmp_path, monkeypatch):
+    """llama.cpp writes Phi-3.5's and Phi-4-mini's LongRoPE as two tensors of factors and two keys (the
+    original context, the attention factor it computed), which transformers' GGUF mapping drops: the loader
+    takes them (layers.rotary serves the short factors over the original context), and the text and logprobs
+    equal transformers' on the checkpoint."""
+    import math
+
+    import numpy as np
+
+    from core_pytorch_backend import loader
+
+    monkeypatch.setenv("CORE_CACHE_DIR", str(tmp_path / "cache"))
+    head_dim = 16
+    pairs = int(head_dim * rotated) // 2
+    short = [1.0 + 0.37 * i for i in range(pairs)]
+    original = 96
+    folder = make_tiny_checkpoint("phi3", tmp_path, **GGUF_SIZES, original_max_position_embeddings=original,
+                                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                   "short_factor": short, "long_factor": [40.0] * pairs,
+                                                   "partial_rotary_factor": rotated})
+
+    def keys(writer, config):
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        writer.add_rope_freq_base(10000.0)
+        writer.add_rope_dimension_count(2 * pairs)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        scale = config.max_position_embeddings / original  # what llama.cpp's converter computes
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+
+    path = _tiny_gguf(folder, default_gguf_path, tmp_path / "phi3.gguf", "phi3", keys, extra={
+        "rope_factors_long.weight": np.full(pairs, 40.0, dtype=np.float32),
+        "rope_factors_short.weight": np.array(short, dtype=np.float32)})
+    params = loader.gguf_config(path).rope_parameters
+    assert params["rope_type"] == "longrope" and params["original_max_position_embeddings"] == original
+    assert params["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(512 / original) / math.log(original)))
+    _assert_served_as_transformers_runs(folder, path)
+    half = _tiny_gguf(folder, default_gguf_path, tmp_path / "half.gguf", "phi3", keys,
+                      extra={"rope_factors_short.weight": np.array(short, dtype=np.float32)})
+    with pytest.raises(NotImplementedError, match="LongRoPE needs both"):  # one of the two: refused, not ignored
+        loader.gguf_config(half)

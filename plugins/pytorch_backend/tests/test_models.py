@@ -6,6 +6,7 @@ in chunks, several sequences at once), then decodes one token per sequence per s
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -268,16 +269,57 @@ def test_logits_match_transformers(case, tiny_checkpoint_factory):
     torch.testing.assert_close(ours.compute_logits(hidden), expected, rtol=1e-4, atol=1e-5 * scale)
 
 
-def test_longrope_and_odd_partial_rotary_are_refused_at_load(tiny_checkpoint_factory):
-    """LongRoPE would give wrong text past its original context (layers/rotary.py), not an error."""
+def test_odd_partial_rotary_is_refused_at_load(tiny_checkpoint_factory):
     odd = tiny_checkpoint_factory("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                           "partial_rotary_factor": 0.35})
     with pytest.raises(NotImplementedError, match="partial_rotary_factor 0.35 gives 5 rotated"):
         load_checkpoint(odd, dtype="float32")
-    longrope = tiny_checkpoint_factory("phi3", original_max_position_embeddings=64, rope_parameters={
-        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8})
-    with pytest.raises(NotImplementedError, match="longrope"):
-        load_checkpoint(longrope, dtype="float32")
+
+
+def _longrope(rotated: int, **extra) -> dict:
+    """Phi-3.5's rope settings for a head of ``rotated`` rotary values: short factors all apart (a wrong one
+    shows), long ones that transformers only takes past the original context."""
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.37 * i for i in range(rotated // 2)],
+            "long_factor": [40.0] * (rotated // 2), **extra}
+
+
+# (config overrides, the context served). Phi-3.5-mini's layout: the attention factor from
+# max_position_embeddings over original_max_position_embeddings; Phi-4-mini's: rotary on 0.75 of each head;
+# and a config that names its factor and attention factor itself
+LONGROPE = {
+    "phi3.5": (dict(max_position_embeddings=256, original_max_position_embeddings=48, rope_parameters=_longrope(16)), 48),
+    "phi4-mini-partial": (dict(max_position_embeddings=512, original_max_position_embeddings=40,
+                               rope_parameters=_longrope(12, partial_rotary_factor=0.75)), 40),
+    "named-factors": (dict(max_position_embeddings=256, original_max_position_embeddings=64,
+                           rope_parameters=_longrope(16, factor=3.0, attention_factor=1.4)), 64),
+}
+
+
+@pytest.mark.parametrize("variant", list(LONGROPE))
+def test_longrope_matches_transformers_within_its_original_context(variant, tiny_checkpoint_factory):
+    """LongRoPE (layers/rotary.py) is served with its short factors and attention factor over its original
+    context, where transformers keeps them: the same text there, and no position past it."""
+    from transformers import AutoModelForCausalLM
+
+    overrides, served = LONGROPE[variant]
+    path = tiny_checkpoint_factory("phi3", **overrides)
+    loaded = load_checkpoint(path, dtype="float32")
+    assert loaded.max_model_len == served
+    ours = loaded.model
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert hf.config.rope_parameters["rope_type"] == "longrope"
+    prompts = _prompts([served - NEW_TOKENS, 7], seed=5)  # the first ends on the context's last position
+    assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=2) == [hf_greedy(hf, p) for p in prompts]
+
+
+def test_longrope_takes_one_short_factor_per_rotary_frequency():
+    from core_pytorch_backend.layers.rotary import longrope_frequencies
+
+    params = {**_longrope(16), "original_max_position_embeddings": 64, "factor": 4.0}
+    inv_freq, attention = longrope_frequencies(16, params)
+    assert inv_freq.shape == (8,) and attention == pytest.approx((1 + math.log(4) / math.log(64)) ** 0.5)
+    with pytest.raises(NotImplementedError, match="longrope needs 8 short_factor values"):
+        longrope_frequencies(16, {**params, "short_factor": [1.0] * 5})
 
 
 def test_gpt_neox_reads_either_head_name_and_skips_older_buffers(tiny_checkpoint_factory, tmp_path):

@@ -1,16 +1,20 @@
-"""Rotary position embedding: default, linear-scaled, Llama 3 scaled and YaRN frequencies, and Qwen2-VL's
-multimodal rotary embedding (M-RoPE: temporal, height and width positions on sections of the head).
+"""Rotary position embedding: default, linear-scaled, Llama 3 scaled, YaRN and LongRoPE frequencies, and
+Qwen2-VL's multimodal rotary embedding (M-RoPE: temporal, height and width positions on sections of the head).
 
 Each is computed as transformers' ``modeling_rope_utils`` computes it (the parity oracle), from the
-config's rope settings alone. ``dynamic`` (NTK) has the default frequencies up to
-``max_position_embeddings``, where transformers starts changing them with the longest sequence (which a
-KV cache written at other frequencies cannot follow): that is the context served for it
-(``context_positions``), so its text is transformers' throughout. ``longrope`` is refused
-(Phi-3.5, the 128k Phi-3 models): transformers switches from its short to its long factors for every
-position once a sequence passes ``original_max_position_embeddings``, recomputing the cache then (Phi-3's
-``prepare_inputs_for_generation``); a table of short factors below that position and long ones above (what
-a paged cache could hold) matched it only while the sequence stayed short and rotated early keys and late
-queries at different frequencies after (tried on a tiny Phi-3: generation diverged at the crossing)."""
+config's rope settings alone. Two change with the sequence in transformers, which a KV cache written at
+other frequencies cannot follow, so each is served over the context where its frequencies stay put
+(``context_positions``), and its text is transformers' throughout:
+
+- ``dynamic`` (NTK) has the default frequencies up to ``max_position_embeddings``, where transformers
+  starts changing them with the longest sequence.
+- ``longrope`` (Phi-3.5, Phi-4-mini, the 128k Phi-3 models) has its short factors up to
+  ``original_max_position_embeddings`` (4,096 for those), and its attention factor (from the extended
+  context's ratio to that) throughout. Past it transformers switches every position to the long factors at
+  once, recomputing the cache then (Phi-3's ``prepare_inputs_for_generation``); a table of short factors
+  below that position and long ones above (what a paged cache could hold) matched it only while the
+  sequence stayed short and rotated early keys and late queries at different frequencies after (tried on a
+  tiny Phi-3: generation diverged at the crossing), so the long factors are not served."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -36,6 +40,13 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     if rope_type == "mrope":  # older Qwen2-VL configs: default frequencies, sections split them
         rope_type = "default"
     merged["rope_type"] = rope_type
+    if rope_type == "longrope":  # Phi-3's configs keep these beside the rope settings
+        merged.setdefault("original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None))
+        if not merged["original_max_position_embeddings"]:
+            raise NotImplementedError("longrope without original_max_position_embeddings")
+        if merged.get("factor") is None:
+            extended = getattr(config, "max_position_embeddings", None) or merged["original_max_position_embeddings"]
+            merged["factor"] = extended / merged["original_max_position_embeddings"]
     return merged
 
 
@@ -88,11 +99,31 @@ def yarn_frequencies(head_dim: int, params: dict[str, Any], max_positions: int) 
     return inv_freq, float(attention)
 
 
+def longrope_frequencies(head_dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """LongRoPE within its original context: the default frequencies divided by the short factors (one per
+    frequency), and the attention factor, ``attention_factor`` or sqrt(1 + ln(factor) / ln(original
+    context)), ``factor`` being the extended context's ratio to the original one (what rope_parameters
+    fills in from ``max_position_embeddings`` where the config names none, as transformers does)."""
+    short = params.get("short_factor")
+    if not isinstance(short, (list, tuple)) or len(short) != head_dim // 2:
+        raise NotImplementedError(f"longrope needs {head_dim // 2} short_factor values (one per rotary frequency), "
+                                  f"got {short!r}")
+    original, factor = params["original_max_position_embeddings"], params["factor"]
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    base = float(params["rope_theta"])
+    return 1.0 / (torch.tensor(short, dtype=torch.float32) * base**shape), float(attention)
+
+
 def rope_frequencies(head_dim: int, params: dict[str, Any], max_positions: int) -> tuple[torch.Tensor, float]:
     """The inverse frequencies of ``params``' rope type and the factor its cos/sin tables are scaled by."""
     rope_type = params["rope_type"]
     if rope_type == "yarn":
         return yarn_frequencies(head_dim, params, max_positions)
+    if rope_type == "longrope":
+        return longrope_frequencies(head_dim, params)
     return compute_inv_freq(head_dim, params), 1.0
 
 
@@ -138,7 +169,7 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
         freqs = torch.outer(t, inv_freq.to(t.device))
         cos, sin = freqs.cos(), freqs.sin()
-        if scaling != 1.0:  # YaRN's attention factor, applied to the tables as transformers does
+        if scaling != 1.0:  # YaRN's or LongRoPE's attention factor, applied to the tables as transformers does
             cos, sin = cos * scaling, sin * scaling
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
@@ -188,12 +219,15 @@ class MRotaryEmbedding(RotaryEmbedding):
 def context_positions(config: Any) -> int:
     """The positions a decoder config serves: ``max_position_embeddings`` (2048 where it names none), or
     what YaRN extends it to, the original context times the factor (as vLLM derives it: Qwen's long-context
-    recipe adds YaRN and keeps max_position_embeddings). The rotary tables hold this many positions."""
+    recipe adds YaRN and keeps max_position_embeddings), or LongRoPE's original context (where its short
+    factors hold, see the module's docstring). The rotary tables hold this many positions."""
     base = int(getattr(config, "max_position_embeddings", 0) or 2048)
     params = rope_parameters(config)
     original, factor = params.get("original_max_position_embeddings"), params.get("factor")
     if params["rope_type"] == "yarn" and original and factor:
         return max(base, int(original * factor))
+    if params["rope_type"] == "longrope":
+        return min(base, int(original))
     return base
 
 

@@ -1,8 +1,8 @@
 """Phi-3 (Phi-3-mini-4k and Phi-3-medium-4k style): Llama whose checkpoints store q/k/v and gate/up fused, as
 the model keeps them (``qkv_proj``, ``gate_up_proj``), with ``sliding_window`` on every layer when set.
-Rotary with default, linear, llama3 or yarn frequencies, on whole heads or part of each
-(``partial_rotary_factor``); the LongRoPE of the 128k variants, Phi-3.5 and Phi-4-mini is refused at load
-(layers.rotary)."""
+Rotary with default, linear, llama3, yarn or longrope frequencies, on whole heads or part of each
+(``partial_rotary_factor``); the LongRoPE of the 128k variants, Phi-3.5 and Phi-4-mini over its original
+context, where transformers keeps its short factors (layers.rotary)."""
 
 from __future__ import annotations
 
