@@ -20,22 +20,30 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
-         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2")
+         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4")
 
 
 def tiny_config(arch: str, **overrides):
     """A 2-layer, hidden-64, 4-head / 2-KV-head config of ``arch``."""
     from transformers import (
+        ArceeConfig,
+        Ernie4_5Config,
+        Exaone4Config,
         Gemma2Config,
         Gemma3TextConfig,
         GemmaConfig,
         GPT2Config,
         GPTNeoXConfig,
         GraniteConfig,
+        HeliumConfig,
+        HunYuanDenseV1Config,
+        InternLM3Config,
         LlamaConfig,
+        MinistralConfig,
         MistralConfig,
         MixtralConfig,
         Olmo2Config,
+        Olmo3Config,
         OlmoConfig,
         OPTConfig,
         Phi3Config,
@@ -44,6 +52,7 @@ def tiny_config(arch: str, **overrides):
         Qwen2MoeConfig,
         Qwen3Config,
         Qwen3MoeConfig,
+        SeedOssConfig,
         SmolLM3Config,
         StableLmConfig,
         Starcoder2Config,
@@ -106,6 +115,27 @@ def tiny_config(arch: str, **overrides):
         "opt": (OPTConfig, dict(tie_word_embeddings=True, num_key_value_heads=None, ffn_dim=128, word_embed_proj_dim=64)),
         # learned positions, q/k/v fused in Conv1D weights ([in, out]), a GELU MLP, the head tied to wte
         "gpt2": (GPT2Config, dict(tie_word_embeddings=True, num_key_value_heads=None, n_inner=128)),
+        # transformers runs it as Llama: q/k/v/o and MLP biases together
+        "internlm3": (InternLM3Config, dict(tie_word_embeddings=False, head_dim=16, attention_bias=True, mlp_bias=True)),
+        # a window on the layers layer_types names
+        "ministral": (MinistralConfig, dict(tie_word_embeddings=False, head_dim=16, sliding_window=6,
+                                            layer_types=["sliding_attention", "full_attention"],
+                                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+        # q/k/v biases without o_proj's, MLP biases
+        "seed_oss": (SeedOssConfig, dict(tie_word_embeddings=False, head_dim=16, attention_bias=True,
+                                         attention_out_bias=False, mlp_bias=True)),
+        # rotary on pairs of adjacent values (models/rotary_pairs.py), q/k/v and MLP biases
+        "helium": (HeliumConfig, dict(tie_word_embeddings=False, head_dim=16, attention_bias=True, mlp_bias=True)),
+        "ernie4_5": (Ernie4_5Config, dict(tie_word_embeddings=True, head_dim=16, use_bias=True)),  # ... biases everywhere
+        "arcee": (ArceeConfig, dict(tie_word_embeddings=False, mlp_bias=True)),  # an ungated relu^2 MLP
+        # q/k normalized per head after rotary
+        "hunyuan_v1_dense": (HunYuanDenseV1Config, dict(tie_word_embeddings=False, head_dim=16, attention_bias=True)),
+        # OLMo 2's post-norm layers with a window on the first, rotary per layer type
+        "olmo3": (Olmo3Config, dict(tie_word_embeddings=False, sliding_window=6,
+                                    layer_types=["sliding_attention", "full_attention"])),
+        # post-norm layers, per-head q/k norms, a windowed layer with rotary and a global one without
+        "exaone4": (Exaone4Config, dict(tie_word_embeddings=False, head_dim=16, sliding_window=6, sliding_window_pattern=2,
+                                        layer_types=["sliding_attention", "full_attention"])),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

@@ -18,7 +18,7 @@ from core_pytorch_backend.loader import load_checkpoint
 
 NEW_TOKENS = 20
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
-         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2")
+         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4")
 
 
 def _step(model, chunks, computed, tables, block_size):
@@ -170,6 +170,19 @@ VARIANTS = {
                                                           "partial_rotary_factor": 0.75})),
     "qwen3-moe-normalized-top-3-every-layer": ("qwen3_moe", dict(norm_topk_prob=True, num_experts_per_tok=3,
                                                                  mlp_only_layers=[])),
+    "seed-oss-o-bias-only": ("seed_oss", dict(attention_bias=False, attention_out_bias=True, mlp_bias=False)),
+    "helium-no-biases-tied": ("helium", dict(attention_bias=False, mlp_bias=False, tie_word_embeddings=True)),
+    "ernie4_5-no-biases": ("ernie4_5", dict(use_bias=False, tie_word_embeddings=False)),
+    # Hunyuan's checkpoints: "dynamic" with a fixed NTK alpha, which transformers applies as a stretched base
+    "hunyuan-ntk-alpha": ("hunyuan_v1_dense", dict(rope_parameters={"rope_type": "dynamic", "alpha": 1000.0,
+                                                                    "rope_theta": 10000.0, "factor": 1.0})),
+    # OLMo 3's long-context recipe: YaRN on the global layers only, another base on the windowed ones
+    "olmo3-yarn-global-layers": ("olmo3", dict(rope_parameters={
+        "full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                           "rope_theta": 50000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "exaone4-no-window": ("exaone4", dict(sliding_window=None, layer_types=["full_attention", "full_attention"],
+                                          tie_word_embeddings=True)),
 }
 
 

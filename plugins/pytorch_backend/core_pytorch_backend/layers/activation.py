@@ -55,7 +55,7 @@ def _gelu_new(x: torch.Tensor) -> torch.Tensor:
 
 # HF ``hidden_act`` names -> the ungated activation, the same torch calls as transformers' ACT2FN.
 ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "gelu_new": _gelu_new,
-               "silu": F.silu, "swish": F.silu, "relu": F.relu}
+               "silu": F.silu, "swish": F.silu, "relu": F.relu, "relu2": lambda x: torch.square(F.relu(x))}
 
 
 class Activation(nn.Module):

@@ -27,6 +27,15 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "PhiForCausalLM": "core_pytorch_backend.models.phi:PhiForCausalLM",
     "OPTForCausalLM": "core_pytorch_backend.models.opt:OPTForCausalLM",
     "GPT2LMHeadModel": "core_pytorch_backend.models.gpt2:GPT2LMHeadModel",
+    "InternLM3ForCausalLM": "core_pytorch_backend.models.llama:LlamaForCausalLM",  # transformers runs it as Llama
+    "MinistralForCausalLM": "core_pytorch_backend.models.ministral:MinistralForCausalLM",
+    "SeedOssForCausalLM": "core_pytorch_backend.models.seed_oss:SeedOssForCausalLM",
+    "HeliumForCausalLM": "core_pytorch_backend.models.helium:HeliumForCausalLM",
+    "Ernie4_5ForCausalLM": "core_pytorch_backend.models.ernie4_5:Ernie4_5ForCausalLM",
+    "ArceeForCausalLM": "core_pytorch_backend.models.arcee:ArceeForCausalLM",
+    "HunYuanDenseV1ForCausalLM": "core_pytorch_backend.models.hunyuan_dense:HunYuanDenseV1ForCausalLM",
+    "Olmo3ForCausalLM": "core_pytorch_backend.models.olmo3:Olmo3ForCausalLM",
+    "Exaone4ForCausalLM": "core_pytorch_backend.models.exaone4:Exaone4ForCausalLM",
     # Encoders: served on the pooling path (embeddings and scores), never generating.
     "BertModel": "core_pytorch_backend.models.bert:BertModel",
     # Vision-language checkpoints: their language model; the vision tower runs in core_vl_models.

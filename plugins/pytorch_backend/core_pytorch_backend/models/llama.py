@@ -115,9 +115,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    #: The attention's class (Hunyuan normalizes q and k after rotary).
+    attention_class: type[nn.Module] = LlamaAttention
+
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
         super().__init__()
-        self.self_attn = LlamaAttention(config, ops, spec, layer_index, rotary)
+        self.self_attn = self.attention_class(config, ops, spec, layer_index, rotary)
         self.mlp = self.make_mlp(config, ops, layer_index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -146,11 +149,15 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        rotary = get_rope(config, head_dim_of(config), ops)  # built once: every layer shares the table
+        rotaries = self.make_rotaries(config, ops)
         self.layers = nn.ModuleList(
-            self.layer_class(config, ops, spec, i, rotary) for i in range(config.num_hidden_layers)
+            self.layer_class(config, ops, spec, i, rotaries[i]) for i in range(config.num_hidden_layers)
         )
         self.norm = self.make_norm(config, ops)
+
+    def make_rotaries(self, config: Any, ops: Any) -> list[RotaryEmbedding]:
+        """Each layer's rotary table: one built once that every layer shares (OLMo 3 has one per layer type)."""
+        return [get_rope(config, head_dim_of(config), ops)] * config.num_hidden_layers
 
     def make_norm(self, config: Any, ops: Any) -> nn.Module:
         """The final norm (and models that use LayerNorm build theirs here)."""

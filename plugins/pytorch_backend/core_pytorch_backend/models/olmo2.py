@@ -27,9 +27,12 @@ class Olmo2Attention(LlamaAttention):
 
 
 class Olmo2DecoderLayer(nn.Module):
+    #: The attention's class (EXAONE 4 normalizes q and k head by head).
+    attention_class: type[nn.Module] = Olmo2Attention
+
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
         super().__init__()
-        self.self_attn = Olmo2Attention(config, ops, spec, layer_index, rotary)
+        self.self_attn = self.attention_class(config, ops, spec, layer_index, rotary)
         self.mlp = LlamaMLP(config, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)

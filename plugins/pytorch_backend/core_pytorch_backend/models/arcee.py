@@ -1,0 +1,25 @@
+"""Arcee (AFM-4.5B): Llama with an ungated MLP, ``down(relu(up(x)) ** 2)`` (Nemotron's), biases where
+``mlp_bias`` says."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from .ungated_mlp import UngatedMLP
+
+
+class ArceeDecoderLayer(LlamaDecoderLayer):
+    def make_mlp(self, config: Any, ops: Any, layer_index: int) -> nn.Module:
+        return UngatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "relu2"),
+                          ("up_proj", "down_proj"), bias=bool(getattr(config, "mlp_bias", False)))
+
+
+class ArceeModel(LlamaModel):
+    layer_class = ArceeDecoderLayer
+
+
+class ArceeForCausalLM(LlamaForCausalLM):
+    model_class = ArceeModel
