@@ -20,7 +20,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
-         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4")
+         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe", "granitemoeshared")
 
 
 def tiny_config(arch: str, **overrides):
@@ -35,6 +35,8 @@ def tiny_config(arch: str, **overrides):
         GPT2Config,
         GPTNeoXConfig,
         GraniteConfig,
+        GraniteMoeConfig,
+        GraniteMoeSharedConfig,
         HeliumConfig,
         HunYuanDenseV1Config,
         InternLM3Config,
@@ -45,6 +47,7 @@ def tiny_config(arch: str, **overrides):
         Olmo2Config,
         Olmo3Config,
         OlmoConfig,
+        OlmoeConfig,
         OPTConfig,
         Phi3Config,
         PhiConfig,
@@ -136,6 +139,18 @@ def tiny_config(arch: str, **overrides):
         # post-norm layers, per-head q/k norms, a windowed layer with rotary and a global one without
         "exaone4": (Exaone4Config, dict(tie_word_embeddings=False, head_dim=16, sliding_window=6, sliding_window_pattern=2,
                                         layer_types=["sliding_attention", "full_attention"])),
+        # OLMo 2's whole-width q/k norms on pre-norm layers, q/k/v clamped, 4 experts of 32, two a token
+        "olmoe": (OlmoeConfig, dict(tie_word_embeddings=False, intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                    clip_qkv=0.5)),
+        # Granite's multipliers over 4 stacked experts of 32, two a token (weighted by the softmax of their logits)
+        "granitemoe": (GraniteMoeConfig, dict(tie_word_embeddings=True, intermediate_size=32, num_local_experts=4,
+                                              num_experts_per_tok=2, embedding_multiplier=2.0, residual_multiplier=1.0,
+                                              attention_multiplier=0.0078125, logits_scaling=8.0)),
+        # ... and an ungated shared expert of 48
+        "granitemoeshared": (GraniteMoeSharedConfig, dict(
+            tie_word_embeddings=False, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+            shared_intermediate_size=48, embedding_multiplier=12.0, residual_multiplier=0.22,
+            attention_multiplier=0.0078125, logits_scaling=8.0)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

@@ -18,7 +18,8 @@ from core_pytorch_backend.loader import load_checkpoint
 
 NEW_TOKENS = 20
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
-         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4")
+         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe",
+         "granitemoeshared")
 
 
 def _step(model, chunks, computed, tables, block_size):
@@ -181,6 +182,8 @@ VARIANTS = {
         "full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                            "rope_theta": 50000.0},
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "olmoe-normalized-top-3-unclipped": ("olmoe", dict(norm_topk_prob=True, num_experts_per_tok=3, clip_qkv=None,
+                                                        tie_word_embeddings=True)),
     "exaone4-no-window": ("exaone4", dict(sliding_window=None, layer_types=["full_attention", "full_attention"],
                                           tie_word_embeddings=True)),
 }

@@ -36,6 +36,9 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "HunYuanDenseV1ForCausalLM": "core_pytorch_backend.models.hunyuan_dense:HunYuanDenseV1ForCausalLM",
     "Olmo3ForCausalLM": "core_pytorch_backend.models.olmo3:Olmo3ForCausalLM",
     "Exaone4ForCausalLM": "core_pytorch_backend.models.exaone4:Exaone4ForCausalLM",
+    "OlmoeForCausalLM": "core_pytorch_backend.models.olmoe:OlmoeForCausalLM",
+    "GraniteMoeForCausalLM": "core_pytorch_backend.models.granitemoe:GraniteMoeForCausalLM",
+    "GraniteMoeSharedForCausalLM": "core_pytorch_backend.models.granitemoe:GraniteMoeForCausalLM",
     # Encoders: served on the pooling path (embeddings and scores), never generating.
     "BertModel": "core_pytorch_backend.models.bert:BertModel",
     # Vision-language checkpoints: their language model; the vision tower runs in core_vl_models.

@@ -1,6 +1,7 @@
-"""A sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral): a router scores the experts, each token runs through
-its ``top_k`` best (softmax probabilities, renormalized over those when ``normalize``), and their outputs are
-summed with those weights, expert by expert in index order, as transformers does. Each expert is a SwiGLU
+"""A sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, Granite MoE): a router scores the experts,
+each token runs through its ``top_k`` best (softmax probabilities, renormalized over those when ``normalize``;
+Granite's: the softmax of the best ``top_k`` logits alone), and their outputs are summed with those weights,
+expert by expert in index order, as transformers does. Each expert is a SwiGLU
 ``LlamaMLP`` (gate_up_proj, down_proj), so it is quantized and multiplied like any projection; the router
 stays float."""
 
@@ -17,34 +18,42 @@ from .llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
 class SparseMoeBlock(nn.Module):
     """``experts`` SwiGLU MLPs of ``expert_size``; the router's weight is ``gate.weight`` [experts, hidden].
     ``shared_size``: also a shared expert every token runs through (Qwen2-MoE's ``shared_expert``), its
-    output scaled by ``sigmoid(shared_expert_gate(x))`` and added to the routed experts'."""
+    output scaled by ``sigmoid(shared_expert_gate(x))`` (``shared_gate``; Granite MoE Shared's is ungated) and
+    added to the routed experts'. ``softmax_of_top_k``: the weights are the softmax of the chosen experts'
+    logits (Granite MoE), not of all of them."""
 
     def __init__(self, config: Any, ops: Any, experts: int, top_k: int, expert_size: int, normalize: bool,
-                 shared_size: int | None = None) -> None:
+                 shared_size: int | None = None, shared_gate: bool = True, softmax_of_top_k: bool = False) -> None:
         super().__init__()
         self.gate = nn.Linear(config.hidden_size, experts, bias=False)  # the router
         self.experts = nn.ModuleList(LlamaMLP(config, ops, expert_size) for _ in range(experts))
-        self.top_k, self.normalize = top_k, normalize
-        if shared_size:
-            self.shared_expert = LlamaMLP(config, ops, shared_size)
-            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
-        else:
-            self.shared_expert = self.shared_expert_gate = None
+        self.top_k, self.normalize, self.softmax_of_top_k = top_k, normalize, softmax_of_top_k
+        self.shared_expert = LlamaMLP(config, ops, shared_size) if shared_size else None
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared_size and shared_gate else None
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(nn.functional.linear(hidden, self.gate.weight).float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+    def routing(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each token's expert weights [T, top_k] in ``hidden``'s dtype, the experts they weigh [T, top_k])."""
+        logits = nn.functional.linear(hidden, self.gate.weight).float()
+        if self.softmax_of_top_k:
+            best, chosen = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(best, dim=-1).to(hidden.dtype), chosen
+        weights, chosen = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(hidden.dtype)
+        return weights.to(hidden.dtype), chosen
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.routing(hidden)
         out = torch.zeros_like(hidden)
         for expert in torch.unique(chosen).tolist():  # ascending, as transformers sums them
             tokens, slot = torch.where(chosen == expert)
             part = self.experts[expert](hidden[tokens]) * weights[tokens, slot, None]
             out.index_add_(0, tokens, part.to(out.dtype))
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             gate = torch.sigmoid(nn.functional.linear(hidden, self.shared_expert_gate.weight))
             out = out + gate * self.shared_expert(hidden)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(hidden)
         return out
 
 
