@@ -20,19 +20,25 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
-         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe", "granitemoeshared")
+         "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe", "granitemoeshared",
+         "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj")
 
 
 def tiny_config(arch: str, **overrides):
     """A 2-layer, hidden-64, 4-head / 2-KV-head config of ``arch``."""
     from transformers import (
         ArceeConfig,
+        Cohere2Config,
+        CohereConfig,
         Ernie4_5Config,
         Exaone4Config,
         Gemma2Config,
         Gemma3TextConfig,
         GemmaConfig,
+        Glm4Config,
+        GlmConfig,
         GPT2Config,
+        GPTJConfig,
         GPTNeoXConfig,
         GraniteConfig,
         GraniteMoeConfig,
@@ -44,6 +50,7 @@ def tiny_config(arch: str, **overrides):
         MinistralConfig,
         MistralConfig,
         MixtralConfig,
+        NemotronConfig,
         Olmo2Config,
         Olmo3Config,
         OlmoConfig,
@@ -151,6 +158,18 @@ def tiny_config(arch: str, **overrides):
             tie_word_embeddings=False, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
             shared_intermediate_size=48, embedding_multiplier=12.0, residual_multiplier=0.22,
             attention_multiplier=0.0078125, logits_scaling=8.0)),
+        # rotary on pairs of adjacent values of half of each head, q/k/v biases, gate/up stored fused
+        "glm": (GlmConfig, dict(tie_word_embeddings=False, head_dim=16)),
+        "glm4": (Glm4Config, dict(tie_word_embeddings=False, head_dim=16)),  # ... and post-attention / post-MLP norms
+        # one weight-only LayerNorm for attention and MLP side by side, pair rotary, logits x logit_scale
+        "cohere": (CohereConfig, dict(tie_word_embeddings=True)),
+        # ... a windowed layer with rotary and a global one without
+        "cohere2": (Cohere2Config, dict(tie_word_embeddings=True, sliding_window=6,
+                                        layer_types=["sliding_attention", "full_attention"])),
+        # LayerNorm1P (weight + 1), an ungated relu^2 MLP, rotary on half of each head
+        "nemotron": (NemotronConfig, dict(tie_word_embeddings=False, head_dim=16)),
+        # parallel residual, pair rotary on the first 8 of each head's 16 values, an LM head with a bias
+        "gptj": (GPTJConfig, dict(tie_word_embeddings=False, num_key_value_heads=None, n_inner=128, rotary_dim=8)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

@@ -19,7 +19,7 @@ from core_pytorch_backend.loader import load_checkpoint
 NEW_TOKENS = 20
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
          "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe",
-         "granitemoeshared")
+         "granitemoeshared", "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj")
 
 
 def _step(model, chunks, computed, tables, block_size):
@@ -184,6 +184,20 @@ VARIANTS = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     "olmoe-normalized-top-3-unclipped": ("olmoe", dict(norm_topk_prob=True, num_experts_per_tok=3, clip_qkv=None,
                                                         tie_word_embeddings=True)),
+    "glm-no-bias-tied-full-rotary": ("glm", dict(attention_bias=False, tie_word_embeddings=True,
+                                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                  "partial_rotary_factor": 1.0})),
+    "glm4-no-bias-tied": ("glm4", dict(attention_bias=False, tie_word_embeddings=True)),
+    # Command R+'s per-head q/k LayerNorms (their weights reordered with the q/k rows)
+    "cohere-qk-norm-bias-untied": ("cohere", dict(use_qk_norm=True, attention_bias=True, tie_word_embeddings=False,
+                                                  logit_scale=0.25)),
+    "cohere2-global-first-bias-untied": ("cohere2", dict(layer_types=["full_attention", "sliding_attention"],
+                                                         attention_bias=True, tie_word_embeddings=False,
+                                                         logit_scale=0.5)),
+    "nemotron-biases-tied-full-rotary": ("nemotron", dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
+                                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                           "partial_rotary_factor": 1.0})),
+    "gptj-full-rotary-tied": ("gptj", dict(rotary_dim=16, tie_word_embeddings=True)),
     "exaone4-no-window": ("exaone4", dict(sliding_window=None, layer_types=["full_attention", "full_attention"],
                                           tie_word_embeddings=True)),
 }
@@ -261,7 +275,9 @@ def test_layers_share_one_rotary_table_per_configuration(tiny_checkpoint_factory
 
 # logits_scaling; soft caps; activations, norms and scales whose small differences greedy tokens may not show
 LOGIT_CASES = {arch: (arch, {}) for arch in ("granite", "gemma3_text", "gemma2", "gemma", "stablelm", "starcoder2",
-                                               "gpt_neox", "olmo", "phi", "opt", "gpt2")}
+                                               "gpt_neox", "olmo", "phi", "opt", "gpt2", "cohere", "cohere2",
+                                               "nemotron", "gptj", "granitemoe")}
+LOGIT_CASES["cohere-qk-norm-scaled"] = ("cohere", dict(use_qk_norm=True, logit_scale=0.25))
 LOGIT_CASES["gpt2-scaled-by-inverse-layer"] = ("gpt2", dict(scale_attn_by_inverse_layer_idx=True))
 
 
