@@ -198,6 +198,20 @@ VARIANTS = {
                                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                            "partial_rotary_factor": 1.0})),
     "gptj-full-rotary-tied": ("gptj", dict(rotary_dim=16, tie_word_embeddings=True)),
+    # Found by fuzzing configs against transformers: Qwen3-MoE windows every layer (no layer_types) ...
+    "qwen3-moe-sliding-window": ("qwen3_moe", dict(use_sliding_window=True, sliding_window=5)),
+    # ... Gemma 3's attention ignores attn_logit_softcapping (Gemma 2's applies it) ...
+    "gemma3-attention-softcap-ignored": ("gemma3_text", dict(attn_logit_softcapping=5.0)),
+    # ... Qwen2-MoE has a qkv_bias field, and builds an empty shared expert of size 0 ...
+    "qwen2-moe-no-qkv-bias": ("qwen2_moe", dict(qkv_bias=False)),
+    "qwen2-moe-no-shared-expert": ("qwen2_moe", dict(shared_expert_intermediate_size=0)),
+    # ... and most families' MLPs have no biases whatever mlp_bias says (Llama's, Granite's, SmolLM3's do)
+    "qwen2-mlp-bias-ignored": ("qwen2", dict(mlp_bias=True)),
+    "mistral-mlp-bias-ignored": ("mistral", dict(mlp_bias=True)),
+    "olmo2-mlp-bias-ignored": ("olmo2", dict(mlp_bias=True)),
+    "phi3-mlp-bias-ignored": ("phi3", dict(mlp_bias=True)),
+    "qwen3-moe-mlp-bias-ignored": ("qwen3_moe", dict(mlp_bias=True)),
+    "granite-mlp-bias": ("granite", dict(mlp_bias=True)),
     "exaone4-no-window": ("exaone4", dict(sliding_window=None, layer_types=["full_attention", "full_attention"],
                                           tie_word_embeddings=True)),
 }

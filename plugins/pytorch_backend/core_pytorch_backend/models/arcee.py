@@ -7,12 +7,12 @@ from typing import Any
 
 from torch import nn
 
-from .llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from .llama import DecoderSpec, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from .ungated_mlp import UngatedMLP
 
 
 class ArceeDecoderLayer(LlamaDecoderLayer):
-    def make_mlp(self, config: Any, ops: Any, layer_index: int) -> nn.Module:
+    def make_mlp(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int) -> nn.Module:
         return UngatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "relu2"),
                           ("up_proj", "down_proj"), bias=bool(getattr(config, "mlp_bias", False)))
 

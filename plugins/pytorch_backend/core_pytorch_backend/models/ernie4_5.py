@@ -10,15 +10,11 @@ from .rotary_pairs import pairs_to_rotate_half
 
 
 class Ernie4_5ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: Any, ops: Any):
-        config.mlp_bias = bool(getattr(config, "use_bias", False))  # what LlamaMLP reads
-        super().__init__(config, ops)
-
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:
         bias = bool(getattr(config, "use_bias", False))
         return DecoderSpec(qkv_bias=bias, qk_norm=False, sliding_windows=(None,) * config.num_hidden_layers,
-                           o_bias=bias)
+                           o_bias=bias, mlp_bias=bias)
 
     def load_weights(self, weights):
         return super().load_weights(pairs_to_rotate_half(weights, self.config))

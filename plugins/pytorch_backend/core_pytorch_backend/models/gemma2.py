@@ -24,4 +24,5 @@ class Gemma2ForCausalLM(Gemma3ForCausalLM):
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:
         bias = bool(getattr(config, "attention_bias", False))
-        return DecoderSpec(qkv_bias=bias, qk_norm=False, sliding_windows=layer_types_windows(config), o_bias=bias)
+        return DecoderSpec(qkv_bias=bias, qk_norm=False, sliding_windows=layer_types_windows(config), o_bias=bias,
+                           attn_softcap=getattr(config, "attn_logit_softcapping", None))

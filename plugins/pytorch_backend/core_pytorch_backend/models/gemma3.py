@@ -101,7 +101,7 @@ class Gemma3Attention(nn.Module):
         self.rotary_emb = rotary_emb  # shared by the layers of this layer type
         scale = float(getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5  # Gemma: head_dim
         self.attn = Attention(heads, kv_heads, self.head_dim, scale, ops, spec.sliding_windows[layer_index],
-                              layer_index, softcap=getattr(config, "attn_logit_softcapping", None))
+                              layer_index, softcap=spec.attn_softcap)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))

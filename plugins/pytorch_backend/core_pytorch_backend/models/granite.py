@@ -41,7 +41,8 @@ class GraniteForCausalLM(LlamaForCausalLM):
     def decoder_spec(cls, config: Any) -> DecoderSpec:
         bias = bool(getattr(config, "attention_bias", False))
         return DecoderSpec(qkv_bias=bias, qk_norm=False, sliding_windows=(None,) * config.num_hidden_layers,
-                           o_bias=bias, attention_scale=float(config.attention_multiplier))
+                           o_bias=bias, attention_scale=float(config.attention_multiplier),
+                           mlp_bias=bool(getattr(config, "mlp_bias", False)))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden) / self.config.logits_scaling

@@ -16,11 +16,12 @@ from torch import nn
 
 from ..quant.attach import QuantizedShards
 from .granite import GraniteDecoderLayer, GraniteForCausalLM, GraniteModel
+from .llama import DecoderSpec
 from .sparse_moe import SparseMoeBlock
 
 
 class GraniteMoeDecoderLayer(GraniteDecoderLayer):
-    def make_mlp(self, config: Any, ops: Any, layer_index: int) -> nn.Module:
+    def make_mlp(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int) -> nn.Module:
         return SparseMoeBlock(config, ops, config.num_local_experts, config.num_experts_per_tok,
                               config.intermediate_size, normalize=False, softmax_of_top_k=True,
                               shared_size=getattr(config, "shared_intermediate_size", None) or None, shared_gate=False)

@@ -13,7 +13,8 @@ class HeliumForCausalLM(LlamaForCausalLM):
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:
         return DecoderSpec(qkv_bias=bool(getattr(config, "attention_bias", False)), qk_norm=False,
-                           sliding_windows=(None,) * config.num_hidden_layers)
+                           sliding_windows=(None,) * config.num_hidden_layers,
+                           mlp_bias=bool(getattr(config, "mlp_bias", False)))
 
     def load_weights(self, weights):
         return super().load_weights(pairs_to_rotate_half(weights, self.config))

@@ -41,6 +41,12 @@ class HunYuanDenseV1Model(LlamaModel):
 class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):
     model_class = HunYuanDenseV1Model
 
+    @classmethod
+    def decoder_spec(cls, config: Any) -> DecoderSpec:
+        bias = bool(getattr(config, "attention_bias", False))  # q, k, v and o; never the MLP
+        return DecoderSpec(qkv_bias=bias, qk_norm=False, sliding_windows=(None,) * config.num_hidden_layers,
+                           o_bias=bias)
+
     def __init__(self, config: Any, ops: Any):
         params = rope_parameters(config)
         if params["rope_type"] == "dynamic" and params.get("alpha"):  # transformers' "ntk_alpha"

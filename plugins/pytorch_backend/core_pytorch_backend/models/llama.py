@@ -48,6 +48,8 @@ class DecoderSpec:
     o_bias: bool = False  # Llama's and Qwen3's attention_bias covers o_proj too; Qwen2's q/k/v biases do not
     rope_layers: tuple[bool, ...] | None = None  # per layer, whether it applies rotary (None: every layer)
     attention_scale: float | None = None  # the softmax scale (None: head_dim ** -0.5; Granite sets its own)
+    mlp_bias: bool = False  # Llama's mlp_bias (most families' MLPs have no biases whatever the config says)
+    attn_softcap: float | None = None  # Gemma 2's attn_logit_softcapping (Gemma 3's attention ignores it)
 
 
 def head_dim_of(config: Any) -> int:
@@ -102,10 +104,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, ops: Any, intermediate_size: int | None = None):
+    def __init__(self, config: Any, ops: Any, intermediate_size: int | None = None, bias: bool = False):
         super().__init__()
         inter = intermediate_size or config.intermediate_size  # an MoE expert's own size
-        bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], ("gate", "up"), bias=bias)
         self.down_proj = Linear(inter, config.hidden_size, bias=bias)
         self.act_fn = get_act_and_mul(getattr(config, "hidden_act", "silu"), ops)
@@ -121,13 +122,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
         super().__init__()
         self.self_attn = self.attention_class(config, ops, spec, layer_index, rotary)
-        self.mlp = self.make_mlp(config, ops, layer_index)
+        self.mlp = self.make_mlp(config, ops, spec, layer_index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
-    def make_mlp(self, config: Any, ops: Any, layer_index: int) -> nn.Module:
+    def make_mlp(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int) -> nn.Module:
         """The layer's MLP (the MoE models' layers build their experts here)."""
-        return LlamaMLP(config, ops)
+        return LlamaMLP(config, ops, bias=spec.mlp_bias)
 
     def normed_input(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the input norm of ``hidden + residual``, that sum); the first layer's residual is its input."""
@@ -230,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
     def decoder_spec(cls, config: Any) -> DecoderSpec:
         bias = bool(getattr(config, "attention_bias", False))
         return DecoderSpec(qkv_bias=bias, qk_norm=False, sliding_windows=(None,) * config.num_hidden_layers,
-                           o_bias=bias)
+                           o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)))
 
     def forward(
         self,

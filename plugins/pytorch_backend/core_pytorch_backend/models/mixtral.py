@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from ..quant.attach import QuantizedShards
-from .llama import LlamaDecoderLayer, LlamaModel
+from .llama import DecoderSpec, LlamaDecoderLayer, LlamaModel
 from .mistral import MistralForCausalLM
 from .sparse_moe import SparseMoeBlock
 
@@ -19,7 +19,7 @@ RENAMED = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
-    def make_mlp(self, config: Any, ops: Any, layer_index: int) -> nn.Module:
+    def make_mlp(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int) -> nn.Module:
         return SparseMoeBlock(config, ops, config.num_local_experts, config.num_experts_per_tok,
                               config.intermediate_size, normalize=True)
 

@@ -33,7 +33,7 @@ class OlmoDecoderLayer(LlamaDecoderLayer):
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
         nn.Module.__init__(self)  # not LlamaDecoderLayer's: its norms have weights
         self.self_attn = OlmoAttention(config, ops, spec, layer_index, rotary)
-        self.mlp = self.make_mlp(config, ops, layer_index)
+        self.mlp = self.make_mlp(config, ops, spec, layer_index)
         self.input_layernorm = ParameterFreeLayerNorm()
         self.post_attention_layernorm = ParameterFreeLayerNorm()
 

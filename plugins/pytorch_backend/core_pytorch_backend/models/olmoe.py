@@ -33,7 +33,7 @@ class OlmoeAttention(Olmo2Attention):
 class OlmoeDecoderLayer(LlamaDecoderLayer):
     attention_class = OlmoeAttention
 
-    def make_mlp(self, config: Any, ops: Any, layer_index: int) -> nn.Module:
+    def make_mlp(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int) -> nn.Module:
         return SparseMoeBlock(config, ops, config.num_experts, config.num_experts_per_tok, config.intermediate_size,
                               normalize=bool(getattr(config, "norm_topk_prob", False)))
 

@@ -4,6 +4,9 @@ shared expert of ``shared_expert_intermediate_size`` behind a sigmoid gate (mode
 
 from __future__ import annotations
 
+from typing import Any
+
+from .llama import DecoderSpec, layer_types_windows
 from .qwen2 import Qwen2ForCausalLM
 from .sparse_moe import QwenMoeModel
 
@@ -12,3 +15,15 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
     model_class = QwenMoeModel
     #: experts are not split across ranks
     tensor_parallel_plan = None
+
+    @classmethod
+    def decoder_spec(cls, config: Any) -> DecoderSpec:
+        """Qwen2's, with q/k/v biases as the config's ``qkv_bias`` says (a field Qwen2-MoE has, Qwen2 not)."""
+        return DecoderSpec(qkv_bias=bool(getattr(config, "qkv_bias", True)), qk_norm=False,
+                           sliding_windows=layer_types_windows(config))
+
+    def load_weights(self, weights):
+        """A shared expert of size 0 (transformers builds an empty one) adds nothing: its tensors are skipped."""
+        if not getattr(self.config, "shared_expert_intermediate_size", None):
+            weights = ((name, tensor) for name, tensor in weights if ".mlp.shared_expert" not in name)
+        return super().load_weights(weights)

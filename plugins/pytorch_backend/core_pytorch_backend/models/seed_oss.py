@@ -13,4 +13,5 @@ class SeedOssForCausalLM(LlamaForCausalLM):
     def decoder_spec(cls, config: Any) -> DecoderSpec:
         return DecoderSpec(qkv_bias=bool(getattr(config, "attention_bias", False)), qk_norm=False,
                            sliding_windows=(None,) * config.num_hidden_layers,
-                           o_bias=bool(getattr(config, "attention_out_bias", False)))
+                           o_bias=bool(getattr(config, "attention_out_bias", False)),
+                           mlp_bias=bool(getattr(config, "mlp_bias", False)))

@@ -14,4 +14,5 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
         bias = bool(getattr(config, "attention_bias", False))  # q, k, v and o alike, as transformers
         rope = getattr(config, "no_rope_layers", None)  # 1: the layer uses rotary (transformers' naming)
         return DecoderSpec(qkv_bias=bias, qk_norm=False, sliding_windows=layer_types_windows(config), o_bias=bias,
-                           rope_layers=None if rope is None else tuple(bool(r) for r in rope))
+                           rope_layers=None if rope is None else tuple(bool(r) for r in rope),
+                           mlp_bias=bool(getattr(config, "mlp_bias", False)))

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
+from .llama import DecoderSpec, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 
 class SparseMoeBlock(nn.Module):
@@ -68,9 +68,9 @@ class QwenMoeDecoderLayer(LlamaDecoderLayer):
     """Qwen2-MoE's and Qwen3-MoE's layer: experts of ``moe_intermediate_size`` where ``is_sparse_layer``
     (with Qwen2-MoE's shared expert where the config sizes one)."""
 
-    def make_mlp(self, config: Any, ops: Any, layer_index: int) -> nn.Module:
+    def make_mlp(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int) -> nn.Module:
         if not is_sparse_layer(config, layer_index):
-            return super().make_mlp(config, ops, layer_index)
+            return super().make_mlp(config, ops, spec, layer_index)
         return SparseMoeBlock(config, ops, config.num_experts, config.num_experts_per_tok,
                               config.moe_intermediate_size, bool(getattr(config, "norm_topk_prob", False)),
                               shared_size=getattr(config, "shared_expert_intermediate_size", None))
