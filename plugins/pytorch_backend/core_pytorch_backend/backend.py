@@ -177,7 +177,7 @@ class PytorchBackend(Backend):
         try:
             return load_checkpoint(self.source, dtype=self.config.dtype, device=self.device,
                                    architectures=self._architectures, ops=self.ops,
-                                   quantization=self.config.quantization,
+                                   quantization=self.config.quantization, max_model_len=self.config.max_model_len,
                                    shard=self.tp.shard if self.tp is not None else None)  # rank 0's part under TP
         except NotImplementedError as exc:  # a setting of the checkpoint no layer implements (e.g. a rope type)
             raise UnsupportedError(f"{self.source}: {exc}") from exc
@@ -191,8 +191,7 @@ class PytorchBackend(Backend):
         if wanted > loaded.max_model_len:  # past the positions the model (and its rotary tables) knows
             raise InvalidRequestError(
                 f"max_model_len {wanted} exceeds the {loaded.max_model_len} positions {self.source} serves "
-                "(max_position_embeddings, what its YaRN rope scaling extends that to, or its LongRoPE's "
-                "original_max_position_embeddings)", param="max_model_len")
+                "(max_position_embeddings, or what its YaRN rope scaling extends that to)", param="max_model_len")
         capacity = num_blocks * self.config.block_size
         if wanted > capacity:
             log.warning("max_model_len %d exceeds the KV cache (%d tokens); using %d", wanted, capacity, capacity)

@@ -27,7 +27,7 @@ from .default_model import default_model_path, generation_defaults  # noqa: F401
 from .kernels import select_ops
 from .layers.matmul import select_matmul, use_matmul
 from .layers.quantized import AffineRows, Int4Weight
-from .layers.rotary import context_positions
+from .layers.rotary import context_positions, rope_parameters, serve_longrope_long
 from .light_config import read_light_config, write_light_config
 from .models import BUILTIN_ARCHITECTURES, resolve_class
 from .native.half_weights import half_kernels, keep_sixteen_bit, pack_bfloat16, pack_exact_halves
@@ -82,6 +82,7 @@ def load_checkpoint(
     quantization: str = "auto",
     shard: ModelShard | None = None,
     packed_choice: PackedKernel | None = None,
+    max_model_len: int | None = None,
 ) -> LoadedModel:
     """Build the model for a checkpoint and load its weights.
 
@@ -105,7 +106,9 @@ def load_checkpoint(
     strings (built-ins by default). ``shard`` builds one tensor-parallel rank's part instead
     (``distributed.shard.ModelShard``: its config, its slices of the tensors, its collectives), and
     ``packed_choice`` imposes a packed-weights kernel instead of choosing one (ranks > 0 take rank 0's:
-    ranks whose kernels or dtypes differed could not sum their partial results).
+    ranks whose kernels or dtypes differed could not sum their partial results). ``max_model_len``: the
+    context the caller will serve, where the model's positions depend on it (LongRoPE past its original
+    context: ``layers.rotary.serve_longrope_long``).
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
@@ -115,6 +118,11 @@ def load_checkpoint(
     if quantization in QUANTIZE_MODES and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on the CPU only; device is {device}")
     config, tokenizer, weights, generation = _open(path, gguf, packed, cache_dir, use_cache)
+    if serve_longrope_long(config.get_text_config(), max_model_len):
+        log.warning("%s: max_model_len %d is past LongRoPE's original %d positions: every position takes the "
+                    "long factors (transformers keeps the short ones for sequences within the original context, "
+                    "so their text differs from transformers')", path.name, max_model_len,
+                    rope_parameters(config.get_text_config())["original_max_position_embeddings"])
     generation = {**generation_defaults(gguf), **generation}
     kernel = (packed_choice or packed_kernel()) if packed or quantization in QUANTIZE_MODES else None
     torch_dtype = resolve_dtype(dtype, config, gguf is not None, kernel is not None)

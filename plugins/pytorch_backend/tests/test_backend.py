@@ -286,17 +286,19 @@ def test_max_model_len_past_the_models_positions_is_refused_at_start_up(tiny_che
     assert raised.value.param == "max_model_len"
 
 
-def test_longrope_serves_its_original_context(tiny_checkpoint_factory):
+def test_longrope_serves_its_original_context_unless_a_longer_one_is_asked_for(tiny_checkpoint_factory):
     """Phi-3.5's layout: 256 positions extended from 48 by LongRoPE, whose short factors transformers keeps
-    only within the 48 (layers/rotary.py): 48 served, and a longer max_model_len refused naming why."""
+    only within the 48 (layers/rotary.py): 48 served by default; a longer max_model_len, up to the 256, takes
+    the long factors; past the 256 it is refused."""
     from core.errors import InvalidRequestError
 
     path = tiny_checkpoint_factory("phi3", max_position_embeddings=256, original_max_position_embeddings=48,
                                    rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                                     "short_factor": [1.5] * 8, "long_factor": [4.0] * 8})
     assert make_backend(path).model_info.max_model_len == 48
-    with pytest.raises(InvalidRequestError, match="max_model_len 100 exceeds the 48 positions .* LongRoPE"):
-        make_backend(path, max_model_len=100)
+    assert make_backend(path, max_model_len=100).model_info.max_model_len == 100
+    with pytest.raises(InvalidRequestError, match="max_model_len 300 exceeds the 256 positions"):
+        make_backend(path, max_model_len=300)
 
 
 async def test_yarn_serves_the_original_context_times_its_factor(tiny_checkpoint_factory):

@@ -358,6 +358,24 @@ def test_longrope_matches_transformers_within_its_original_context(variant, tiny
     assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=2) == [hf_greedy(hf, p) for p in prompts]
 
 
+@pytest.mark.parametrize("variant", ["phi3.5", "phi4-mini-partial"])
+def test_longrope_past_its_original_context_matches_transformers_for_longer_prompts(variant, tiny_checkpoint_factory):
+    """Asked to serve past the original context (max_model_len), every position takes the long factors: what
+    transformers does for a prompt longer than the original context, from its prefill on."""
+    from transformers import AutoModelForCausalLM
+
+    overrides, original = LONGROPE[variant]
+    path = tiny_checkpoint_factory("phi3", **overrides)
+    loaded = load_checkpoint(path, dtype="float32", max_model_len=overrides["max_position_embeddings"])
+    assert loaded.max_model_len == overrides["max_position_embeddings"]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = _prompts([original + 9, original + 30], seed=6)
+    assert paged_greedy(loaded.model, prompts, block_size=4, prefill_chunks=2) == [hf_greedy(hf, p) for p in prompts]
+    short = load_checkpoint(path, dtype="float32")  # the default: the original context, the short factors
+    assert short.max_model_len == original and not torch.equal(short.model.model.layers[0].self_attn.rotary_emb.cos_cache,
+                                                               loaded.model.model.layers[0].self_attn.rotary_emb.cos_cache[:original])
+
+
 def test_longrope_takes_one_short_factor_per_rotary_frequency():
     from core_pytorch_backend.layers.rotary import longrope_frequencies
 

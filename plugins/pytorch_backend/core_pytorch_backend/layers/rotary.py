@@ -14,7 +14,11 @@ other frequencies cannot follow, so each is served over the context where its fr
   once, recomputing the cache then (Phi-3's ``prepare_inputs_for_generation``); a table of short factors
   below that position and long ones above (what a paged cache could hold) matched it only while the
   sequence stayed short and rotated early keys and late queries at different frequencies after (tried on a
-  tiny Phi-3: generation diverged at the crossing), so the long factors are not served."""
+  tiny Phi-3: generation diverged at the crossing). So the original context is what is served, unless a
+  longer ``max_model_len`` is asked for (``serve_longrope_long``): then every position takes the long
+  factors, up to ``max_position_embeddings`` (llama.cpp's rule for a context past the original one), which
+  is transformers' text for every sequence whose prompt is longer than the original context, and not for
+  shorter ones (transformers keeps the short factors for those)."""
 
 from __future__ import annotations
 
@@ -99,14 +103,31 @@ def yarn_frequencies(head_dim: int, params: dict[str, Any], max_positions: int) 
     return inv_freq, float(attention)
 
 
+#: set in a LongRoPE config's rope settings by ``serve_longrope_long``: every position takes the long factors
+LONG_FACTORS_KEY = "core_long_factors"
+
+
+def serve_longrope_long(config: Any, max_model_len: int | None) -> bool:
+    """Whether ``config``'s LongRoPE is to be served past its original context, as ``max_model_len`` asks;
+    if so, marks its rope settings so that every position takes the long factors (module docstring)."""
+    params = getattr(config, "rope_parameters", None)
+    if not max_model_len or not isinstance(params, dict) or rope_parameters(config)["rope_type"] != "longrope":
+        return False
+    if max_model_len <= rope_parameters(config)["original_max_position_embeddings"]:
+        return False
+    params[LONG_FACTORS_KEY] = True
+    return True
+
+
 def longrope_frequencies(head_dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
     """LongRoPE within its original context: the default frequencies divided by the short factors (one per
-    frequency), and the attention factor, ``attention_factor`` or sqrt(1 + ln(factor) / ln(original
+    frequency; the long ones where ``serve_longrope_long`` marked the settings), and the attention factor, ``attention_factor`` or sqrt(1 + ln(factor) / ln(original
     context)), ``factor`` being the extended context's ratio to the original one (what rope_parameters
     fills in from ``max_position_embeddings`` where the config names none, as transformers does)."""
-    short = params.get("short_factor")
+    which = "long_factor" if params.get(LONG_FACTORS_KEY) else "short_factor"
+    short = params.get(which)
     if not isinstance(short, (list, tuple)) or len(short) != head_dim // 2:
-        raise NotImplementedError(f"longrope needs {head_dim // 2} short_factor values (one per rotary frequency), "
+        raise NotImplementedError(f"longrope needs {head_dim // 2} {which} values (one per rotary frequency), "
                                   f"got {short!r}")
     original, factor = params["original_max_position_embeddings"], params["factor"]
     attention = params.get("attention_factor")
@@ -227,7 +248,7 @@ def context_positions(config: Any) -> int:
     if params["rope_type"] == "yarn" and original and factor:
         return max(base, int(original * factor))
     if params["rope_type"] == "longrope":
-        return min(base, int(original))
+        return base if params.get(LONG_FACTORS_KEY) else min(base, int(original))
     return base
 
 
