@@ -120,22 +120,23 @@ def serve_longrope_long(config: Any, max_model_len: int | None) -> bool:
 
 
 def longrope_frequencies(head_dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
-    """LongRoPE within its original context: the default frequencies divided by the short factors (one per
-    frequency; the long ones where ``serve_longrope_long`` marked the settings), and the attention factor, ``attention_factor`` or sqrt(1 + ln(factor) / ln(original
-    context)), ``factor`` being the extended context's ratio to the original one (what rope_parameters
-    fills in from ``max_position_embeddings`` where the config names none, as transformers does)."""
+    """LongRoPE: the default frequencies divided by its short factors (one per frequency; the long ones where
+    ``serve_longrope_long`` marked the settings), and the attention factor, ``attention_factor`` or
+    sqrt(1 + ln(factor) / ln(original context)), ``factor`` being the extended context's ratio to the original
+    one (what rope_parameters fills in from ``max_position_embeddings`` where the config names none, as
+    transformers does)."""
     which = "long_factor" if params.get(LONG_FACTORS_KEY) else "short_factor"
-    short = params.get(which)
-    if not isinstance(short, (list, tuple)) or len(short) != head_dim // 2:
+    factors = params.get(which)
+    if not isinstance(factors, (list, tuple)) or len(factors) != head_dim // 2:
         raise NotImplementedError(f"longrope needs {head_dim // 2} {which} values (one per rotary frequency), "
-                                  f"got {short!r}")
+                                  f"got {factors!r}")
     original, factor = params["original_max_position_embeddings"], params["factor"]
     attention = params.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     base = float(params["rope_theta"])
-    return 1.0 / (torch.tensor(short, dtype=torch.float32) * base**shape), float(attention)
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base**shape), float(attention)
 
 
 def rope_frequencies(head_dim: int, params: dict[str, Any], max_positions: int) -> tuple[torch.Tensor, float]:
