@@ -21,7 +21,7 @@ CHAT_TEMPLATE = (
 )
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
          "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe", "granitemoeshared",
-         "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj")
+         "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj", "gpt_bigcode", "falcon")
 
 
 def tiny_config(arch: str, **overrides):
@@ -32,12 +32,14 @@ def tiny_config(arch: str, **overrides):
         CohereConfig,
         Ernie4_5Config,
         Exaone4Config,
+        FalconConfig,
         Gemma2Config,
         Gemma3TextConfig,
         GemmaConfig,
         Glm4Config,
         GlmConfig,
         GPT2Config,
+        GPTBigCodeConfig,
         GPTJConfig,
         GPTNeoXConfig,
         GraniteConfig,
@@ -170,6 +172,10 @@ def tiny_config(arch: str, **overrides):
         "nemotron": (NemotronConfig, dict(tie_word_embeddings=False, head_dim=16)),
         # parallel residual, pair rotary on the first 8 of each head's 16 values, an LM head with a bias
         "gptj": (GPTJConfig, dict(tie_word_embeddings=False, num_key_value_heads=None, n_inner=128, rotary_dim=8)),
+        # StarCoder 1's layout: GPT-2's with nn.Linear weights and multi-query attention (one k/v head)
+        "gpt_bigcode": (GPTBigCodeConfig, dict(tie_word_embeddings=True, n_inner=128)),
+        # Falcon-7B's layout: multi-query, attention and MLP side by side behind one norm, rotary, no biases
+        "falcon": (FalconConfig, dict(tie_word_embeddings=True, ffn_hidden_size=128)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

@@ -19,7 +19,7 @@ from core_pytorch_backend.loader import load_checkpoint
 NEW_TOKENS = 20
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
          "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe",
-         "granitemoeshared", "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj")
+         "granitemoeshared", "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj", "gpt_bigcode", "falcon")
 
 
 def _step(model, chunks, computed, tables, block_size):
@@ -198,6 +198,18 @@ VARIANTS = {
                                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                            "partial_rotary_factor": 1.0})),
     "gptj-full-rotary-tied": ("gptj", dict(rotary_dim=16, tie_word_embeddings=True)),
+    "gpt-bigcode-multi-head-untied": ("gpt_bigcode", dict(multi_query=False, tie_word_embeddings=False)),
+    "gpt-bigcode-unscaled": ("gpt_bigcode", dict(scale_attn_weights=False, attention_softmax_in_fp32=False,
+                                                 scale_attention_softmax_in_fp32=False)),
+    # Falcon-40B/180B's layout: q/k/v packed per KV group, ln_attn / ln_mlp
+    "falcon-40b-new-architecture": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2)),
+    "falcon-new-architecture-one-norm-bias": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2,
+                                                             num_ln_in_parallel_attn=1, bias=True)),
+    "falcon-new-architecture-kv-heads-4-untied": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=4,
+                                                                 tie_word_embeddings=False)),
+    "falcon-sequential-bias": ("falcon", dict(parallel_attn=False, bias=True)),
+    "falcon-multi-head-rope-theta": ("falcon", dict(multi_query=False, rope_parameters={"rope_type": "default",
+                                                                                        "rope_theta": 500.0})),
     # Found by fuzzing configs against transformers: Qwen3-MoE windows every layer (no layer_types) ...
     "qwen3-moe-sliding-window": ("qwen3_moe", dict(use_sliding_window=True, sliding_window=5)),
     # ... Gemma 3's attention ignores attn_logit_softcapping (Gemma 2's applies it) ...
@@ -290,7 +302,10 @@ def test_layers_share_one_rotary_table_per_configuration(tiny_checkpoint_factory
 # logits_scaling; soft caps; activations, norms and scales whose small differences greedy tokens may not show
 LOGIT_CASES = {arch: (arch, {}) for arch in ("granite", "gemma3_text", "gemma2", "gemma", "stablelm", "starcoder2",
                                                "gpt_neox", "olmo", "phi", "opt", "gpt2", "cohere", "cohere2",
-                                               "nemotron", "gptj", "granitemoe")}
+                                               "nemotron", "gptj", "granitemoe", "gpt_bigcode", "falcon")}
+LOGIT_CASES["gpt-bigcode-multi-head"] = ("gpt_bigcode", dict(multi_query=False))
+LOGIT_CASES["falcon-40b-new-architecture"] = ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2))
+LOGIT_CASES["falcon-sequential-bias"] = ("falcon", dict(parallel_attn=False, bias=True))
 LOGIT_CASES["cohere-qk-norm-scaled"] = ("cohere", dict(use_qk_norm=True, logit_scale=0.25))
 LOGIT_CASES["gpt2-scaled-by-inverse-layer"] = ("gpt2", dict(scale_attn_by_inverse_layer_idx=True))
 
@@ -414,3 +429,12 @@ def test_opt_layouts_it_does_not_run_are_refused_at_load(overrides, match, tiny_
     """opt-350m's post-norm layers and projected embeddings would give wrong text, not an error."""
     with pytest.raises(NotImplementedError, match=match):
         load_checkpoint(tiny_checkpoint_factory("opt", **overrides), dtype="float32")
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(alibi=True), "alibi"),
+    (dict(new_decoder_architecture=True, num_kv_heads=2, parallel_attn=False), "parallel_attn"),
+    (dict(num_ln_in_parallel_attn=2), "num_ln_in_parallel_attn")])
+def test_falcon_layouts_it_does_not_run_are_refused_at_load(overrides, match, tiny_checkpoint_factory):
+    with pytest.raises(NotImplementedError, match=match):
+        load_checkpoint(tiny_checkpoint_factory("falcon", **overrides), dtype="float32")

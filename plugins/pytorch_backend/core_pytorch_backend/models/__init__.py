@@ -45,6 +45,8 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "OlmoeForCausalLM": "core_pytorch_backend.models.olmoe:OlmoeForCausalLM",
     "GraniteMoeForCausalLM": "core_pytorch_backend.models.granitemoe:GraniteMoeForCausalLM",
     "GraniteMoeSharedForCausalLM": "core_pytorch_backend.models.granitemoe:GraniteMoeForCausalLM",
+    "GPTBigCodeForCausalLM": "core_pytorch_backend.models.gpt_bigcode:GPTBigCodeForCausalLM",
+    "FalconForCausalLM": "core_pytorch_backend.models.falcon:FalconForCausalLM",
     # Encoders: served on the pooling path (embeddings and scores), never generating.
     "BertModel": "core_pytorch_backend.models.bert:BertModel",
     # Vision-language checkpoints: their language model; the vision tower runs in core_vl_models.
