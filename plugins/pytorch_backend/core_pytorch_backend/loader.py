@@ -155,7 +155,8 @@ def load_checkpoint(
         dtype=torch_dtype,
         kv_cache_dtype=kv_cache_dtype,
         chat_template=getattr(tokenizer, "chat_template", None) or legacy_chat_template(path),
-        max_model_len=context_positions(config.get_text_config()),  # the positions the rotary tables hold
+        # the positions the rotary tables (an encoder's learned positions) hold
+        max_model_len=getattr(model, "max_positions", None) or context_positions(config.get_text_config()),
         source=str(gguf or path),
         quantization=_describe_weights(model),
     )

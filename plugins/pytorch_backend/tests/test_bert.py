@@ -66,3 +66,27 @@ def test_the_factory_serves_an_encoder_on_the_pooling_path(tiny_bert: Path):
     assert isinstance(backend, PytorchEncoderBackend) and not backend.supports_generation
     assert backend.pooling == PoolingConfig("mean", normalize=True)  # no sentence-transformers files
     assert backend.model_info.max_model_len == 64
+
+
+@pytest.mark.parametrize("family", ["XLMRoberta", "Roberta"])
+def test_roberta_encoders_match_transformers_in_a_padded_batch(family: str, tmp_path: Path):
+    """RoBERTa's positions start after the padding token's (pad_token_id 1: position 2 first), and its
+    checkpoints are prefixed ``roberta.``: the same hidden states as transformers' in a right-padded batch, and
+    inputs as long as the learned positions past the offset allow."""
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=66, type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    torch.manual_seed(0)
+    reference = getattr(transformers, f"{family}Model")(config).eval()
+    reference.save_pretrained(tmp_path)
+    loaded = load_checkpoint(tmp_path, dtype="float32")
+    assert loaded.max_model_len == 64
+    prompts = [[0, 5, 7, 9, 2], [0, 11, 2], [0] + [4] * 62 + [2]]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([p + [1] * (width - len(p)) for p in prompts])
+    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+    with torch.no_grad():
+        hidden = loaded.model(ids, mask)
+        expected = reference(ids, attention_mask=mask).last_hidden_state
+    for i, prompt in enumerate(prompts):
+        torch.testing.assert_close(hidden[i, :len(prompt)], expected[i, :len(prompt)], atol=1e-5, rtol=1e-5)

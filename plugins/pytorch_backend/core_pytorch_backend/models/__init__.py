@@ -49,6 +49,8 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "FalconForCausalLM": "core_pytorch_backend.models.falcon:FalconForCausalLM",
     # Encoders: served on the pooling path (embeddings and scores), never generating.
     "BertModel": "core_pytorch_backend.models.bert:BertModel",
+    "RobertaModel": "core_pytorch_backend.models.bert:RobertaModel",
+    "XLMRobertaModel": "core_pytorch_backend.models.bert:RobertaModel",
     # Vision-language checkpoints: their language model; the vision tower runs in core_vl_models.
     "Qwen2VLForConditionalGeneration": f"{_VL}:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": f"{_VL}:Qwen2VLForConditionalGeneration",

@@ -1,4 +1,5 @@
-"""BERT-family encoders (BertModel: all-MiniLM, BGE, E5 ...): bidirectional attention, no KV cache.
+"""BERT-family encoders (BertModel: all-MiniLM, BGE, E5 ...; RobertaModel and XLMRobertaModel: multilingual-E5,
+BGE-M3, the RoBERTa sentence-transformers): bidirectional attention, no KV cache.
 
 The model only encodes: `forward(input_ids, attention_mask)` returns the last layer's hidden states of a
 padded batch, every token attending to every non-padding token. Module names mirror transformers' own, so
@@ -16,21 +17,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SKIPPED_PREFIXES = ("pooler.", "cls.")  # the NSP pooler and the MLM head: sentence embeddings use neither
+SKIPPED_PREFIXES = ("pooler.", "cls.", "lm_head.")  # the pooler and the MLM heads: sentence embeddings use neither
 SKIPPED_SUFFIXES = ("position_ids",)  # a buffer some checkpoints save
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class _Embeddings(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, position_offset: int = 0) -> None:
         super().__init__()
+        self.position_offset = position_offset  # RoBERTa numbers a text's positions from padding_idx + 1
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device) + self.position_offset
         types = torch.zeros_like(input_ids)  # one segment: embeddings never pair two texts in one input
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings(types)
         return self.LayerNorm(x)
@@ -105,14 +107,23 @@ class BertModel(nn.Module):
     """The BERT encoder: embeddings, then bidirectional transformer layers (post-LayerNorm)."""
 
     is_encoder = True  # no KV cache, no generation: the backend serves it on the pooling path
+    #: the checkpoints' name prefix, dropped at load
+    prefix = "bert."
 
     def __init__(self, config: Any, ops: Any = None) -> None:
         super().__init__()
         if getattr(config, "position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"position_embedding_type {config.position_embedding_type!r} is not supported")
         self.config = config
-        self.embeddings = _Embeddings(config)
+        self.embeddings = _Embeddings(config, self.position_offset(config))
         self.encoder = _Encoder(config)
+        #: the longest input: the learned positions past the offset
+        self.max_positions = config.max_position_embeddings - self.position_offset(config)
+
+    @staticmethod
+    def position_offset(config: Any) -> int:
+        """Where a text's positions start in the learned table (0; RoBERTa's differ)."""
+        return 0
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Hidden states [batch, length, hidden] of a right-padded batch (`attention_mask` 1 on real tokens)."""
@@ -127,12 +138,24 @@ class BertModel(nn.Module):
         params = dict(self.named_parameters())
         pending = set(params)
         for name, tensor in weights:
-            name = name.removeprefix("bert.")
+            name = name.removeprefix(self.prefix)
             if name.startswith(SKIPPED_PREFIXES) or name.endswith(SKIPPED_SUFFIXES):
                 continue
             if name not in params:
-                raise ValueError(f"unexpected tensor {name!r} in a BertModel checkpoint")
+                raise ValueError(f"unexpected tensor {name!r} in a {type(self).__name__} checkpoint")
             params[name].data.copy_(tensor)
             pending.discard(name)
         if pending:
             raise ValueError(f"the checkpoint lacks {len(pending)} tensors, e.g. {sorted(pending)[:3]}")
+
+
+class RobertaModel(BertModel):
+    """RoBERTa and XLM-RoBERTa: BERT's encoder whose positions start after the padding token's
+    (``padding_idx + 1``, as transformers numbers a right-padded text's tokens), one token type, and
+    checkpoints prefixed ``roberta.`` (the MLM ``lm_head`` dropped)."""
+
+    prefix = "roberta."
+
+    @staticmethod
+    def position_offset(config: Any) -> int:
+        return int(config.pad_token_id) + 1
