@@ -47,7 +47,10 @@ class Tokenizer(Protocol):
     eos_token_id: int | None
     all_special_ids: list[int]
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids; a cross-encoder's tokenizer also takes a second text (``encode(text,
+        text_pair=...)``, as Hugging Face tokenizers do) and encodes the two as one input."""
+        ...
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 

@@ -256,8 +256,24 @@ class AsyncEngine:
         self._check_gate()
         if self.backend.pooling is None:
             raise UnsupportedError(f"the model {self.model_name!r} does not compute embeddings", param="model")
+        if self.backend.pooling.method == "classify":
+            raise UnsupportedError(f"the model {self.model_name!r} is a cross-encoder: it scores pairs of texts "
+                                   "(/v1/score, /v1/rerank), it computes no embeddings", param="model")
         prompts = [list(p) if not isinstance(p, str) else await self.preparation.off_loop(self.tokenizer.encode, p)
                    for p in inputs]
+        return await self._pooled(prompts)
+
+    async def classify_pairs(self, pairs: Sequence[tuple[str, str]]) -> list[Embedding]:
+        """A cross-encoder's logits for each (text, text_pair), the two encoded as one input by the tokenizer
+        (`Tokenizer.encode(text, text_pair=...)`); an input past the context window is a 400."""
+        self._check_gate()
+        if self.backend.pooling is None or self.backend.pooling.method != "classify":
+            raise UnsupportedError(f"the model {self.model_name!r} is not a cross-encoder", param="model")
+        prompts = [list(await self.preparation.off_loop(self.tokenizer.encode, first, text_pair=second))
+                   for first, second in pairs]
+        return await self._pooled(prompts)
+
+    async def _pooled(self, prompts: list[list[int]]) -> list[Embedding]:
         check_embedding_inputs(prompts, self.model_info.max_model_len)
         vectors = await self.backend.embed(prompts)
         return [Embedding(vector, len(prompt)) for vector, prompt in zip(vectors, prompts, strict=True)]

@@ -3,7 +3,8 @@
 A backend declares per model whether and how it pools (`Backend.pooling`): mean over the prompt's tokens,
 its first token (BERT's [CLS]) or its last token (decoder embedding models such as Qwen3-Embedding), with
 or without L2 normalisation, and whether the vector may be truncated to fewer `dimensions` (Matryoshka
-models). `Backend.embed` returns the pooled vectors; truncation is the core's (`truncate`). The
+models); or "classify": a cross-encoder (a reranker) whose own head reads a pair of texts encoded as one
+input and whose vector is its label logits, one relevance logit for the rerankers served (`relevance`). `Backend.embed` returns the pooled vectors; truncation is the core's (`truncate`). The
 sentence-transformers files a checkpoint ships (`modules.json`, `1_Pooling/config.json`) say how it was
 trained to pool (`sentence_transformers_pooling`). Pure Python: no torch.
 """
@@ -19,7 +20,7 @@ from typing import Literal
 
 from core.errors import ContextTooLongError, InvalidRequestError
 
-PoolingMethod = Literal["mean", "cls", "last"]
+PoolingMethod = Literal["mean", "cls", "last", "classify"]
 _ST_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
 
 
@@ -27,7 +28,8 @@ _ST_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"
 class PoolingConfig:
     """How one model pools.
 
-    :param method: "mean" (over the prompt's tokens), "cls" (the first token) or "last" (the last token).
+    :param method: "mean" (over the prompt's tokens), "cls" (the first token), "last" (the last token) or
+        "classify" (a cross-encoder's classification head: the vector is its logits).
     :param normalize: L2-normalise each vector.
     :param truncatable: the model was trained so that a vector's first d dimensions are an embedding too
         (Matryoshka), so a request's `dimensions` may cut it.
@@ -86,6 +88,15 @@ def truncate(vector: Sequence[float], dimensions: int | None, config: PoolingCon
         return cut
     norm = math.sqrt(sum(x * x for x in cut)) or 1.0
     return [x / norm for x in cut]
+
+
+def relevance(logits: Sequence[float]) -> float:
+    """A cross-encoder's score of a pair: the sigmoid of its one logit (sentence-transformers' CrossEncoder
+    and vLLM score one-label rerankers so); a model of more labels is a 400 naming `model`."""
+    if len(logits) != 1:
+        raise InvalidRequestError(f"this cross-encoder has {len(logits)} labels; scores come from one-label "
+                                  "rerankers", param="model")
+    return 1.0 / (1.0 + math.exp(-logits[0]))
 
 
 def cosine(a: Sequence[float], b: Sequence[float]) -> float:

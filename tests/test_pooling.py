@@ -12,6 +12,7 @@ from core.errors import InvalidRequestError
 from core.pooling import (
     PoolingConfig,
     cosine,
+    relevance,
     sentence_transformers_max_length,
     sentence_transformers_pooling,
     truncate,
@@ -58,3 +59,10 @@ def test_truncation_renormalises_and_needs_a_matryoshka_model():
 def test_cosine():
     assert cosine([1.0, 0.0], [0.0, 2.0]) == 0.0 and cosine([1.0, 1.0], [2.0, 2.0]) == pytest.approx(1.0)
     assert cosine([0.0, 0.0], [1.0, 0.0]) == 0.0
+
+
+def test_relevance_is_the_sigmoid_of_one_logit():
+    assert relevance([0.0]) == 0.5 and relevance([2.0]) == pytest.approx(1 / (1 + math.exp(-2.0)))
+    with pytest.raises(InvalidRequestError) as info:
+        relevance([0.1, 0.2])
+    assert info.value.param == "model"

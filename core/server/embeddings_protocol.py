@@ -1,6 +1,6 @@
 """Embedding and scoring request bodies (OpenAI's /v1/embeddings, vLLM's /v1/score and /v1/rerank) and
 the pure translations of their inputs and outputs. A score is the cosine similarity of two embeddings
-(what vLLM computes for an embedding model; a cross-encoder would score the pair in one pass)."""
+(what vLLM computes for an embedding model), or a cross-encoder's relevance of the pair read in one pass."""
 
 from __future__ import annotations
 

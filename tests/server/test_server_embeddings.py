@@ -193,3 +193,52 @@ def test_a_generating_model_embeds_with_its_last_token(server: Any):
         assert (torch.tensor(item.embedding) - expected).abs().max().item() < 1e-4
     assert by_ids.usage.prompt_tokens == len(ids)
     assert "embeddings use last-token pooling" in server.log()
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(minilm_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Path]]:
+    """A BERT cross-encoder (what the ms-marco MiniLM rerankers are): all-MiniLM's encoder under a seeded
+    one-label classifier, with its WordPiece tokenizer (pairs: token types 0 and 1), served by `core serve`."""
+    pytest.importorskip("core_pytorch_backend")
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification.from_pretrained(minilm_path, num_labels=1)
+    folder = tmp_path_factory.mktemp("cross-encoder")
+    model.save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(minilm_path).save_pretrained(folder)
+    spec = ServerSpec("reranker", backend="pytorch", model=str(folder), env={"CORE_PLUGINS": "pytorch_backend"})
+    with run_server(spec) as server:
+        yield server, folder
+
+
+def _pair_relevance(folder: Path, pairs: list[tuple[str, str]]) -> list[float]:
+    """transformers' sigmoid of the classifier's logit on each pair, as sentence-transformers' CrossEncoder."""
+    import torch
+    import transformers
+
+    model = transformers.BertForSequenceClassification.from_pretrained(folder).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    with torch.no_grad():
+        return [torch.sigmoid(model(**tokenizer(a, b, return_tensors="pt")).logits[0, 0]).item() for a, b in pairs]
+
+
+def test_a_cross_encoder_scores_and_reranks_pairs_as_transformers(cross_encoder: tuple[Any, Path]):
+    server, folder = cross_encoder
+    query, documents = TEXTS[0], TEXTS[1:]
+    expected = _pair_relevance(folder, [(query, d) for d in documents])
+    assert len({round(s, 4) for s in expected}) == len(expected)  # the pairs score apart: the order means something
+    with httpx.Client(base_url=server.base_url, timeout=60.0) as http:
+        scored = http.post("/v1/score", json={"text_1": query, "text_2": documents}).json()
+        assert [d["score"] for d in scored["data"]] == pytest.approx(expected, abs=1e-5)
+        pairwise = http.post("/v1/score", json={"text_1": [TEXTS[0], TEXTS[2]], "text_2": [TEXTS[1], TEXTS[3]]}).json()
+        assert [d["score"] for d in pairwise["data"]] == pytest.approx(
+            _pair_relevance(folder, [(TEXTS[0], TEXTS[1]), (TEXTS[2], TEXTS[3])]), abs=1e-5)
+        ranked = http.post("/v1/rerank", json={"query": query, "documents": documents, "top_n": 2}).json()
+        best = sorted(range(len(documents)), key=lambda i: -expected[i])[:2]
+        assert [r["index"] for r in ranked["results"]] == best
+        assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx([expected[i] for i in best], abs=1e-5)
+        assert ranked["usage"]["total_tokens"] > 0
+        refused = http.post("/v1/embeddings", json={"input": "a"})  # a cross-encoder has no embeddings
+        assert_openai_error(refused, 400, "model")

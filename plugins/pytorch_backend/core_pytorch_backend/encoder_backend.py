@@ -58,7 +58,9 @@ class PytorchEncoderBackend(Backend):
         self.source = str(config.model)
         loaded = self._load()
         self.tokenizer, self.dtype = loaded.tokenizer, loaded.dtype
-        self.pooling = sentence_transformers_pooling(self.source) or ENCODER_POOLING
+        # a cross-encoder's own (models/bert.py), else the checkpoint's sentence-transformers pooling
+        self.pooling = (getattr(loaded.model, "pooling", None) or sentence_transformers_pooling(self.source)
+                        or ENCODER_POOLING)
         self.model_info = self._model_info(loaded)
         pad = getattr(loaded.hf_config, "pad_token_id", None) or 0
         self.runner = PoolingRunner(loaded.model, self.pooling, self.device, pad_token_id=pad)
@@ -68,9 +70,12 @@ class PytorchEncoderBackend(Backend):
                  self.model_info.max_model_len)
 
     def _load(self) -> LoadedModel:
-        return load_checkpoint(self.source, dtype=self.config.dtype, device=self.device,
-                               architectures=self._architectures, ops=select_ops(self.device),
-                               quantization="none" if self.config.quantization == "auto" else self.config.quantization)
+        loaded = load_checkpoint(self.source, dtype=self.config.dtype, device=self.device,
+                                 architectures=self._architectures, ops=select_ops(self.device),
+                                 quantization="none" if self.config.quantization == "auto" else self.config.quantization)
+        if hasattr(loaded.model, "set_separator"):  # a BERT cross-encoder's pairs: token types from the [SEP]
+            loaded.model.set_separator(getattr(loaded.tokenizer, "sep_token_id", None))
+        return loaded
 
     def _model_info(self, loaded: LoadedModel) -> ModelInfo:
         limit = sentence_transformers_max_length(self.source) or loaded.max_model_len

@@ -23,8 +23,11 @@ Job = tuple[Sequence[Sequence[int]], concurrent.futures.Future]
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, config: PoolingConfig) -> torch.Tensor:
-    """One vector per row of a right-padded batch's hidden states [batch, length, hidden], in float32."""
+    """One vector per row of a right-padded batch's hidden states [batch, length, hidden], in float32 (a
+    cross-encoder's output, [batch, labels], is its vectors already)."""
     hidden, mask = hidden.float(), mask.to(torch.float32)
+    if config.method == "classify":
+        return hidden
     if config.method == "mean":
         pooled = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1e-9)
     elif config.method == "cls":

@@ -90,3 +90,23 @@ def test_roberta_encoders_match_transformers_in_a_padded_batch(family: str, tmp_
         expected = reference(ids, attention_mask=mask).last_hidden_state
     for i, prompt in enumerate(prompts):
         torch.testing.assert_close(hidden[i, :len(prompt)], expected[i, :len(prompt)], atol=1e-5, rtol=1e-5)
+
+
+def test_a_roberta_cross_encoder_gives_transformers_logits_in_a_padded_batch(tmp_path: Path):
+    """XLMRobertaForSequenceClassification (the BGE rerankers): the first token's state through the
+    classification head (dense, tanh, out_proj); pairs are one input (``<s> a </s></s> b </s>``)."""
+    config = transformers.XLMRobertaConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=66, type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2, num_labels=1)
+    torch.manual_seed(0)
+    reference = transformers.XLMRobertaForSequenceClassification(config).eval()
+    reference.save_pretrained(tmp_path)
+    loaded = load_checkpoint(tmp_path, dtype="float32")
+    assert loaded.model.pooling.method == "classify"
+    prompts = [[0, 5, 7, 2, 2, 9, 2], [0, 11, 2, 2, 12, 2], [0] + [4] * 20 + [2, 2, 6, 2]]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([p + [1] * (width - len(p)) for p in prompts])
+    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(ids, mask), reference(ids, attention_mask=mask).logits,
+                                   atol=1e-5, rtol=1e-5)

@@ -51,6 +51,10 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "BertModel": "core_pytorch_backend.models.bert:BertModel",
     "RobertaModel": "core_pytorch_backend.models.bert:RobertaModel",
     "XLMRobertaModel": "core_pytorch_backend.models.bert:RobertaModel",
+    # Cross-encoders (rerankers): served on the pooling path too, scoring pairs (/v1/score, /v1/rerank).
+    "BertForSequenceClassification": "core_pytorch_backend.models.bert:BertForSequenceClassification",
+    "RobertaForSequenceClassification": "core_pytorch_backend.models.bert:RobertaForSequenceClassification",
+    "XLMRobertaForSequenceClassification": "core_pytorch_backend.models.bert:RobertaForSequenceClassification",
     # Vision-language checkpoints: their language model; the vision tower runs in core_vl_models.
     "Qwen2VLForConditionalGeneration": f"{_VL}:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": f"{_VL}:Qwen2VLForConditionalGeneration",

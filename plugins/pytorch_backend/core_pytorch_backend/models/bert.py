@@ -1,8 +1,9 @@
 """BERT-family encoders (BertModel: all-MiniLM, BGE, E5 ...; RobertaModel and XLMRobertaModel: multilingual-E5,
-BGE-M3, the RoBERTa sentence-transformers): bidirectional attention, no KV cache.
+BGE-M3, the RoBERTa sentence-transformers), and their cross-encoders (``*ForSequenceClassification``: the
+ms-marco MiniLM and BGE rerankers): bidirectional attention, no KV cache.
 
 The model only encodes: `forward(input_ids, attention_mask)` returns the last layer's hidden states of a
-padded batch, every token attending to every non-padding token. Module names mirror transformers' own, so
+padded batch, every token attending to every non-padding token (a cross-encoder: its label logits). Module names mirror transformers' own, so
 a checkpoint's tensors load by name (a ``bert.`` prefix, the pooler and the MLM head are dropped). It runs
 on the pooling path (core_pytorch_backend.pooling_runner), never through the generation scheduler.
 """
@@ -16,6 +17,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from core.pooling import PoolingConfig
 
 SKIPPED_PREFIXES = ("pooler.", "cls.", "lm_head.")  # the pooler and the MLM heads: sentence embeddings use neither
 SKIPPED_SUFFIXES = ("position_ids",)  # a buffer some checkpoints save
@@ -31,9 +34,10 @@ class _Embeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device) + self.position_offset
-        types = torch.zeros_like(input_ids)  # one segment: embeddings never pair two texts in one input
+        if types is None:  # one segment: embeddings never pair two texts in one input
+            types = torch.zeros_like(input_ids)
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings(types)
         return self.LayerNorm(x)
 
@@ -107,8 +111,8 @@ class BertModel(nn.Module):
     """The BERT encoder: embeddings, then bidirectional transformer layers (post-LayerNorm)."""
 
     is_encoder = True  # no KV cache, no generation: the backend serves it on the pooling path
-    #: the checkpoints' name prefix, dropped at load
-    prefix = "bert."
+    #: the checkpoints' name prefix, dropped at load, and the parts of them it does not use
+    prefix, skipped = "bert.", SKIPPED_PREFIXES
 
     def __init__(self, config: Any, ops: Any = None) -> None:
         super().__init__()
@@ -127,7 +131,11 @@ class BertModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Hidden states [batch, length, hidden] of a right-padded batch (`attention_mask` 1 on real tokens)."""
-        x = self.embeddings(input_ids)
+        return self.encode(input_ids, attention_mask)
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, types: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        x = self.embeddings(input_ids, types)
         mask = attention_mask[:, None, None, :].bool()  # every query sees every real key, none of the padding
         for layer in self.encoder.layer:
             x = layer(x, mask)
@@ -139,7 +147,7 @@ class BertModel(nn.Module):
         pending = set(params)
         for name, tensor in weights:
             name = name.removeprefix(self.prefix)
-            if name.startswith(SKIPPED_PREFIXES) or name.endswith(SKIPPED_SUFFIXES):
+            if name.startswith(self.skipped) or name.endswith(SKIPPED_SUFFIXES):
                 continue
             if name not in params:
                 raise ValueError(f"unexpected tensor {name!r} in a {type(self).__name__} checkpoint")
@@ -159,3 +167,53 @@ class RobertaModel(BertModel):
     @staticmethod
     def position_offset(config: Any) -> int:
         return int(config.pad_token_id) + 1
+
+
+CLASSIFY = PoolingConfig(method="classify", normalize=False)
+
+
+class BertForSequenceClassification(BertModel):
+    """A BERT cross-encoder (the ms-marco MiniLM rerankers): a pair of texts as one input, ``[CLS] a [SEP] b
+    [SEP]``, the second text and its [SEP] of token type 1 (``set_separator``: the tokenizer's [SEP]), and the
+    [CLS] state through BERT's pooler (dense, tanh) and the classifier: the input's label logits."""
+
+    pooling = CLASSIFY
+    skipped = ("cls.",)
+
+    def __init__(self, config: Any, ops: Any = None) -> None:
+        super().__init__(config, ops)
+        self.pooler = nn.Module()
+        self.pooler.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.separator: int | None = None
+
+    def set_separator(self, token_id: int | None) -> None:
+        """The tokenizer's separator, after whose first occurrence an input's tokens are of type 1."""
+        self.separator = token_id
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        types = None
+        if self.separator is not None and self.config.type_vocab_size > 1:
+            seps = input_ids == self.separator
+            types = ((seps.cumsum(1) - seps.long()) > 0).long()  # past the first [SEP]
+        hidden = self.encode(input_ids, attention_mask, types)
+        return self.classifier(torch.tanh(self.pooler.dense(hidden[:, 0])))
+
+
+class RobertaForSequenceClassification(RobertaModel):
+    """A RoBERTa / XLM-RoBERTa cross-encoder (the BGE rerankers): a pair as one input, ``<s> a </s></s> b
+    </s>``, one token type, and the first token's state through the classification head (dense, tanh,
+    ``out_proj``): the input's label logits."""
+
+    pooling = CLASSIFY
+    skipped = ("lm_head.",)
+
+    def __init__(self, config: Any, ops: Any = None) -> None:
+        super().__init__(config, ops)
+        self.classifier = nn.Module()
+        self.classifier.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.classifier.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        first = self.encode(input_ids, attention_mask)[:, 0]
+        return self.classifier.out_proj(torch.tanh(self.classifier.dense(first)))
