@@ -110,3 +110,55 @@ def test_a_roberta_cross_encoder_gives_transformers_logits_in_a_padded_batch(tmp
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(ids, mask), reference(ids, attention_mask=mask).logits,
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attention, biases", [("eager", False), ("sdpa", True)])
+def test_modernbert_matches_transformers_in_a_padded_batch(attention: str, biases: bool, tmp_path: Path):
+    """ModernBERT (gte-modernbert, modernbert-embed): pre-norm layers alternating global attention and a
+    bidirectional window of local_attention / 2 tokens each side, each with its own rotary base, and a GeGLU
+    MLP: transformers' hidden states on the real tokens of a right-padded batch, inputs longer than the window
+    and as long as max_position_embeddings; a wrong window or rotary base does not pass."""
+    config = transformers.ModernBertConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, global_attn_every_n_layers=2, local_attention=8, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, initializer_range=0.2,
+        global_rope_theta=500.0, local_rope_theta=20.0, norm_bias=biases, attention_bias=biases, mlp_bias=biases,
+        attn_implementation=attention)
+    assert config.layer_types == ["full_attention", "sliding_attention", "full_attention"]
+    torch.manual_seed(0)
+    reference = transformers.ModernBertModel(config).eval()
+    with torch.no_grad():  # norms and biases away from 1 and 0, so that each one counts
+        for name, param in reference.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    reference.save_pretrained(tmp_path)
+    loaded = load_checkpoint(tmp_path, dtype="float32")
+    assert loaded.max_model_len == 64
+    prompts = [[1, 5, 7, 9, 2], [1] + list(range(3, 20)) + [2], [1] + [i * 7 % 90 + 3 for i in range(62)] + [2]]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+    with torch.no_grad():
+        expected = reference(ids, attention_mask=mask).last_hidden_state
+
+    def check(model) -> None:
+        with torch.no_grad():
+            hidden = model(ids, mask)
+        for i, prompt in enumerate(prompts):
+            torch.testing.assert_close(hidden[i, :len(prompt)], expected[i, :len(prompt)], atol=1e-5, rtol=1e-5)
+
+    model = loaded.model
+    check(model)
+    window, inv_freq = model.window, dict(model.inv_freq)
+    for wrong in (window - 1, window + 1, 10**6):  # the window's edge, and no window at all
+        model.window = wrong
+        with pytest.raises(AssertionError):
+            check(model)
+    model.window = window
+    for kinds in (("full_attention", "full_attention"), ("sliding_attention", "sliding_attention"),
+                  ("sliding_attention", "full_attention")):  # one base for both kinds of layer, or swapped
+        model.inv_freq = {"full_attention": inv_freq[kinds[0]], "sliding_attention": inv_freq[kinds[1]]}
+        with pytest.raises(AssertionError):
+            check(model)
+    model.inv_freq = inv_freq
+    check(model)

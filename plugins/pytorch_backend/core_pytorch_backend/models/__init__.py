@@ -51,6 +51,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "BertModel": "core_pytorch_backend.models.bert:BertModel",
     "RobertaModel": "core_pytorch_backend.models.bert:RobertaModel",
     "XLMRobertaModel": "core_pytorch_backend.models.bert:RobertaModel",
+    "ModernBertModel": "core_pytorch_backend.models.modernbert:ModernBertModel",
     # Cross-encoders (rerankers): served on the pooling path too, scoring pairs (/v1/score, /v1/rerank).
     "BertForSequenceClassification": "core_pytorch_backend.models.bert:BertForSequenceClassification",
     "RobertaForSequenceClassification": "core_pytorch_backend.models.bert:RobertaForSequenceClassification",
