@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from core.errors import ContextTooLongError, InvalidRequestError
+from core.errors import ContextTooLongError, InvalidRequestError, UnsupportedError
 
 PoolingMethod = Literal["mean", "cls", "last", "classify"]
 _ST_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
@@ -57,6 +57,10 @@ def sentence_transformers_pooling(folder: str | Path) -> PoolingConfig | None:
         return None
     modules = json.loads(modules_file.read_text())
     kinds = {m.get("type", "").rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
+    unknown = sorted(set(kinds) - {"Transformer", "Pooling", "Normalize"})
+    if unknown:  # a Dense projection after the pooling (distiluse), ...: vectors other than the model's
+        raise UnsupportedError(f"{folder}: the sentence-transformers modules {', '.join(unknown)} are not supported "
+                               "(Transformer, Pooling and Normalize are)", param="model")
     method: PoolingMethod = "mean"
     if "Pooling" in kinds:
         pooling = json.loads((folder / kinds["Pooling"] / "config.json").read_text())

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import InvalidRequestError
+from core.errors import InvalidRequestError, UnsupportedError
 from core.pooling import (
     PoolingConfig,
     cosine,
@@ -66,3 +66,14 @@ def test_relevance_is_the_sigmoid_of_one_logit():
     with pytest.raises(InvalidRequestError) as info:
         relevance([0.1, 0.2])
     assert info.value.param == "model"
+
+
+def test_a_dense_module_after_the_pooling_is_refused(tmp_path: Path):
+    """distiluse-base-multilingual projects its pooled vectors (768 -> 512, tanh): serving the pooling alone
+    would give other vectors than sentence-transformers', so the checkpoint is refused, naming the module."""
+    folder = _st_folder(tmp_path, "pooling_mode_mean_tokens", False)
+    modules = json.loads((folder / "modules.json").read_text())
+    modules.append({"idx": 2, "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(UnsupportedError, match="Dense"):
+        sentence_transformers_pooling(folder)

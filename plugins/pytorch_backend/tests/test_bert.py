@@ -162,3 +162,53 @@ def test_modernbert_matches_transformers_in_a_padded_batch(attention: str, biase
             check(model)
     model.inv_freq = inv_freq
     check(model)
+
+
+@pytest.mark.parametrize("architecture", ["MPNetModel", "MPNetForMaskedLM"])
+def test_mpnet_encoders_match_transformers_in_a_padded_batch(architecture: str, tmp_path: Path):
+    """MPNet (all-mpnet-base-v2, whose config names MPNetForMaskedLM): BERT's layers plus a relative position
+    bias shared by all layers (T5-style buckets, made large here so that a wrong one shows), positions from 2,
+    no token types; the MLM checkpoint's ``mpnet.`` prefix and head are dropped."""
+    config = transformers.MPNetConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=66, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    torch.manual_seed(0)
+    reference = getattr(transformers, architecture)(config).eval()
+    with torch.no_grad():
+        reference.base_model.encoder.relative_attention_bias.weight.normal_(0, 1)
+    reference.save_pretrained(tmp_path)
+    loaded = load_checkpoint(tmp_path, dtype="float32")
+    assert loaded.max_model_len == 64
+    prompts = [[0, 5, 7, 9, 2], [0, 11, 2], [0] + [3 + i % 90 for i in range(62)] + [2]]  # distances past 8
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([p + [1] * (width - len(p)) for p in prompts])
+    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+    with torch.no_grad():
+        hidden = loaded.model(ids, mask)
+        expected = reference.base_model(ids, attention_mask=mask).last_hidden_state
+    for i, prompt in enumerate(prompts):
+        torch.testing.assert_close(hidden[i, :len(prompt)], expected[i, :len(prompt)], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("activation", "sinusoidal"), [("gelu", False), ("relu", True)])
+def test_distilbert_encoder_matches_transformers_in_a_padded_batch(activation: str, sinusoidal: bool,
+                                                                    tmp_path: Path):
+    """DistilBERT (msmarco-distilbert, distiluse's transformer): BERT's layers under DistilBERT's names,
+    positions from 0, no token types, LayerNorm epsilon 1e-12; sinusoidal positions are a stored table."""
+    config = transformers.DistilBertConfig(vocab_size=99, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                                           max_position_embeddings=66, pad_token_id=0, activation=activation,
+                                           sinusoidal_pos_embds=sinusoidal)
+    torch.manual_seed(0)
+    reference = transformers.DistilBertModel(config).eval()
+    reference.save_pretrained(tmp_path)
+    loaded = load_checkpoint(tmp_path, dtype="float32")
+    assert loaded.max_model_len == 66
+    prompts = [[2, 5, 7, 9, 3], [2, 11, 3], [2] + [4 + i % 90 for i in range(64)] + [3]]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+    with torch.no_grad():
+        hidden = loaded.model(ids, mask)
+        expected = reference(ids, attention_mask=mask).last_hidden_state
+    for i, prompt in enumerate(prompts):
+        torch.testing.assert_close(hidden[i, :len(prompt)], expected[i, :len(prompt)], atol=1e-5, rtol=1e-5)

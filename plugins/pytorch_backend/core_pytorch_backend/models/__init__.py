@@ -52,6 +52,9 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "RobertaModel": "core_pytorch_backend.models.bert:RobertaModel",
     "XLMRobertaModel": "core_pytorch_backend.models.bert:RobertaModel",
     "ModernBertModel": "core_pytorch_backend.models.modernbert:ModernBertModel",
+    "MPNetModel": "core_pytorch_backend.models.mpnet:MPNetModel",
+    "MPNetForMaskedLM": "core_pytorch_backend.models.mpnet:MPNetModel",  # all-mpnet-base-v2's config names it
+    "DistilBertModel": "core_pytorch_backend.models.distilbert:DistilBertModel",
     # Cross-encoders (rerankers): served on the pooling path too, scoring pairs (/v1/score, /v1/rerank).
     "BertForSequenceClassification": "core_pytorch_backend.models.bert:BertForSequenceClassification",
     "RobertaForSequenceClassification": "core_pytorch_backend.models.bert:RobertaForSequenceClassification",
