@@ -33,11 +33,14 @@ class PoolingConfig:
     :param normalize: L2-normalise each vector.
     :param truncatable: the model was trained so that a vector's first d dimensions are an embedding too
         (Matryoshka), so a request's `dimensions` may cut it.
+    :param projections: folders (in the checkpoint) of sentence-transformers Dense modules that project the
+        pooled vector, in order, before the normalisation (LaBSE's, distiluse's); the backend loads them.
     """
 
     method: PoolingMethod = "last"
     normalize: bool = True
     truncatable: bool = False
+    projections: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -49,25 +52,27 @@ class Embedding:
 
 
 def sentence_transformers_pooling(folder: str | Path) -> PoolingConfig | None:
-    """The pooling a sentence-transformers checkpoint declares (its Pooling module, and a Normalize module
-    after it), or None when the folder has no modules.json."""
+    """The pooling a sentence-transformers checkpoint declares (its Pooling module, its Dense projections and a
+    Normalize module after them), or None when the folder has no modules.json; other modules are refused."""
     folder = Path(folder)
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
         return None
     modules = json.loads(modules_file.read_text())
     kinds = {m.get("type", "").rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
-    unknown = sorted(set(kinds) - {"Transformer", "Pooling", "Normalize"})
-    if unknown:  # a Dense projection after the pooling (distiluse), ...: vectors other than the model's
+    unknown = sorted(set(kinds) - {"Transformer", "Pooling", "Dense", "Normalize"})
+    if unknown:  # served without them, the vectors would not be the model's
         raise UnsupportedError(f"{folder}: the sentence-transformers modules {', '.join(unknown)} are not supported "
-                               "(Transformer, Pooling and Normalize are)", param="model")
+                               "(Transformer, Pooling, Dense and Normalize are)", param="model")
+    projections = tuple(m.get("path", "") for m in sorted(modules, key=lambda m: m.get("idx", 0))
+                        if m.get("type", "").rsplit(".", 1)[-1] == "Dense")
     method: PoolingMethod = "mean"
     if "Pooling" in kinds:
         pooling = json.loads((folder / kinds["Pooling"] / "config.json").read_text())
         method = next((mode for key, mode in _ST_MODES.items() if pooling.get(key)), "mean")  # type: ignore[assignment]
     matryoshka = (folder / "config_sentence_transformers.json")
     truncatable = matryoshka.is_file() and "matryoshka" in matryoshka.read_text().lower()
-    return PoolingConfig(method=method, normalize="Normalize" in kinds, truncatable=truncatable)
+    return PoolingConfig(method=method, normalize="Normalize" in kinds, truncatable=truncatable, projections=projections)
 
 
 def sentence_transformers_max_length(folder: str | Path) -> int | None:

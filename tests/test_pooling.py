@@ -68,12 +68,16 @@ def test_relevance_is_the_sigmoid_of_one_logit():
     assert info.value.param == "model"
 
 
-def test_a_dense_module_after_the_pooling_is_refused(tmp_path: Path):
-    """distiluse-base-multilingual projects its pooled vectors (768 -> 512, tanh): serving the pooling alone
-    would give other vectors than sentence-transformers', so the checkpoint is refused, naming the module."""
-    folder = _st_folder(tmp_path, "pooling_mode_mean_tokens", False)
+def test_dense_modules_are_projections_in_order_and_other_modules_are_refused(tmp_path: Path):
+    """LaBSE and distiluse project their pooled vectors (Dense, before Normalize): the folders come back in
+    the modules' order for the backend to load; a module the pooling path does not run is refused by name."""
+    folder = _st_folder(tmp_path, "pooling_mode_cls_token", True)
     modules = json.loads((folder / "modules.json").read_text())
-    modules.append({"idx": 2, "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+    modules[2:2] = [{"idx": 3, "path": "3_Dense", "type": "sentence_transformers.models.Dense"},
+                    {"idx": 2, "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]
     (folder / "modules.json").write_text(json.dumps(modules))
-    with pytest.raises(UnsupportedError, match="Dense"):
+    assert sentence_transformers_pooling(folder) == PoolingConfig("cls", True, projections=("2_Dense", "3_Dense"))
+    modules.append({"idx": 5, "path": "5_WordWeights", "type": "sentence_transformers.models.WordWeights"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(UnsupportedError, match="WordWeights"):
         sentence_transformers_pooling(folder)

@@ -126,6 +126,10 @@ class PytorchBackend(Backend):
                                       param="backend_options.kv_cache_dtype")
         self.source = str(config.model) if config.model else str(default_model_path())
         self._architectures = architectures if architectures is not None else architectures_for(self.name)
+        declared = sentence_transformers_pooling(self.source)  # before the weights: a refusal loads nothing
+        if declared is not None and declared.projections:
+            raise UnsupportedError(f"{self.source}: sentence-transformers Dense modules after a decoder's pooling are "
+                                   "not supported (an encoder's are)", param="model")
         self.ops = self._select_ops()  # chosen once; a level-2 wakeup reloads the weights onto the same set
         self.tp = TensorParallel.from_config(config, self.device)  # None unless --tensor-parallel-size > 1
         loaded = self._load()
@@ -136,7 +140,6 @@ class PytorchBackend(Backend):
                                      config.kv_cache_memory_gib, self.options.kv_cache_memory_fraction)
         max_len = self._max_model_len(loaded, num_blocks)
         self.model_info = self._model_info(loaded, max_len)
-        declared = sentence_transformers_pooling(self.source)
         self.pooling = declared or PoolingConfig(method="last", normalize=True)
         self._pooling_to_log = None if declared else (  # said once, on the first embedding request
             f"{self.model_info.name} declares no pooling (no sentence-transformers modules.json): "

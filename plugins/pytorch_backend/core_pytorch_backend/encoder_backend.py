@@ -22,6 +22,7 @@ from core.backend import Backend, BackendOutput, BackendStats, EndResult, Genera
 from core.config import EngineConfig
 from core.errors import EngineSleepingError, InvalidRequestError, UnsupportedError
 from core.pooling import PoolingConfig, sentence_transformers_max_length, sentence_transformers_pooling
+from core_pytorch_backend.dense_projection import load_projection
 from core_pytorch_backend.kernels import select_ops
 from core_pytorch_backend.loader import LoadedModel, load_checkpoint
 from core_pytorch_backend.models import resolve_class
@@ -63,7 +64,8 @@ class PytorchEncoderBackend(Backend):
                         or ENCODER_POOLING)
         self.model_info = self._model_info(loaded)
         pad = getattr(loaded.hf_config, "pad_token_id", None) or 0
-        self.runner = PoolingRunner(loaded.model, self.pooling, self.device, pad_token_id=pad)
+        self.runner = PoolingRunner(loaded.model, self.pooling, self.device, pad_token_id=pad,
+                                    projection=load_projection(self.source, self.pooling.projections, self.device))
         self._asleep: set[str] = set()
         log.info("encoder %s: %s pooling%s, at most %d tokens per input", self.model_info.architecture,
                  self.pooling.method, " with normalisation" if self.pooling.normalize else "",

@@ -22,9 +22,11 @@ from core.pooling import PoolingConfig
 Job = tuple[Sequence[Sequence[int]], concurrent.futures.Future]
 
 
-def pool(hidden: torch.Tensor, mask: torch.Tensor, config: PoolingConfig) -> torch.Tensor:
+def pool(hidden: torch.Tensor, mask: torch.Tensor, config: PoolingConfig, projection: nn.Module | None = None
+         ) -> torch.Tensor:
     """One vector per row of a right-padded batch's hidden states [batch, length, hidden], in float32 (a
-    cross-encoder's output, [batch, labels], is its vectors already)."""
+    cross-encoder's output, [batch, labels], is its vectors already); ``projection`` (the checkpoint's Dense
+    modules, float32) maps it before the normalisation."""
     hidden, mask = hidden.float(), mask.to(torch.float32)
     if config.method == "classify":
         return hidden
@@ -35,6 +37,8 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, config: PoolingConfig) -> tor
     else:
         last = mask.sum(1).long() - 1
         pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    if projection is not None:
+        pooled = projection(pooled)
     return F.normalize(pooled, p=2, dim=-1) if config.normalize else pooled
 
 
@@ -42,8 +46,8 @@ class PoolingRunner:
     """Embeds prompts with an encoder (`model(input_ids, attention_mask) -> hidden states`)."""
 
     def __init__(self, model: nn.Module, pooling: PoolingConfig, device: torch.device, pad_token_id: int = 0,
-                 max_batch_tokens: int = 16384) -> None:
-        self.model, self.pooling, self.device = model, pooling, device
+                 max_batch_tokens: int = 16384, projection: nn.Module | None = None) -> None:
+        self.model, self.pooling, self.device, self.projection = model, pooling, device, projection
         self.pad_token_id, self.max_batch_tokens = pad_token_id, max_batch_tokens
         self._queue: list[Job] = []
         self._lock = threading.Lock()
@@ -100,6 +104,6 @@ class PoolingRunner:
             ids[row, :len(prompts[i])] = torch.tensor(prompts[i], dtype=torch.long)
             mask[row, :len(prompts[i])] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        pooled = pool(self.model(ids, mask), mask, self.pooling).cpu().tolist()
+        pooled = pool(self.model(ids, mask), mask, self.pooling, self.projection).cpu().tolist()
         for row, i in enumerate(batch):
             vectors[i] = pooled[row]

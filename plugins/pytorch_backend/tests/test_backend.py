@@ -315,3 +315,20 @@ async def test_yarn_serves_the_original_context_times_its_factor(tiny_checkpoint
         assert response.token_ids == reference_greedy(path, prompt, 12)
     finally:
         await engine.close()
+
+
+def test_a_decoders_dense_projection_is_refused_at_start(tiny_checkpoint_factory, tmp_path):
+    """Projections run on the encoders' pooling path only: a decoder embedding checkpoint with a Dense module
+    after its pooling would serve other vectors than sentence-transformers', so it does not start."""
+    import json
+    import shutil
+
+    from core.errors import UnsupportedError
+
+    folder = tmp_path / "decoder-with-dense"
+    shutil.copytree(tiny_checkpoint_factory("llama"), folder)
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "path": "1_Dense", "type": "sentence_transformers.models.Dense"}]))
+    with pytest.raises(UnsupportedError, match="Dense"):
+        make_backend(folder)

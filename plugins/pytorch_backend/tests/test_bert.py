@@ -212,3 +212,34 @@ def test_distilbert_encoder_matches_transformers_in_a_padded_batch(activation: s
         expected = reference(ids, attention_mask=mask).last_hidden_state
     for i, prompt in enumerate(prompts):
         torch.testing.assert_close(hidden[i, :len(prompt)], expected[i, :len(prompt)], atol=1e-5, rtol=1e-5)
+
+
+def test_dense_projections_map_the_pooled_vector_before_the_normalisation(tiny_bert: Path, tmp_path: Path):
+    """LaBSE's layout: [CLS] pooling, a Dense module (tanh) and Normalize: the backend's vectors are
+    normalize(tanh(W cls + b)) of transformers' [CLS] state; a decoder's Dense modules are refused."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "labse-like"
+    shutil.copytree(tiny_bert, folder)
+    modules = [{"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+               {"idx": 3, "path": "3_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
+    (folder / "2_Dense").mkdir()
+    (folder / "2_Dense" / "config.json").write_text(json.dumps({
+        "in_features": 32, "out_features": 16, "bias": True, "activation_function": "torch.nn.modules.activation.Tanh"}))
+    weight, bias = torch.randn(16, 32, generator=torch.Generator().manual_seed(3)), torch.randn(16) * 0.1
+    save_file({"linear.weight": weight, "linear.bias": bias}, str(folder / "2_Dense" / "model.safetensors"))
+    backend = make_backend(EngineConfig(model=str(folder)))
+    assert backend.pooling.projections == ("2_Dense",)
+    vectors = backend.runner.run(PROMPTS)
+    for vector, hidden in zip(vectors, _reference(folder), strict=True):
+        expected = torch.nn.functional.normalize(torch.tanh(hidden[0] @ weight.T + bias), dim=-1)
+        torch.testing.assert_close(torch.tensor(vector), expected, atol=1e-5, rtol=1e-5)
+    backend.runner.close()
