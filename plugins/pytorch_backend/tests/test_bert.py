@@ -31,6 +31,14 @@ def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
 PROMPTS = [[2, 5, 7, 9, 3], [2, 11, 3], [2, 4, 4, 4, 4, 4, 4, 3]]
 
 
+def _right_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts as one right-padded batch of ids, and its attention mask (1 on the real tokens)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([p + [pad] * (width - len(p)) for p in prompts])
+    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+    return ids, mask
+
+
 def _reference(path: Path) -> list[torch.Tensor]:
     model = transformers.BertModel.from_pretrained(path).eval()
     with torch.no_grad():
@@ -39,10 +47,7 @@ def _reference(path: Path) -> list[torch.Tensor]:
 
 def test_hidden_states_match_transformers_in_a_padded_batch(tiny_bert: Path):
     model = load_checkpoint(tiny_bert, dtype="float32").model
-    ids = torch.zeros(len(PROMPTS), 8, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(PROMPTS):
-        ids[i, :len(p)], mask[i, :len(p)] = torch.tensor(p), 1
+    ids, mask = _right_padded(PROMPTS, pad=0)
     with torch.no_grad():
         hidden = model(ids, mask)
     for i, expected in enumerate(_reference(tiny_bert)):
@@ -82,9 +87,7 @@ def test_roberta_encoders_match_transformers_in_a_padded_batch(family: str, tmp_
     loaded = load_checkpoint(tmp_path, dtype="float32")
     assert loaded.max_model_len == 64
     prompts = [[0, 5, 7, 9, 2], [0, 11, 2], [0] + [4] * 62 + [2]]
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([p + [1] * (width - len(p)) for p in prompts])
-    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+    ids, mask = _right_padded(prompts, pad=1)
     with torch.no_grad():
         hidden = loaded.model(ids, mask)
         expected = reference(ids, attention_mask=mask).last_hidden_state
@@ -104,9 +107,7 @@ def test_a_roberta_cross_encoder_gives_transformers_logits_in_a_padded_batch(tmp
     loaded = load_checkpoint(tmp_path, dtype="float32")
     assert loaded.model.pooling.method == "classify"
     prompts = [[0, 5, 7, 2, 2, 9, 2], [0, 11, 2, 2, 12, 2], [0] + [4] * 20 + [2, 2, 6, 2]]
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([p + [1] * (width - len(p)) for p in prompts])
-    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+    ids, mask = _right_padded(prompts, pad=1)
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(ids, mask), reference(ids, attention_mask=mask).logits,
                                    atol=1e-5, rtol=1e-5)
@@ -135,9 +136,7 @@ def test_modernbert_matches_transformers_in_a_padded_batch(attention: str, biase
     loaded = load_checkpoint(tmp_path, dtype="float32")
     assert loaded.max_model_len == 64
     prompts = [[1, 5, 7, 9, 2], [1] + list(range(3, 20)) + [2], [1] + [i * 7 % 90 + 3 for i in range(62)] + [2]]
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
-    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+    ids, mask = _right_padded(prompts, pad=0)
     with torch.no_grad():
         expected = reference(ids, attention_mask=mask).last_hidden_state
 
@@ -180,9 +179,7 @@ def test_mpnet_encoders_match_transformers_in_a_padded_batch(architecture: str, 
     loaded = load_checkpoint(tmp_path, dtype="float32")
     assert loaded.max_model_len == 64
     prompts = [[0, 5, 7, 9, 2], [0, 11, 2], [0] + [3 + i % 90 for i in range(62)] + [2]]  # distances past 8
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([p + [1] * (width - len(p)) for p in prompts])
-    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+    ids, mask = _right_padded(prompts, pad=1)
     with torch.no_grad():
         hidden = loaded.model(ids, mask)
         expected = reference.base_model(ids, attention_mask=mask).last_hidden_state
@@ -204,9 +201,7 @@ def test_distilbert_encoder_matches_transformers_in_a_padded_batch(activation: s
     loaded = load_checkpoint(tmp_path, dtype="float32")
     assert loaded.max_model_len == 66
     prompts = [[2, 5, 7, 9, 3], [2, 11, 3], [2] + [4 + i % 90 for i in range(64)] + [3]]
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
-    mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+    ids, mask = _right_padded(prompts, pad=0)
     with torch.no_grad():
         hidden = loaded.model(ids, mask)
         expected = reference(ids, attention_mask=mask).last_hidden_state

@@ -42,6 +42,7 @@ class WorkerSpec:
     dtype: str  # rank 0's model dtype, never "auto": every rank computes in the same one
     native_kernel: bool | None  # rank 0's packed-weights kernel: native or torch's (None: nothing packed)
     quantization: str
+    max_model_len: int | None  # what rank 0 was asked to serve: the positions may depend on it (LongRoPE)
     device: str
     ops_kind: str | None
     architectures: Mapping[str, Any]
@@ -78,7 +79,8 @@ class RankWorker:
                   else PackedKernel(available() if spec.native_kernel else None, DTYPES[spec.dtype]))
         return load_checkpoint(spec.source, dtype=spec.dtype, device=self.device,
                                architectures=spec.architectures, ops=select_ops(self.device, spec.ops_kind),
-                               quantization=spec.quantization, shard=self.shard, packed_choice=packed)
+                               quantization=spec.quantization, shard=self.shard, packed_choice=packed,
+                               max_model_len=spec.max_model_len)
 
     def serve(self) -> None:
         """Run commands until rank 0 broadcasts None (stop), or until rank 0 is gone."""

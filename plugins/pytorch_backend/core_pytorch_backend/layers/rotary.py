@@ -111,9 +111,10 @@ def serve_longrope_long(config: Any, max_model_len: int | None) -> bool:
     """Whether ``config``'s LongRoPE is to be served past its original context, as ``max_model_len`` asks;
     if so, marks its rope settings so that every position takes the long factors (module docstring)."""
     params = getattr(config, "rope_parameters", None)
-    if not max_model_len or not isinstance(params, dict) or rope_parameters(config)["rope_type"] != "longrope":
+    if not max_model_len or not isinstance(params, dict):
         return False
-    if max_model_len <= rope_parameters(config)["original_max_position_embeddings"]:
+    merged = rope_parameters(config)
+    if merged["rope_type"] != "longrope" or max_model_len <= merged["original_max_position_embeddings"]:
         return False
     params[LONG_FACTORS_KEY] = True
     return True

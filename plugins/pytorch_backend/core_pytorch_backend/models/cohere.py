@@ -15,7 +15,15 @@ from ..layers import LayerNorm, RotaryEmbedding
 from ..layers.rotary import rotary_dim_of
 from ..native.half_weights import HalfWeight
 from ..quant.affine import AffineWeight
-from .llama import DecoderSpec, LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, head_dim_of
+from .llama import (
+    DecoderSpec,
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+    head_dim_of,
+    input_norm,
+)
 from .rotary_pairs import Weight, pairs_to_rotate_half, rotate_half_order
 
 
@@ -50,10 +58,7 @@ class CohereDecoderLayer(torch.nn.Module):
 
     def forward(self, positions, hidden, residual, meta):
         """In the Llama layers' (hidden, residual) protocol: (h + attn) + mlp, the next norm adding mlp."""
-        if residual is None:
-            residual, normed = hidden, self.input_layernorm(hidden)
-        else:
-            normed, residual = self.input_layernorm(hidden, residual)
+        normed, residual = input_norm(self.input_layernorm, hidden, residual)
         return self.mlp(normed), residual + self.self_attn(normed, positions, meta)
 
 

@@ -20,7 +20,7 @@ from ..attention_metadata import AttentionMetadata
 from ..layers import Attention, LayerNorm, Linear, RotaryEmbedding
 from ..layers.rotary import rotary_dim_of
 from ..quant.attach import QuantizedShards
-from .llama import DecoderSpec, LlamaForCausalLM, LlamaModel, head_dim_of
+from .llama import DecoderSpec, LlamaForCausalLM, LlamaModel, head_dim_of, input_norm
 from .ungated_mlp import UngatedMLP
 
 RENAMED = (("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
@@ -83,10 +83,7 @@ class FalconDecoderLayer(nn.Module):
                 hidden = hidden + residual
             attn = self.self_attention(self.ln_attn(hidden), positions, meta)
             return self.mlp(self.ln_mlp(hidden)) + attn, hidden
-        if residual is None:
-            residual, normed = hidden, self.input_layernorm(hidden)
-        else:
-            normed, residual = self.input_layernorm(hidden, residual)
+        normed, residual = input_norm(self.input_layernorm, hidden, residual)
         attn = self.self_attention(normed, positions, meta)
         if self.parallel:
             return self.mlp(normed) + attn, residual

@@ -14,7 +14,7 @@ from ..attention_metadata import AttentionMetadata
 from ..layers import RotaryEmbedding, VocabEmbedding
 from ..layers.rotary import context_positions, rope_parameters
 from .gemma3 import Gemma3Attention, Gemma3ForCausalLM, Gemma3MLP, Gemma3Model, GemmaRMSNorm
-from .llama import DecoderSpec, head_dim_of
+from .llama import DecoderSpec, head_dim_of, input_norm
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -30,10 +30,7 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, normed = hidden, self.input_layernorm(hidden)
-        else:
-            normed, residual = self.input_layernorm(hidden, residual)
+        normed, residual = input_norm(self.input_layernorm, hidden, residual)
         attn = self.self_attn(normed, positions, meta)
         normed, residual = self.post_attention_layernorm(attn, residual)
         return self.mlp(normed), residual

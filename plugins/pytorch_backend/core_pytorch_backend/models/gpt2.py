@@ -16,7 +16,7 @@ from torch import nn
 from ..attention_metadata import AttentionMetadata
 from ..layers import Attention, LayerNorm, Linear, VocabEmbedding
 from ..quant.attach import QuantizedShards
-from .llama import DecoderSpec, LlamaForCausalLM, LlamaModel
+from .llama import DecoderSpec, LlamaForCausalLM, LlamaModel, input_norm
 from .ungated_mlp import UngatedMLP
 
 CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
@@ -55,10 +55,7 @@ class GPT2Block(nn.Module):
 
     def forward(self, positions, hidden, residual, meta):
         """In the Llama layers' (hidden, residual) protocol: the next norm adds the two."""
-        if residual is None:
-            residual, normed = hidden, self.ln_1(hidden)
-        else:
-            normed, residual = self.ln_1(hidden, residual)
+        normed, residual = input_norm(self.ln_1, hidden, residual)
         normed, residual = self.ln_2(self.attn(normed, positions, meta), residual)
         return self.mlp(normed), residual
 

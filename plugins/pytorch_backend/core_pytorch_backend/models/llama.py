@@ -68,6 +68,15 @@ def layer_types_windows(config: Any) -> tuple[int | None, ...]:
     return tuple(window if t == "sliding_attention" else None for t in types)
 
 
+def input_norm(norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``norm`` of ``hidden + residual``, that sum): how a layer reads its input in the decoders' (hidden,
+    residual) protocol, where each norm adds the residual in first; the first layer's residual is its input."""
+    if residual is None:
+        return norm(hidden), hidden
+    return norm(hidden, residual)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
         super().__init__()
@@ -132,9 +141,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def normed_input(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the input norm of ``hidden + residual``, that sum); the first layer's residual is its input."""
-        if residual is None:
-            return self.input_layernorm(hidden), hidden
-        return self.input_layernorm(hidden, residual)
+        return input_norm(self.input_layernorm, hidden, residual)
 
     def forward(self, positions, hidden, residual, meta):
         hidden, residual = self.normed_input(hidden, residual)

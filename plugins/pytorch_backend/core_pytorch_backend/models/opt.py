@@ -16,7 +16,7 @@ from torch import nn
 from ..attention_metadata import AttentionMetadata
 from ..layers import Activation, Attention, LayerNorm, Linear, QKVLinear, VocabEmbedding
 from ..quant.attach import QuantizedShards
-from .llama import DecoderSpec, LlamaForCausalLM, LlamaModel
+from .llama import DecoderSpec, LlamaForCausalLM, LlamaModel, input_norm
 
 POSITION_OFFSET = 2  # OPT's position table starts two rows in (fairseq's padding convention)
 EPS = 1e-5  # torch's LayerNorm default, which OPT keeps
@@ -60,10 +60,7 @@ class OPTDecoderLayer(nn.Module):
 
     def forward(self, positions, hidden, residual, meta):
         """In the Llama layers' (hidden, residual) protocol: the next norm adds the two."""
-        if residual is None:
-            residual, normed = hidden, self.self_attn_layer_norm(hidden)
-        else:
-            normed, residual = self.self_attn_layer_norm(hidden, residual)
+        normed, residual = input_norm(self.self_attn_layer_norm, hidden, residual)
         normed, residual = self.final_layer_norm(self.self_attn(normed, positions, meta), residual)
         return self.fc2(self.act(self.fc1(normed))), residual
 

@@ -15,7 +15,7 @@ from torch import nn
 from ..attention_metadata import AttentionMetadata
 from ..layers import Attention, LayerNorm, Linear, QKVLinear, RotaryEmbedding
 from ..quant.attach import QuantizedShards
-from .llama import DecoderSpec, LayerNormModel, LlamaForCausalLM, head_dim_of
+from .llama import DecoderSpec, LayerNormModel, LlamaForCausalLM, head_dim_of, input_norm
 from .ungated_mlp import UngatedMLP
 
 
@@ -54,10 +54,7 @@ class PhiDecoderLayer(nn.Module):
         self.input_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
 
     def forward(self, positions, hidden, residual, meta):
-        if residual is None:
-            residual, normed = hidden, self.input_layernorm(hidden)
-        else:
-            normed, residual = self.input_layernorm(hidden, residual)
+        normed, residual = input_norm(self.input_layernorm, hidden, residual)
         return self.self_attn(normed, positions, meta) + self.mlp(normed), residual
 
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..attention_metadata import AttentionMetadata
 from ..layers import LayerNorm, RotaryEmbedding
-from .llama import DecoderSpec, LayerNormModel, LlamaAttention, LlamaForCausalLM, LlamaMLP
+from .llama import DecoderSpec, LayerNormModel, LlamaAttention, LlamaForCausalLM, LlamaMLP, input_norm
 
 
 class LayerNormPerHead(nn.Module):
@@ -59,10 +59,7 @@ class StableLmDecoderLayer(nn.Module):
 
     def forward(self, positions, hidden, residual, meta):
         """In the Llama layers' (hidden, residual) protocol: the next layer (or the final norm) adds the two."""
-        if residual is None:
-            residual, normed = hidden, self.input_layernorm(hidden)
-        else:
-            normed, residual = self.input_layernorm(hidden, residual)
+        normed, residual = input_norm(self.input_layernorm, hidden, residual)
         attn = self.self_attn(normed, positions, meta)
         if self.post_attention_layernorm is None:  # parallel: (h + attn) + mlp, the MLP on the same norm
             return self.mlp(normed), residual + attn
