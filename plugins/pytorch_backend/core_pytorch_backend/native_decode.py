@@ -236,6 +236,8 @@ def _describe_layer(layer: nn.Module, index: int, spec: _Decoder, rotary: Rotary
             or type(mlp.act_fn) is not SiluAndMul or attention.rotary_emb not in (rotary, None)):
         raise DoesNotFit(f"layer {index} is not models.llama's decoder layer with silu")
     attn = attention.attn
+    if attn.has_score_terms or attn.v_head_dim != attn.head_dim:
+        raise DoesNotFit(f"layer {index}'s attention adds score terms or has narrower values")
     if (attn.k_cache is None or attn.v_cache is None or attn.k_cache.dtype != cache.dtype
             or attn.k_cache.shape != cache.shape or not (attn.k_cache.is_contiguous() and attn.v_cache.is_contiguous())
             or attn.v_cache.dtype != cache.dtype or attn.num_heads != spec.heads or attn.num_kv_heads != spec.kv_heads):

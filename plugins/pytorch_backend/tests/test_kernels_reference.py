@@ -149,23 +149,32 @@ def test_store_kv_cache_without_negative_slots_and_with_none():
 # ---------------------------------------------------------------- paged attention
 
 
-def _naive_attention(q, k, v, context, scale, window):
-    """q [n, Hq, D] for the last n of k/v [L, Hkv, D]'s positions, in float64."""
+def _naive_attention(q, k, v, context, scale, window, softcap=None, alibi_slopes=None, sinks=None):
+    """q [n, Hq, D] for the last n of k/v [L, Hkv, D]'s positions, in float64; the score terms as their
+    papers write them: tanh capping, ALiBi's slope * (j - i), a sink logit in each head's softmax."""
     n, hq, _ = q.shape
     group = hq // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
-    out = torch.empty(q.shape, dtype=torch.float64)
+    out = torch.empty(n, hq, v.shape[-1], dtype=torch.float64)
     for i in range(n):
         pos = context + i
         lo = 0 if window is None else max(0, pos - window + 1)
         scores = torch.einsum("hd,lhd->hl", q[i].double(), k[lo : pos + 1]) * scale
-        out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v[lo : pos + 1])
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        if alibi_slopes is not None:
+            scores = scores + alibi_slopes.double()[:, None] * (torch.arange(lo, pos + 1) - pos)[None, :]
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double()[:, None]], dim=1)
+        weights = scores.softmax(-1)[:, : pos + 1 - lo]
+        out[i] = torch.einsum("hl,lhd->hd", weights, v[lo : pos + 1])
     return out
 
 
-def _run_paged(seqs, hq, hkv, head_dim, block_size, dtype, window=None, seed=0):
-    """seqs: [(cached, new)]; returns (ours, naive) outputs for all new tokens."""
+def _run_paged(seqs, hq, hkv, head_dim, block_size, dtype, window=None, seed=0, **terms):
+    """seqs: [(cached, new)]; returns (ours, naive) outputs for all new tokens (``terms``: softcap,
+    alibi_slopes, sinks)."""
     gen = torch.Generator().manual_seed(seed)
     need = [-(-(c + n) // block_size) for c, n in seqs]
     ids = list(range(sum(need) + 2))
@@ -188,10 +197,11 @@ def _run_paged(seqs, hq, hkv, head_dim, block_size, dtype, window=None, seed=0):
     meta = AttentionMetadata.build([c for c, _ in seqs], [n for _, n in seqs], tables, block_size)
     q = torch.randn(meta.num_tokens, hq, head_dim, generator=gen)
     scale = head_dim**-0.5
-    ours = ops.paged_attention(q.to(dtype), k_cache, v_cache, meta, scale, window)
+    softcap = terms.pop("softcap", None)
+    ours = ops.paged_attention(q.to(dtype), k_cache, v_cache, meta, scale, window, softcap, **terms)
     want, start = [], 0
     for (c, n), (k, v) in zip(seqs, full, strict=True):
-        want.append(_naive_attention(q[start : start + n], k, v, c, scale, window))
+        want.append(_naive_attention(q[start : start + n], k, v, c, scale, window, softcap, **terms))
         start += n
     return ours, torch.cat(want)
 
@@ -219,6 +229,40 @@ def test_paged_attention_matches_naive(scenario, head_dim, heads, dtype):
 def test_paged_attention_sliding_window(scenario):
     ours, want = _run_paged(SCENARIOS[scenario], 8, 2, 64, 4, torch.float32, window=5)
     torch.testing.assert_close(ours.double(), want, atol=1e-5, rtol=1e-5)
+
+
+SCORE_TERMS = {
+    "softcap": lambda hq: dict(softcap=1.5),
+    "alibi": lambda hq: dict(alibi_slopes=2.0 ** -torch.arange(1, hq + 1, dtype=torch.float32)),
+    "sinks": lambda hq: dict(sinks=torch.linspace(-2.0, 3.0, hq)),
+    "all": lambda hq: dict(softcap=4.0, alibi_slopes=torch.linspace(0.05, 0.8, hq), sinks=torch.linspace(1.0, -1.0, hq)),
+}
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("terms", list(SCORE_TERMS))
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_paged_attention_score_terms(scenario, terms, window):
+    """Each query head's own slope and sink land on its rows, in decode batches and in prefill chunks, over the
+    grouped query rows (8 query heads on 2 KV heads)."""
+    ours, want = _run_paged(SCENARIOS[scenario], 8, 2, 64, 4, torch.float32, window, **SCORE_TERMS[terms](8))
+    torch.testing.assert_close(ours.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_layer_narrower_values_are_padded_in_the_cache_and_cut_from_the_output():
+    """v_head_dim < head_dim (DeepSeek's MLA): the output is the attention over the unpadded values."""
+    from core_pytorch_backend.layers.attention import Attention
+
+    layer = Attention(4, 2, 16, 0.25, ops, v_head_dim=8)
+    layer.bind_kv_cache(torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(6, 64, generator=gen), torch.randn(6, 32, generator=gen), torch.randn(6, 16, generator=gen)
+    meta = AttentionMetadata.build([0], [6], [[2, 0]], 4)
+    out = layer(q, k, v, meta)
+    want = _naive_attention(q.view(6, 4, 16), k.view(6, 2, 16), v.view(6, 2, 8), 0, 0.25, None)
+    assert out.shape == (6, 32)
+    torch.testing.assert_close(out.double(), want.reshape(6, 32), atol=1e-5, rtol=1e-5)
+    assert not layer.v_cache[..., 8:].any()
 
 
 def test_context_length_one_is_identity_on_values():

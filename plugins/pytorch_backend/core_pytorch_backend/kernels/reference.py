@@ -7,6 +7,7 @@ cache's rows are ``head_dim + kv_int8.ROW_EXTRA`` bytes (``kv_int8``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -39,6 +40,24 @@ def store_kv_cache(
     v_cache.view(slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
+class ScoreTerms(NamedTuple):
+    """What a layer adds to the plain scaled dot products before the softmax (none: SDPA as it is).
+
+    ``softcap`` caps each score as ``softcap * tanh(score / softcap)`` (Gemma 2); ``alibi_slopes`` [Hq] adds
+    ``slope * (j - i)`` for key position j and query position i (ALiBi: Bloom, MPT; transformers adds
+    ``slope * j``, the same softmax); ``sinks`` [Hq] is one more logit per head in each query's softmax that
+    weighs no value (gpt-oss's attention sinks)."""
+
+    softcap: float | None = None
+    alibi_slopes: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.softcap) or self.alibi_slopes is not None or self.sinks is not None
+
+
+NO_TERMS = ScoreTerms()
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -47,9 +66,12 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    *,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each new token over its sequence's whole cached context; ``softcap`` caps
-    each score as ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2).
+    """Causal attention of each new token over its sequence's whole cached context, with the score terms
+    (``ScoreTerms``: ``softcap``, ``alibi_slopes``, ``sinks``) a layer asks for.
 
     ``query`` is [T, Hq, D] (Hq a multiple of Hkv); the new tokens' K/V must already be in the
     cache. Single-token sequences (decode) run as one padded batch; longer chunks one by one.
@@ -57,12 +79,13 @@ def paged_attention(
     later tokens of that span; a one-token chunk never needs it (it is the last token of any span
     it is in, since the scheduler never ends a chunk inside a span).
     """
+    terms = ScoreTerms(softcap, alibi_slopes, sinks)
     plan = _decode_plan(meta, k_cache.shape[1], query.device)
     if plan is not None and plan.rows is None:  # a pure decode step: every row is a decode row
-        return _decode_attention(query, k_cache, v_cache, plan, scale, sliding_window, softcap)
-    out = paged_chunks(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
+        return _decode_attention(query, k_cache, v_cache, plan, scale, sliding_window, terms)
+    out = paged_chunks(query, k_cache, v_cache, meta, scale, sliding_window, terms)
     if plan is not None:
-        out[plan.rows] = _decode_attention(query[plan.rows], k_cache, v_cache, plan, scale, sliding_window, softcap)
+        out[plan.rows] = _decode_attention(query[plan.rows], k_cache, v_cache, plan, scale, sliding_window, terms)
     return out
 
 
@@ -73,7 +96,7 @@ def paged_chunks(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
-    softcap: float | None = None,
+    terms: ScoreTerms = NO_TERMS,
 ) -> torch.Tensor:
     """``paged_attention``'s rows of the chunks (``meta.chunk_sequences``); the rows of the others
     (decode rows) are left for the caller to fill."""
@@ -91,7 +114,7 @@ def paged_chunks(
             scale,
             sliding_window,
             spans[b] if spans else (),
-            softcap,
+            terms,
         )
     return out
 
@@ -155,7 +178,7 @@ def _decode_mask(plan: _DecodePlan, block_size: int, window: int | None, dtype: 
     return mask
 
 
-def _decode_attention(q, k_cache, v_cache, plan: _DecodePlan, scale, window, softcap=None) -> torch.Tensor:
+def _decode_attention(q, k_cache, v_cache, plan: _DecodePlan, scale, window, terms=NO_TERMS) -> torch.Tensor:
     """q [B, Hq, D], one new token per sequence, as one masked SDPA over padded contexts."""
     b, hq, d = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -164,11 +187,16 @@ def _decode_attention(q, k_cache, v_cache, plan: _DecodePlan, scale, window, sof
     v = _values(v_cache.index_select(0, plan.blocks)).view(b, length, hkv, d).transpose(1, 2)
     # Grouped-query attention without copying K/V per query head: the G query heads that share a
     # KV head become G query rows of that head.
-    out = _sdpa(q.view(b, hkv, hq // hkv, d), k, v, _decode_mask(plan, block_size, window, q.dtype), scale, softcap)
+    group = hq // hkv
+    def distance() -> torch.Tensor:  # [B, 1, 1, L]: key position j - the query's position lens - 1
+        return torch.arange(length, device=q.device)[None, None, None, :] - (plan.lens[:, :, None, None] - 1)
+
+    out = _sdpa(q.view(b, hkv, group, d), k, v, _decode_mask(plan, block_size, window, q.dtype), scale,
+                _grouped(terms, hkv, group, 1, distance))
     return out.reshape(b, hq, d)
 
 
-def _chunk_attention(q, k_cache, v_cache, table, seq_len, scale, window, spans=(), softcap=None) -> torch.Tensor:
+def _chunk_attention(q, k_cache, v_cache, table, seq_len, scale, window, spans=(), terms=NO_TERMS) -> torch.Tensor:
     """q [n, Hq, D]: the last n tokens of one sequence of seq_len tokens (prefill or a chunk).
 
     ``spans``: ``[start, end)`` ranges whose tokens attend to each other both ways. The sliding window
@@ -195,20 +223,54 @@ def _chunk_attention(q, k_cache, v_cache, table, seq_len, scale, window, spans=(
         mask &= j > pos - window
     # The G query heads of one KV head, stacked as G * n query rows of that head (no K/V copies).
     rows = q.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * n, d)
-    out = _sdpa(rows, k[None], v[None], mask.repeat(group, 1)[None, None], scale, softcap)  # [1, Hkv, G*n, D]
+    out = _sdpa(rows, k[None], v[None], mask.repeat(group, 1)[None, None], scale,
+                _grouped(terms, hkv, group, n, lambda: (j - pos).repeat(group, 1)[None, None]))  # [1, Hkv, G*n, D]
     return out.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
 
 
-def _sdpa(q, k, v, mask, scale, softcap=None) -> torch.Tensor:
-    """SDPA over [B, H, Lq, D] queries and [B, H, L, D] keys/values (same number of heads); with ``softcap``
-    written out as transformers' eager Gemma 2 attention computes it (SDPA has no score hook)."""
+class _Grouped(NamedTuple):
+    """ScoreTerms laid out on the grouped query rows of ``_sdpa``: ``bias`` and ``sinks`` broadcast against its
+    [B, Hkv, rows, L] scores."""
+
+    softcap: float | None
+    bias: torch.Tensor | None  # [B or 1, Hkv, rows, L] float32 (ALiBi)
+    sinks: torch.Tensor | None  # [1, Hkv, rows, 1]
+
+
+def _grouped(terms: ScoreTerms, hkv: int, group: int, n: int,
+             distance: Callable[[], torch.Tensor]) -> _Grouped | None:
+    """``terms`` for query rows that stack the ``group`` query heads of each KV head, ``n`` rows per head
+    (head-major); ``distance()`` [B or 1, 1, group * n or 1, L] is each row's j - i (ALiBi's only)."""
+    if not terms:
+        return None
+
+    def per_row(values: torch.Tensor) -> torch.Tensor:  # [Hq] -> [1, Hkv, group * n, 1]
+        return values.float().view(hkv, group, 1).expand(hkv, group, n).reshape(1, hkv, group * n, 1)
+
+    bias = None if terms.alibi_slopes is None else per_row(terms.alibi_slopes) * distance()
+    sinks = None if terms.sinks is None else per_row(terms.sinks)
+    return _Grouped(terms.softcap, bias, sinks)
+
+
+def _sdpa(q, k, v, mask, scale, terms: _Grouped | None = None) -> torch.Tensor:
+    """SDPA over [B, H, Lq, D] queries and [B, H, L, D] keys/values (same number of heads); with score terms
+    written out as transformers' eager attention computes them (SDPA has no score hook): Gemma 2's softcap,
+    ALiBi's bias, gpt-oss's sinks (one more logit in the softmax, dropped after it)."""
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
-    if not softcap:
+    if terms is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    scores = torch.tanh(torch.matmul(q, k.transpose(-2, -1)) * scale / softcap) * softcap
+    scores = torch.matmul(q, k.transpose(-2, -1)).float() * scale
+    if terms.softcap:
+        scores = torch.tanh(scores / terms.softcap) * terms.softcap
+    if terms.bias is not None:
+        scores = scores + terms.bias
     scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if terms.sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), v)
+    sinks = terms.sinks.expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(weights.to(q.dtype), v)
 
 
 def rms_norm(

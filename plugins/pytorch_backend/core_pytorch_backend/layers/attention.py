@@ -16,6 +16,13 @@ class Attention(nn.Module):
 
     The cache tensors are bound by the runner (``bind_kv_cache``) and are not part of the state
     dict; ``unbind_kv_cache`` drops them (e.g. KV freed while sleeping).
+
+    What a layer adds to the scores (``reference.ScoreTerms``) runs the plain-torch reference attention,
+    whatever the op set: ``softcap`` (Gemma 2), ``alibi_slopes`` [num_heads] (ALiBi: Bloom, MPT; a
+    non-persistent buffer) and ``sinks`` (gpt-oss: the layer's parameter ``sinks`` [num_heads], one more
+    logit per head in the softmax, loaded from the checkpoint). ``v_head_dim``: V's head width where it is
+    narrower than Q's and K's (DeepSeek's MLA served as plain multi-head attention): V is zero-padded to
+    ``head_dim`` in the cache and the output is ``num_heads * v_head_dim`` wide.
     """
 
     def __init__(
@@ -28,10 +35,16 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         layer_index: int = 0,
         softcap: float | None = None,
+        *,
+        sinks: bool = False,
+        alibi_slopes: torch.Tensor | None = None,
+        v_head_dim: int | None = None,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        if v_head_dim is not None and not 0 < v_head_dim <= head_dim:
+            raise ValueError(f"v_head_dim {v_head_dim} must be in 1..head_dim ({head_dim})")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -39,7 +52,10 @@ class Attention(nn.Module):
         self.ops = ops
         self.sliding_window = sliding_window
         self.layer_index = layer_index
-        self.softcap = softcap  # scores soft-capped (Gemma 2): the reference op, whatever the op set
+        self.softcap = softcap
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
+        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
+        self.v_head_dim = v_head_dim or head_dim
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -68,14 +84,21 @@ class Attention(nn.Module):
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.v_head_dim)
+        if self.v_head_dim < self.head_dim:
+            v = nn.functional.pad(v, (0, self.head_dim - self.v_head_dim))
         self.ops.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if self.softcap:
+        if self.has_score_terms:
             out = reference.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
-                                            self.softcap)
+                                            self.softcap, alibi_slopes=self.alibi_slopes, sinks=self.sinks)
         else:
             out = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)
-        return out.reshape(t, self.num_heads * self.head_dim)
+        return out[..., : self.v_head_dim].reshape(t, self.num_heads * self.v_head_dim)
+
+    @property
+    def has_score_terms(self) -> bool:
+        """Whether the scores take more than the scaled dot products (the reference attention then runs)."""
+        return bool(self.softcap) or self.sinks is not None or self.alibi_slopes is not None
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:
