@@ -226,6 +226,9 @@ VARIANTS = {
     "granite-mlp-bias": ("granite", dict(mlp_bias=True)),
     "exaone4-no-window": ("exaone4", dict(sliding_window=None, layer_types=["full_attention", "full_attention"],
                                           tie_word_embeddings=True)),
+    # Falcon-RW (falcon-rw-1b): ALiBi instead of rotary, sequential layers with biases
+    "falcon-rw-alibi": ("falcon", dict(alibi=True, multi_query=False, parallel_attn=False, bias=True)),
+    "falcon-alibi-multi-query": ("falcon", dict(alibi=True)),
 }
 
 
@@ -306,6 +309,7 @@ LOGIT_CASES = {arch: (arch, {}) for arch in ("granite", "gemma3_text", "gemma2",
 LOGIT_CASES["gpt-bigcode-multi-head"] = ("gpt_bigcode", dict(multi_query=False))
 LOGIT_CASES["falcon-40b-new-architecture"] = ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2))
 LOGIT_CASES["falcon-sequential-bias"] = ("falcon", dict(parallel_attn=False, bias=True))
+LOGIT_CASES["falcon-rw-alibi"] = ("falcon", dict(alibi=True, multi_query=False, parallel_attn=False, bias=True))
 LOGIT_CASES["cohere-qk-norm-scaled"] = ("cohere", dict(use_qk_norm=True, logit_scale=0.25))
 LOGIT_CASES["gpt2-scaled-by-inverse-layer"] = ("gpt2", dict(scale_attn_by_inverse_layer_idx=True))
 
@@ -432,7 +436,6 @@ def test_opt_layouts_it_does_not_run_are_refused_at_load(overrides, match, tiny_
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (dict(alibi=True), "alibi"),
     (dict(new_decoder_architecture=True, num_kv_heads=2, parallel_attn=False), "parallel_attn"),
     (dict(num_ln_in_parallel_attn=2), "num_ln_in_parallel_attn")])
 def test_falcon_layouts_it_does_not_run_are_refused_at_load(overrides, match, tiny_checkpoint_factory):

@@ -5,8 +5,10 @@ one v head), Falcon-40B/180B's ``new_decoder_architecture`` (per KV group: its q
 head), or, neither, every head's q, k and v side by side. Attention and MLP read the layer's input beside each
 other (``parallel_attn``: ``h + (mlp + attn)``), behind one norm (``input_layernorm``) or, in the new
 architecture, two (``ln_attn`` / ``ln_mlp``, ``num_ln_in_parallel_attn`` 2, its default); else they run one
-after the other (``post_attention_layernorm``). ALiBi is not supported. Following transformers'
-``modeling_falcon``."""
+after the other (``post_attention_layernorm``). Falcon-RW's ``alibi`` layers take no rotary: ALiBi slopes
+(layers/alibi.py) divided by sqrt(head_dim), as transformers adds them to the scaled scores; transformers rounds
+slope * position to bfloat16 (exact below position 256 where the heads are a power of two), this model does
+not. Following transformers' ``modeling_falcon``."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from torch import nn
 
 from ..attention_metadata import AttentionMetadata
 from ..layers import Attention, LayerNorm, Linear, RotaryEmbedding
+from ..layers.alibi import alibi_slopes
 from ..layers.rotary import rotary_dim_of
 from ..quant.attach import QuantizedShards
 from .llama import DecoderSpec, LlamaForCausalLM, LlamaModel, head_dim_of, input_norm
@@ -41,8 +44,11 @@ class FalconAttention(nn.Module):
         self.new_layout, self.multi_query = bool(config.new_decoder_architecture), bool(config.multi_query)
         self.query_key_value = Linear(hidden, (heads + 2 * self.kv_heads) * self.head_dim, bias=bool(config.bias))
         self.dense = Linear(hidden, hidden, bias=bool(config.bias))
-        self.rotary_emb = rotary
-        self.attn = Attention(heads, self.kv_heads, self.head_dim, self.head_dim ** -0.5, ops, None, layer_index)
+        alibi = bool(getattr(config, "alibi", False))
+        self.rotary_emb = None if alibi else rotary
+        slopes = alibi_slopes(heads) / self.head_dim ** 0.5 if alibi else None
+        self.attn = Attention(heads, self.kv_heads, self.head_dim, self.head_dim ** -0.5, ops, None, layer_index,
+                              alibi_slopes=slopes)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t, d = hidden.shape[0], self.head_dim
@@ -54,7 +60,9 @@ class FalconAttention(nn.Module):
             q, k, v = qkv.split((qkv.shape[-1] - 2 * d, d, d), dim=-1)
         else:  # [head][q, k, v][d]
             q, k, v = qkv.view(t, -1, 3, d).unbind(2)
-        q, k = self.rotary_emb(positions, q.reshape(t, -1), k.reshape(t, -1))
+        q, k = q.reshape(t, -1), k.reshape(t, -1)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(positions, q, k)
         return self.dense(self.attn(q, k, v.reshape(t, -1), meta))
 
 
@@ -125,8 +133,6 @@ class FalconForCausalLM(LlamaForCausalLM):
 
 def _refuse_unsupported(config: Any) -> None:
     """Layouts transformers does not run either (it fails on them) or that this model does not implement."""
-    if getattr(config, "alibi", False):
-        raise NotImplementedError("Falcon: alibi (ALiBi position biases) is not supported")
     new, parallel = bool(config.new_decoder_architecture), bool(config.parallel_attn)
     norms = config.num_ln_in_parallel_attn
     if new and not parallel:
