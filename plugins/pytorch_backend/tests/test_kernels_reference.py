@@ -290,3 +290,14 @@ def test_attention_metadata_build():
     with pytest.raises(ValueError, match="blocks"):
         AttentionMetadata.build([0], [5], [[0]], 4)
     assert math.isclose(meta.num_tokens, 6)
+
+
+@pytest.mark.parametrize("heads", [1, 3, 4, 6, 8, 12, 16, 32, 71, 112])
+def test_alibi_slopes_are_transformers_bit_for_bit(heads):
+    """Powers of two and the odd-power rule for the other heads (Bloom's and Falcon's build_alibi_tensor)."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    from core_pytorch_backend.layers.alibi import alibi_slopes
+
+    theirs = build_alibi_tensor(torch.ones(1, 2, dtype=torch.long), heads, torch.float32).view(heads, 2)[:, 1]
+    assert torch.equal(alibi_slopes(heads), theirs)
