@@ -117,7 +117,14 @@ def new_tool_call_id() -> str:
 
 
 class _ResponseParser:
-    """State every parser shares: the tokenizer and the request context."""
+    """State every parser shares: the tokenizer and the request context.
+
+    ``reads_special_tokens``: the format's markers are special tokens of the tokenizer (gpt-oss's Harmony:
+    ``<|channel|>``, ``<|message|>``, ...), so the server decodes the responses that this parser reads with
+    ``skip_special_tokens=False``, whatever the request asked (as vLLM's tool parsers' ``adjust_request``).
+    """
+
+    reads_special_tokens: bool = False
 
     def __init__(self, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer

@@ -189,6 +189,17 @@ class Postprocessors:
         that `ForcedCallParser` reads: core.forced_tool_call)."""
         return None if self.tools is None else self.tools(self.tokenizer).call_format
 
+    def prepare(self, prepared: PreparedRequest) -> PreparedRequest:
+        """`prepared` as its chat response's parsers need it: decoded with special tokens where a parser
+        reads them (`reads_special_tokens`; the tool-call parser counts only for requests that send tools),
+        and its constraint applied after the reasoning section (`gate_constraint`)."""
+        parsers = (self.reasoning, self.tools if prepared.tools else None)
+        if prepared.config.skip_special_tokens and any(
+                parser is not None and parser(self.tokenizer).reads_special_tokens for parser in parsers):
+            config = dataclasses.replace(prepared.config, skip_special_tokens=False)
+            prepared = dataclasses.replace(prepared, config=config)
+        return self.gate_constraint(prepared)
+
     def gate_constraint(self, prepared: PreparedRequest) -> PreparedRequest:
         """`prepared` with its constraint applied only after the reasoning section, when the reasoning parser
         says the response starts with one (`ReasoningParser.constraint_waits`): the constraint starts once

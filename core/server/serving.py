@@ -142,7 +142,8 @@ class Plan:
     :param field_names: engine field names -> the client's own, for errors raised while preparing
         (a translated message list: core.server.errors.renamed_fields).
     :param reasoning: the response is split by the reasoning parser (the chat routes), so a constraint
-        applies after its reasoning section (`Postprocessors.gate_constraint`).
+        applies after its reasoning section and special tokens stay in the text where a parser reads them
+        (`Postprocessors.prepare`).
     """
 
     prompts: Sequence[Inputs]
@@ -178,7 +179,7 @@ async def start_route(request: Request, body_type: type[Body], plan: Callable[[B
     with renamed_params(param_names(body) if callable(param_names) else param_names):
         planned = with_adapter(state, plan(body), getattr(body, "model", None))
         with renamed_fields(planned.field_names):
-            gate = state.postprocessors.gate_constraint if planned.reasoning else None
+            gate = state.postprocessors.prepare if planned.reasoning else None
             streams = await start_requests(request, planned.prompts, planned.config,
                                            session_ids(request_id, len(planned.prompts)), gate=gate,
                                            **planned.options)

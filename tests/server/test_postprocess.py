@@ -4,6 +4,7 @@ its mapping onto OpenAI deltas and Anthropic content-block events. Uses the temp
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 
 from core.backend import ModelInfo
+from core.config import GenerationConfig
 from core.engine import AsyncEngine
 from core.errors import PluginError
 from core.parsers import ParseContext, ReasoningParser
@@ -168,8 +170,21 @@ def test_named_parsers_and_unknown_names(host: Any):
     named = Postprocessors.choose(host, engine, "deepseek_r1", "hermes")
     assert (named.reasoning, named.tools) == (DeepSeekR1ReasoningParser, HermesToolCallParser)
     assert _parses(named.for_request("p", TOOLS)) == (True, True)
-    with pytest.raises(PluginError, match="--reasoning-parser 'r2'.*deepseek_r1, qwen3"):
+    with pytest.raises(PluginError, match="--reasoning-parser 'r2'.*deepseek_r1, glm45, openai_gptoss, qwen3"):
         Postprocessors.choose(host, engine, "r2")
+
+
+def test_special_tokens_stay_where_a_parser_reads_them(host: Any):
+    engine = _engine("FakeForCausalLM", None)
+    prepared = asyncio.run(engine.prepare("Hi", GenerationConfig(max_new_tokens=1)))
+    with_tools = dataclasses.replace(prepared, tools=TOOLS)
+    harmony = Postprocessors.choose(host, engine, "openai_gptoss", "openai")
+    assert harmony.prepare(prepared).config.skip_special_tokens is False
+    tools_only = Postprocessors.choose(host, engine, "none", "openai")
+    assert tools_only.prepare(prepared).config.skip_special_tokens is True  # no tools: no tool-call parser
+    assert tools_only.prepare(with_tools).config.skip_special_tokens is False
+    assert Postprocessors.choose(host, engine, "qwen3", "hermes").prepare(with_tools) == with_tools
+    asyncio.run(engine.close())
 
 
 def test_the_reasoning_parser_sees_the_prompt(host: Any):

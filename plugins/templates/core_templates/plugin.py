@@ -33,6 +33,7 @@ class ParserRegistration:
     chat_template_contains: tuple[str, ...] = ()
 
 
+_DEEPSEEK, _DEEPSEEK_CALLS = ("DeepseekV3ForCausalLM",), "<｜tool▁calls▁begin｜>"
 _QWEN = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 REASONING_PARSERS: dict[str, ParserRegistration] = {
     # DeepSeek-R1 and its Qwen / Llama distills; their templates write "<｜Assistant｜>" and open <think>.
@@ -41,6 +42,12 @@ REASONING_PARSERS: dict[str, ParserRegistration] = {
                                       ("<｜Assistant｜>", "<think>")),
     "qwen3": ParserRegistration(f"{_PARSERS}.think:Qwen3ReasoningParser",
                                 ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), ("<think>",)),
+    # GLM-4.5 / 4.6 write <think> themselves, as Qwen3 does (enable_thinking=False: the template closes it).
+    "glm45": ParserRegistration(f"{_PARSERS}.think:Qwen3ReasoningParser", ("Glm4MoeForCausalLM",),
+                                ("<think>",)),
+    # Every gpt-oss checkpoint speaks Harmony; its markers are special tokens (see parsers/harmony.py).
+    "openai_gptoss": ParserRegistration(f"{_PARSERS}.harmony:HarmonyReasoningParser",
+                                        ("GptOssForCausalLM",)),
 }
 TOOL_CALL_PARSERS: dict[str, ParserRegistration] = {
     "hermes": ParserRegistration(f"{_PARSERS}.hermes:HermesToolCallParser", _QWEN, ("<tool_call>",)),
@@ -51,6 +58,20 @@ TOOL_CALL_PARSERS: dict[str, ParserRegistration] = {
                                   ("MistralForCausalLM", "MixtralForCausalLM"), ("[TOOL_CALLS]",)),
     # Qwen3-Coder shares Qwen3MoeForCausalLM and "<tool_call>" with the general Qwen3 models: by name only.
     "qwen3_coder": ParserRegistration(f"{_PARSERS}.qwen3_coder:Qwen3CoderToolCallParser"),
+    "openai": ParserRegistration(f"{_PARSERS}.harmony:HarmonyToolCallParser", ("GptOssForCausalLM",)),
+    # DeepseekV3ForCausalLM serves DeepSeek V3 / R1 (arguments in ```json fences), V3.1 (NAME<｜tool▁sep｜>
+    # arguments, as its template's source writes them) and Kimi K2: their templates tell them apart.
+    "deepseek_v3": ParserRegistration(f"{_PARSERS}.deepseek:DeepSeekV3ToolCallParser", _DEEPSEEK,
+                                      (_DEEPSEEK_CALLS, "```json")),
+    "deepseek_v31": ParserRegistration(f"{_PARSERS}.deepseek:DeepSeekV31ToolCallParser", _DEEPSEEK,
+                                       (_DEEPSEEK_CALLS, "<｜tool▁sep｜>' + tool['function']['arguments']")),
+    "kimi_k2": ParserRegistration(f"{_PARSERS}.kimi_k2:KimiK2ToolCallParser", _DEEPSEEK,
+                                  ("<|tool_calls_section_begin|>",)),
+    "glm45": ParserRegistration(f"{_PARSERS}.glm45:Glm45ToolCallParser", ("Glm4MoeForCausalLM",),
+                                ("<arg_key>",)),
+    # Llama 4's own template writes JSON calls; a pythonic template (vLLM's) shows the list format.
+    "pythonic": ParserRegistration(f"{_PARSERS}.pythonic:PythonicToolCallParser", ("Llama4ForCausalLM",),
+                                   ("[func_name1(",)),
 }
 
 

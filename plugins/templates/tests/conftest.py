@@ -26,6 +26,12 @@ TEMPLATES: dict[str, tuple[str, str | None, str | None]] = {
     "qwen3": (builtin_source("qwen3"), None, "<|im_end|>"),
     "chatml": (builtin_source("chatml"), None, "<|im_end|>"),
     "completion": (builtin_source("completion"), None, None),
+    "gpt_oss": ((DATA / "gpt_oss.jinja").read_text(), "<|startoftext|>", "<|return|>"),
+    "deepseek_v3": ((DATA / "deepseek_v3.jinja").read_text(), "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+    "deepseek_v31": ((DATA / "deepseek_v31.jinja").read_text(), "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+    "kimi_k2": ((DATA / "kimi_k2.jinja").read_text(), "[BOS]", "[EOS]"),
+    "glm46": ((DATA / "glm46.jinja").read_text(), None, "<|endoftext|>"),
+    "llama4_pythonic": ((DATA / "llama4_pythonic.jinja").read_text(), "<|begin_of_text|>", "<|eot|>"),
 }
 
 

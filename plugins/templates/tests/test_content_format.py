@@ -16,7 +16,10 @@ from core_templates.jinja_template import JinjaChatTemplate, compile_template
 
 DATA = Path(__file__).parent / "data"
 EXPECTED = {"smollm2": "string", "qwen2.5": "string", "deepseek_r1": "string", "llama3": "string",
-            "mistral": "string", "qwen3": "string", "chatml": "string", "gemma": "openai", "completion": "openai"}
+            "mistral": "string", "qwen3": "string", "chatml": "string", "gemma": "openai", "completion": "openai",
+            "gpt_oss": "string", "deepseek_v3": "string", "deepseek_v31": "string",
+            # these walk a list of parts where content is not a string
+            "kimi_k2": "openai", "glm46": "openai", "llama4_pythonic": "openai"}
 
 
 def _format(source: str) -> str:

@@ -56,12 +56,15 @@ REJECTED = {
     ("qwen2.5", "content_parts"),
     ("mistral", "content_parts"),
     ("deepseek_r1", "content_parts"),
+    ("deepseek_v3", "content_parts"),
+    ("deepseek_v31", "content_parts"),
+    ("gpt_oss", "content_parts"),
 }
 
 
 # Templates that read every message's content, which transformers refuses a turn of tool calls only
 # (content None); here, as in vLLM, that content renders as empty text (compared with transformers given "").
-EMPTY_CONTENT = {("smollm2", "tool_results"), ("deepseek_r1", "tool_results")}
+EMPTY_CONTENT = {("smollm2", "tool_results"), ("deepseek_r1", "tool_results"), ("deepseek_v3", "tool_results")}
 
 
 def render_both(template: tuple[str, str | None, str | None], make_tokenizer: Any, case: str,

@@ -39,7 +39,7 @@ def arguments_json(arguments: Any) -> str | None:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested too deeply to read
             return None
     if not isinstance(arguments, dict):
         return None

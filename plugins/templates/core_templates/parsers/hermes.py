@@ -25,7 +25,7 @@ class HermesToolCallParser(TaggedToolCallParser):
     def parse_block(self, body: str, tools: Sequence[Tool] | None) -> list[Call] | None:
         try:
             call = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         return [parsed] if (parsed := json_call(call)) else None
 

@@ -33,7 +33,7 @@ class Llama3JsonToolCallParser(TaggedToolCallParser):
         while (pos := _skip_separators(body, pos)) < len(body):
             try:
                 obj, pos = decoder.raw_decode(body, pos)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
             call = json_call(obj, ("parameters", "arguments"))
             if call is None:

@@ -29,7 +29,7 @@ class MistralToolCallParser(TaggedToolCallParser):
     def parse_block(self, body: str, tools: Sequence[Tool] | None) -> list[Call] | None:
         try:
             calls = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if isinstance(calls, dict):
             calls = [calls]
