@@ -13,6 +13,7 @@ a GPU (cuda_graphs.py), the native decoder stack on the CPU (native_decode.py).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import Protocol
 
@@ -22,8 +23,8 @@ from core.scheduling import ScheduledSequence
 from core_pytorch_backend.attention_metadata import AttentionMetadata
 from core_pytorch_backend.layers.attention import (
     allocate_kv_caches,
-    attention_layers,
     bind_kv_caches,
+    kv_cache_owners,
     kv_cache_shape,
     unbind_kv_caches,
 )
@@ -51,10 +52,9 @@ class DecodePath(Protocol):
 
 
 def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers (keys and values)."""
-    _, _, heads, width = kv_cache_shape(model, 1, block_size, dtype)
-    element_bytes = dtype.itemsize
-    return 2 * len(attention_layers(model)) * block_size * heads * width * element_bytes
+    """Bytes one block takes across the layers that own a KV cache (keys and values)."""
+    shapes = (kv_cache_shape(layer, 1, block_size, dtype) for layer in kv_cache_owners(model))
+    return sum(2 * math.prod(shape) * dtype.itemsize for shape in shapes)
 
 
 def kv_cache_blocks(model: torch.nn.Module, block_size: int, dtype: torch.dtype, device: torch.device,

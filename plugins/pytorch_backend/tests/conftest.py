@@ -8,17 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from core_pytorch_backend.testing import CHAT_TEMPLATE, SPECIALS, TINY_VOCAB, reinit_, tiny_tokenizer  # noqa: F401
+
 if not torch.cuda.is_available():
     # Triton kernels (tests/test_kernels_triton*.py) run in triton's interpreter on the CPU; triton reads
     # this when a kernel is defined, so it must be set before any kernel module is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-TINY_VOCAB = 260  # 256 byte-level tokens + 4 specials
-SPECIALS = ("<unk>", "<s>", "</s>", "<pad>")
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
-)
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
          "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe", "granitemoeshared",
          "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj", "gpt_bigcode", "falcon")
@@ -181,37 +177,6 @@ def tiny_config(arch: str, **overrides):
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")
     cls, extra = per_arch[arch]
     return cls(**{**common, **extra, **overrides})
-
-
-def reinit_(model: torch.nn.Module, std: float = 0.1, seed: int = 0) -> None:
-    """Larger-than-default random weights, so greedy decoding is far from ties."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen) * std
-            p.copy_(1.0 + noise if "norm" in name else noise)
-
-
-def tiny_tokenizer():
-    """A byte-level BPE tokenizer with no merges (one token per byte) and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    for tok in SPECIALS:
-        vocab[tok] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        chat_template=CHAT_TEMPLATE,
-    )
 
 
 def build_tiny_checkpoint(arch: str, tmp_path: Path, seed: int = 0, **config_overrides) -> Path:

@@ -1,13 +1,9 @@
-"""Greedy parity of the built-in models with transformers' generate (float32, CPU).
-
-A tiny test-local driver assigns KV blocks by hand (shuffled, non-contiguous), prefills (whole or
-in chunks, several sequences at once), then decodes one token per sequence per step.
-"""
+"""Greedy parity of the built-in models with transformers' generate (float32, CPU), through
+core_pytorch_backend.testing's paged driver."""
 
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
@@ -15,70 +11,11 @@ import torch
 from core_pytorch_backend.attention_metadata import AttentionMetadata
 from core_pytorch_backend.layers import allocate_kv_caches, unbind_kv_caches
 from core_pytorch_backend.loader import load_checkpoint
+from core_pytorch_backend.testing import NEW_TOKENS, hf_greedy, paged_greedy, random_prompts
 
-NEW_TOKENS = 20
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
          "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe",
          "granitemoeshared", "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj", "gpt_bigcode", "falcon")
-
-
-def _step(model, chunks, computed, tables, block_size):
-    """One forward over several sequences' new tokens; returns each sequence's greedy next token."""
-    meta = AttentionMetadata.build(computed, [len(c) for c in chunks], tables, block_size)
-    ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64)
-    hidden = model(ids, meta.positions(), meta)
-    logits = model.compute_logits(hidden[meta.last_token_indices()])
-    return logits.argmax(-1).tolist()
-
-
-def _split(prompt, n_chunks):
-    bounds = [round(i * len(prompt) / n_chunks) for i in range(n_chunks + 1)]
-    return [prompt[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-
-
-@torch.inference_mode()
-def paged_greedy(model, prompts, max_new=NEW_TOKENS, block_size=4, prefill_chunks=1, seed=0):
-    """Greedy continuation of every prompt, run together as one batch."""
-    need = [-(-(len(p) + max_new) // block_size) for p in prompts]
-    ids = list(range(sum(need) + 3))
-    random.Random(seed).shuffle(ids)
-    tables, start = [], 0
-    for n in need:
-        tables.append(ids[start : start + n])
-        start += n
-    allocate_kv_caches(model, len(ids), block_size)
-    computed = [0] * len(prompts)
-    chunked = [_split(p, prefill_chunks) for p in prompts]
-    for i in range(prefill_chunks):
-        chunks = [c[i] for c in chunked]
-        nxt = _step(model, chunks, computed, tables, block_size)
-        computed = [n + len(c) for n, c in zip(computed, chunks, strict=True)]
-    outs = [[t] for t in nxt]
-    for _ in range(max_new - 1):
-        nxt = _step(model, [[o[-1]] for o in outs], computed, tables, block_size)
-        computed = [n + 1 for n in computed]
-        for o, t in zip(outs, nxt, strict=True):
-            o.append(t)
-    unbind_kv_caches(model)
-    return outs
-
-
-def hf_greedy(hf_model, prompt, max_new=NEW_TOKENS):
-    out = hf_model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-        max_new_tokens=max_new,
-        min_new_tokens=max_new,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
-def _prompts(lengths, seed=1):
-    rng = random.Random(seed)
-    return [[rng.randrange(0, 256) for _ in range(n)] for n in lengths]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -93,20 +30,20 @@ def pair(request, tiny_checkpoint_factory):
 
 def test_single_sequence_matches_transformers(pair):
     ours, hf = pair
-    (prompt,) = _prompts([9])
+    (prompt,) = random_prompts([9])
     assert paged_greedy(ours, [prompt], block_size=16)[0] == hf_greedy(hf, prompt)
 
 
 def test_batched_varlen_prefill_then_decode(pair):
     ours, hf = pair
-    prompts = _prompts([3, 13, 1, 8], seed=2)
+    prompts = random_prompts([3, 13, 1, 8], seed=2)
     got = paged_greedy(ours, prompts, block_size=4)
     assert got == [hf_greedy(hf, p) for p in prompts]
 
 
 def test_chunked_prefill_with_cached_prefix(pair):
     ours, hf = pair
-    prompts = _prompts([14, 7], seed=3)
+    prompts = random_prompts([14, 7], seed=3)
     got = paged_greedy(ours, prompts, block_size=4, prefill_chunks=3)
     assert got == [hf_greedy(hf, p) for p in prompts]
 
@@ -139,7 +76,7 @@ def test_rope_scaling_parity(rope, tiny_checkpoint_factory):
     ours = load_checkpoint(path, dtype="float32").model
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert hf.config.rope_parameters["rope_type"] == rope["rope_type"]
-    prompts = _prompts([30, 5], seed=4)
+    prompts = random_prompts([30, 5], seed=4)
     assert paged_greedy(ours, prompts, block_size=4) == [hf_greedy(hf, p) for p in prompts]
 
 
@@ -240,7 +177,7 @@ def test_config_variants_match_transformers(variant, tiny_checkpoint_factory):
     path = tiny_checkpoint_factory(arch, **overrides)
     ours = load_checkpoint(path, dtype="float32").model
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompts = _prompts([23, 6], seed=7)
+    prompts = random_prompts([23, 6], seed=7)
     assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=2) == [hf_greedy(hf, p) for p in prompts]
 
 
@@ -256,7 +193,7 @@ def test_bfloat16_runs_and_mostly_agrees(tiny_checkpoint_factory):
     model = load_checkpoint(path, dtype="bfloat16").model
     assert next(model.parameters()).dtype == torch.bfloat16
     ref = load_checkpoint(path, dtype="float32").model
-    prompts = _prompts([6], seed=5)
+    prompts = random_prompts([6], seed=5)
     got, want = paged_greedy(model, prompts, max_new=8)[0], paged_greedy(ref, prompts, max_new=8)[0]
     assert got[:2] == want[:2]
 
@@ -324,7 +261,7 @@ def test_logits_match_transformers(case, tiny_checkpoint_factory):
     path = tiny_checkpoint_factory(arch, **overrides)
     ours = load_checkpoint(path, dtype="float32").model
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    (prompt,) = _prompts([11], seed=5)
+    (prompt,) = random_prompts([11], seed=5)
     allocate_kv_caches(ours, 4, 4)
     meta = AttentionMetadata.build([0], [len(prompt)], [[2, 0, 3]], 4)
     hidden = ours(torch.tensor(prompt), meta.positions(), meta)
@@ -373,7 +310,7 @@ def test_longrope_matches_transformers_within_its_original_context(variant, tiny
     ours = loaded.model
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert hf.config.rope_parameters["rope_type"] == "longrope"
-    prompts = _prompts([served - NEW_TOKENS, 7], seed=5)  # the first ends on the context's last position
+    prompts = random_prompts([served - NEW_TOKENS, 7], seed=5)  # the first ends on the context's last position
     assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=2) == [hf_greedy(hf, p) for p in prompts]
 
 
@@ -388,7 +325,7 @@ def test_longrope_past_its_original_context_matches_transformers_for_longer_prom
     loaded = load_checkpoint(path, dtype="float32", max_model_len=overrides["max_position_embeddings"])
     assert loaded.max_model_len == overrides["max_position_embeddings"]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompts = _prompts([original + 9, original + 30], seed=6)
+    prompts = random_prompts([original + 9, original + 30], seed=6)
     assert paged_greedy(loaded.model, prompts, block_size=4, prefill_chunks=2) == [hf_greedy(hf, p) for p in prompts]
     short = load_checkpoint(path, dtype="float32")  # the default: the original context, the short factors
     assert short.max_model_len == original and not torch.equal(short.model.model.layers[0].self_attn.rotary_emb.cos_cache,
@@ -422,7 +359,7 @@ def test_gpt_neox_reads_either_head_name_and_skips_older_buffers(tiny_checkpoint
     tensors["gpt_neox.layers.0.attention.masked_bias"] = torch.tensor(-1e9)
     tensors["gpt_neox.layers.0.attention.rotary_emb.inv_freq"] = torch.ones(2)
     save_file(tensors, weights, metadata={"format": "pt"})
-    prompts = _prompts([9], seed=3)
+    prompts = random_prompts([9], seed=3)
     expected = paged_greedy(load_checkpoint(path, dtype="float32").model, prompts)
     assert paged_greedy(load_checkpoint(older, dtype="float32").model, prompts) == expected
 

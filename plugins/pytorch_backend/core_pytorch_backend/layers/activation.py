@@ -53,9 +53,16 @@ def _gelu_new(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
-# HF ``hidden_act`` names -> the ungated activation, the same torch calls as transformers' ACT2FN.
+def _bloom_gelu(x: torch.Tensor) -> torch.Tensor:
+    """Bloom's tanh GELU as transformers writes it (``bloom_gelu_forward``: 0.79788456 for sqrt(2 / pi))."""
+    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+
+# HF ``hidden_act`` names -> the ungated activation, the same torch calls as transformers' ACT2FN ("bloom_gelu":
+# Bloom's, which its config does not name).
 ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "gelu_new": _gelu_new,
-               "silu": F.silu, "swish": F.silu, "relu": F.relu, "relu2": lambda x: torch.square(F.relu(x))}
+               "silu": F.silu, "swish": F.silu, "relu": F.relu, "relu2": lambda x: torch.square(F.relu(x)),
+               "bloom_gelu": _bloom_gelu}
 
 
 class Activation(nn.Module):

@@ -71,7 +71,7 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Ten
     return torch.where(medium, smoothed, scaled)
 
 
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
@@ -84,8 +84,8 @@ def yarn_frequencies(head_dim: int, params: dict[str, Any], max_positions: int) 
     attention = params.get("attention_factor")
     if attention is None:
         mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
-                     else _yarn_mscale(factor))
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+                     else yarn_mscale(factor))
     fast, slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:

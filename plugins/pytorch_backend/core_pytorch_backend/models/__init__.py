@@ -47,6 +47,22 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "GraniteMoeSharedForCausalLM": "core_pytorch_backend.models.granitemoe:GraniteMoeForCausalLM",
     "GPTBigCodeForCausalLM": "core_pytorch_backend.models.gpt_bigcode:GPTBigCodeForCausalLM",
     "FalconForCausalLM": "core_pytorch_backend.models.falcon:FalconForCausalLM",
+    "Ernie4_5_MoeForCausalLM": "core_pytorch_backend.models.ernie4_5_moe:Ernie4_5_MoeForCausalLM",
+    "HunYuanMoEV1ForCausalLM": "core_pytorch_backend.models.hunyuan_moe:HunYuanMoEV1ForCausalLM",
+    "PhimoeForCausalLM": "core_pytorch_backend.models.phimoe:PhimoeForCausalLM",
+    "Llama4ForCausalLM": "core_pytorch_backend.models.llama4:Llama4ForCausalLM",  # the text decoder alone
+    "GptOssForCausalLM": "core_pytorch_backend.models.gpt_oss:GptOssForCausalLM",
+    "BloomForCausalLM": "core_pytorch_backend.models.bloom:BloomForCausalLM",
+    "MptForCausalLM": "core_pytorch_backend.models.mpt:MptForCausalLM",
+    "MPTForCausalLM": "core_pytorch_backend.models.mpt:MptForCausalLM",  # MosaicML's own configs name it so
+    "GPTNeoForCausalLM": "core_pytorch_backend.models.gpt_neo:GPTNeoForCausalLM",
+    "DeepseekV2ForCausalLM": "core_pytorch_backend.models.deepseek_v2:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "core_pytorch_backend.models.deepseek_v3:DeepseekV3ForCausalLM",
+    "Glm4MoeForCausalLM": "core_pytorch_backend.models.glm4_moe:Glm4MoeForCausalLM",
+    "Dots1ForCausalLM": "core_pytorch_backend.models.dots1:Dots1ForCausalLM",
+    "Gemma4ForCausalLM": "core_pytorch_backend.models.gemma4:Gemma4ForCausalLM",
+    # the released checkpoints' class: their language model, for text only (no vision processor registered)
+    "Gemma4ForConditionalGeneration": "core_pytorch_backend.models.gemma4:Gemma4ForConditionalGeneration",
     # Encoders: served on the pooling path (embeddings and scores), never generating.
     "BertModel": "core_pytorch_backend.models.bert:BertModel",
     "RobertaModel": "core_pytorch_backend.models.bert:RobertaModel",

@@ -50,6 +50,7 @@ class DecoderSpec:
     attention_scale: float | None = None  # the softmax scale (None: head_dim ** -0.5; Granite sets its own)
     mlp_bias: bool = False  # Llama's mlp_bias (most families' MLPs have no biases whatever the config says)
     attn_softcap: float | None = None  # Gemma 2's attn_logit_softcapping (Gemma 3's attention ignores it)
+    attn_sinks: bool = False  # gpt-oss's per-head sink logits (Attention's sinks, loaded as self_attn.attn.sinks)
 
 
 def head_dim_of(config: Any) -> int:
@@ -99,6 +100,7 @@ class LlamaAttention(nn.Module):
             ops,
             spec.sliding_windows[layer_index],
             layer_index,
+            sinks=spec.attn_sinks,
         )
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -7,6 +7,7 @@ stays float."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,17 +24,22 @@ class SparseMoeBlock(nn.Module):
     logits (Granite MoE), not of all of them."""
 
     def __init__(self, config: Any, ops: Any, experts: int, top_k: int, expert_size: int, normalize: bool,
-                 shared_size: int | None = None, shared_gate: bool = True, softmax_of_top_k: bool = False) -> None:
+                 shared_size: int | None = None, shared_gate: bool = True, softmax_of_top_k: bool = False,
+                 router_bias: bool = False, shared_bias: bool = False) -> None:
         super().__init__()
-        self.gate = nn.Linear(config.hidden_size, experts, bias=False)  # the router
-        self.experts = nn.ModuleList(LlamaMLP(config, ops, expert_size) for _ in range(experts))
+        self.gate = nn.Linear(config.hidden_size, experts, bias=router_bias)  # the router
+        self.experts = nn.ModuleList(self.make_expert(config, ops, expert_size) for _ in range(experts))
         self.top_k, self.normalize, self.softmax_of_top_k = top_k, normalize, softmax_of_top_k
-        self.shared_expert = LlamaMLP(config, ops, shared_size) if shared_size else None
+        self.shared_expert = LlamaMLP(config, ops, shared_size, bias=shared_bias) if shared_size else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared_size and shared_gate else None
+
+    def make_expert(self, config: Any, ops: Any, size: int) -> nn.Module:
+        """One routed expert: a SwiGLU ``LlamaMLP`` (gpt-oss's have biases and a clamped SwiGLU)."""
+        return LlamaMLP(config, ops, size)
 
     def routing(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(each token's expert weights [T, top_k] in ``hidden``'s dtype, the experts they weigh [T, top_k])."""
-        logits = nn.functional.linear(hidden, self.gate.weight).float()
+        logits = nn.functional.linear(hidden, self.gate.weight, self.gate.bias).float()
         if self.softmax_of_top_k:
             best, chosen = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(best, dim=-1).to(hidden.dtype), chosen
@@ -44,17 +50,25 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.routing(hidden)
-        out = torch.zeros_like(hidden)
-        for expert in torch.unique(chosen).tolist():  # ascending, as transformers sums them
-            tokens, slot = torch.where(chosen == expert)
-            part = self.experts[expert](hidden[tokens]) * weights[tokens, slot, None]
-            out.index_add_(0, tokens, part.to(out.dtype))
+        out = mix_experts(self.experts, hidden, weights, chosen)
         if self.shared_expert_gate is not None:
             gate = torch.sigmoid(nn.functional.linear(hidden, self.shared_expert_gate.weight))
             out = out + gate * self.shared_expert(hidden)
         elif self.shared_expert is not None:
             out = out + self.shared_expert(hidden)
         return out
+
+
+def mix_experts(experts: Sequence[nn.Module], hidden: torch.Tensor, weights: torch.Tensor,
+                chosen: torch.Tensor) -> torch.Tensor:
+    """Each token's chosen experts' outputs ([T, top_k] ``chosen`` with their ``weights``) summed, expert by
+    expert in ascending index order over the tokens that chose it, as transformers sums them."""
+    out = torch.zeros_like(hidden)
+    for expert in torch.unique(chosen).tolist():
+        tokens, slot = torch.where(chosen == expert)
+        part = experts[expert](hidden[tokens]) * weights[tokens, slot, None]
+        out.index_add_(0, tokens, part.to(out.dtype))
+    return out
 
 
 def is_sparse_layer(config: Any, index: int) -> bool:

@@ -1,0 +1,194 @@
+"""Llama 4's text decoder (``Llama4ForCausalLM``, transformers' ``Llama4TextModel``: Scout's and Maverick's language
+model). Llama's layers with, per layer (``no_rope_layers``: 1 where a layer has rotary): rotary layers turn pairs
+of adjacent values (read in rotate-half order at load, models/rotary_pairs.py), normalize q and k by their RMS
+without a weight after rotary (``use_qk_norm``) and attend within chunks of ``attention_chunk_size`` positions
+(a query sees the keys of its own chunk up to itself, ``layer_types``' "chunked_attention"); the other (NoPE)
+layers attend to everything and scale q by ``log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1``
+(``attn_temperature_tuning``). The MLP of the ``moe_layers`` (every ``interleave_moe_layer_step``-th) is a shared
+SwiGLU plus ``num_local_experts`` routed ones of ``intermediate_size``: a token's ``num_experts_per_tok`` best
+router logits choose them and their sigmoids scale the token *before* the expert (models/sparse_moe.py's experts
+weigh their outputs); the other layers' MLP is a SwiGLU of ``intermediate_size_mlp``. Checkpoints name the MLP
+``feed_forward`` and the router ``router``, and keep each layer's experts stacked and transposed
+(``experts.gate_up_proj`` [experts, hidden, 2 x size], gate then up; ``experts.down_proj`` [experts, size,
+hidden]): read one expert at a time under SparseMoeBlock's names.
+
+The chunked layers' attention is plain torch (``chunked_paged_attention``, sequence by sequence), whatever the op
+set; it refuses CUDA graph capture (decode then runs eagerly), and the native decode stack declines the model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..attention_metadata import AttentionMetadata
+from ..kernels import kv_int8
+from ..layers import Attention, RotaryEmbedding
+from ..quant.attach import QuantizedShards
+from .llama import DecoderSpec, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from .rotary_pairs import pairs_to_rotate_half
+from .sparse_moe import SparseMoeBlock
+
+RENAMED = ((".feed_forward.", ".mlp."), (".mlp.router.", ".mlp.gate."))
+
+
+def chunked_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                            scale: float, chunk: int) -> torch.Tensor:
+    """Causal attention of each new token ([T, Hq, D]) over the cached keys of its own chunk of ``chunk``
+    positions (their K/V already stored), sequence by sequence."""
+    out = torch.empty_like(query)
+    for b, start in enumerate(meta.row_starts()):
+        rows, seq_len = meta.query_lens_list[b], meta.seq_lens_list[b]
+        if rows:
+            out[start : start + rows] = _sequence_attention(query[start : start + rows], k_cache, v_cache,
+                                                            meta.block_tables[b], seq_len, scale, chunk)
+    return out
+
+
+def _sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                        seq_len: int, scale: float, chunk: int) -> torch.Tensor:
+    """The last ``len(q)`` tokens of one sequence of ``seq_len``, over the positions from their first chunk's."""
+    n, heads, _ = q.shape
+    block_size = k_cache.shape[1]
+    first = (seq_len - n) // chunk * chunk  # the first key any of these queries sees
+    blocks = table[first // block_size : -(-seq_len // block_size)].long()
+    offset = first - first // block_size * block_size
+    k, v = (_values(cache.index_select(0, blocks).flatten(0, 1)[offset : offset + seq_len - first])
+            for cache in (k_cache, v_cache))  # [L, Hkv, D]
+    group = heads // k.shape[1]
+    k, v = (x.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype) for x in (k, v))  # [Hq, L, D]
+    pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]
+    key = torch.arange(first, seq_len, device=q.device)[None, :]
+    mask = (key <= pos) & (key // chunk == pos // chunk)
+    scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v).transpose(0, 1)
+
+
+def _values(rows: torch.Tensor) -> torch.Tensor:
+    return kv_int8.dequantize(rows) if kv_int8.is_int8(rows.dtype) else rows
+
+
+class ChunkedAttention(Attention):
+    """The paged attention layer whose queries see only their own chunk of ``chunk`` positions."""
+
+    def __init__(self, chunk: int, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.chunk = chunk
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                meta: AttentionMetadata) -> torch.Tensor:
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError(f"attention layer {self.layer_index} has no KV cache bound: the runner must call "
+                               "bind_kv_caches(model, ...) before a forward (and after waking from sleep)")
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():  # its loop reads the step's lengths on the host
+            raise RuntimeError("chunked attention cannot be captured in a CUDA graph")
+        t = q.shape[0]
+        shape = (t, -1, self.head_dim)
+        self.ops.store_kv_cache(k.view(shape), v.view(shape), self.k_cache, self.v_cache, meta.slot_mapping)
+        out = chunked_paged_attention(q.view(shape), self.k_cache, self.v_cache, meta, self.scale, self.chunk)
+        return out.reshape(t, -1)
+
+
+class Llama4Attention(LlamaAttention):
+    def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
+        super().__init__(config, ops, spec, layer_index, rotary)
+        self.eps = config.rms_norm_eps
+        self.qk_norm = bool(config.use_qk_norm) and self.rotary_emb is not None
+        tuning = config.attn_temperature_tuning and self.rotary_emb is None
+        self.temperature = (float(config.floor_scale), float(config.attn_scale)) if tuning else None
+        if config.layer_types[layer_index] == "chunked_attention":
+            attn = self.attn
+            self.attn = ChunkedAttention(config.attention_chunk_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                         attn.scale, ops, None, layer_index)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(positions, q, k)
+        t = q.shape[0]
+        q, k = q.reshape(t, -1, self.head_dim), k.reshape(t, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = _weightless_rms_norm(q, self.eps), _weightless_rms_norm(k, self.eps)
+        if self.temperature is not None:
+            floor_scale, attn_scale = self.temperature
+            scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+            q = (q * scales[:, None, None]).to(q.dtype)
+        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta))
+
+
+def _weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each head's values divided by their RMS, in float32 (transformers' ``Llama4TextL2Norm``)."""
+    y = x.float()
+    return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
+class Llama4MoeBlock(SparseMoeBlock):
+    """The shared expert plus the routed ones, each token scaled by its routers' sigmoids before the expert."""
+
+    def __init__(self, config: Any, ops: Any) -> None:
+        super().__init__(config, ops, config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
+                         normalize=False, shared_size=config.intermediate_size, shared_gate=False)
+
+    def routing(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        best, chosen = torch.topk(nn.functional.linear(hidden, self.gate.weight), self.top_k, dim=-1)
+        return torch.sigmoid(best.float()).to(hidden.dtype), chosen
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.routing(hidden)
+        routed = torch.zeros_like(hidden)
+        for expert in torch.unique(chosen).tolist():  # ascending
+            tokens, slot = torch.where(chosen == expert)
+            routed.index_add_(0, tokens, self.experts[expert](hidden[tokens] * weights[tokens, slot, None]))
+        return self.shared_expert(hidden) + routed
+
+
+class Llama4DecoderLayer(LlamaDecoderLayer):
+    attention_class = Llama4Attention
+
+    def make_mlp(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int) -> nn.Module:
+        if layer_index in config.moe_layers:
+            return Llama4MoeBlock(config, ops)
+        return LlamaMLP(config, ops, config.intermediate_size_mlp)
+
+
+class Llama4Model(LlamaModel):
+    layer_class = Llama4DecoderLayer
+
+
+class Llama4ForCausalLM(LlamaForCausalLM):
+    model_class = Llama4Model
+    #: experts are not split across ranks
+    tensor_parallel_plan = None
+
+    @classmethod
+    def decoder_spec(cls, config: Any) -> DecoderSpec:
+        bias = bool(getattr(config, "attention_bias", False))
+        rope = tuple(bool(config.no_rope_layers[i]) for i in range(config.num_hidden_layers))
+        return DecoderSpec(qkv_bias=bias, qk_norm=False, sliding_windows=(None,) * config.num_hidden_layers,
+                           o_bias=bias, rope_layers=rope)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> QuantizedShards:
+        return super().load_weights(pairs_to_rotate_half(_experts_one_by_one(weights), self.config))
+
+
+def _experts_one_by_one(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors under SparseMoeBlock's names, its stacked experts one expert at a time."""
+    for name, tensor in weights:
+        for theirs, ours in RENAMED:
+            name = name.replace(theirs, ours)
+        if not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            yield name, tensor
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            raise NotImplementedError(f"{name}: Llama 4's stacked experts from a quantized file")
+        prefix, projection = name.rsplit(".", 1)
+        for expert, weight in enumerate(tensor.transpose(1, 2)):  # [out, in] each
+            if projection == "down_proj":
+                yield f"{prefix}.{expert}.down_proj.weight", weight
+            else:
+                gate, up = weight.chunk(2, dim=0)
+                yield f"{prefix}.{expert}.gate_proj.weight", gate
+                yield f"{prefix}.{expert}.up_proj.weight", up

@@ -1,0 +1,140 @@
+"""Tiny random-weight checkpoints and the greedy-parity drivers the model tests run: a paged driver that
+assigns KV blocks by hand (shuffled, non-contiguous), prefills several sequences at once (whole or in chunks)
+and decodes one token per sequence per step, and transformers' generate as the oracle. A third party adding
+an architecture checks it the same way (``paged_greedy(ours, prompts) == [hf_greedy(hf, p) for p in prompts]``).
+Importable from any test module (pytest's ``--import-mode=importlib`` puts no test folder on sys.path)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from core_pytorch_backend.attention_metadata import AttentionMetadata
+from core_pytorch_backend.layers import allocate_kv_caches, unbind_kv_caches
+
+NEW_TOKENS = 20
+TINY_VOCAB = 260  # 256 byte-level tokens + 4 specials
+SPECIALS = ("<unk>", "<s>", "</s>", "<pad>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+def reinit_(model: torch.nn.Module, std: float = 0.1, seed: int = 0) -> None:
+    """Larger-than-default random weights, so greedy decoding is far from ties."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * std
+            p.copy_(1.0 + noise if "norm" in name else noise)
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer with no merges (one token per byte) and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for tok in SPECIALS:
+        vocab[tok] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def _step(model, chunks, computed, tables, block_size):
+    """One forward over several sequences' new tokens; returns each sequence's greedy next token."""
+    meta = AttentionMetadata.build(computed, [len(c) for c in chunks], tables, block_size)
+    ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64)
+    hidden = model(ids, meta.positions(), meta)
+    logits = model.compute_logits(hidden[meta.last_token_indices()])
+    return logits.argmax(-1).tolist()
+
+
+def _split(prompt, n_chunks):
+    bounds = [round(i * len(prompt) / n_chunks) for i in range(n_chunks + 1)]
+    return [prompt[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+@torch.inference_mode()
+def paged_greedy(model, prompts, max_new=NEW_TOKENS, block_size=4, prefill_chunks=1, seed=0):
+    """Greedy continuation of every prompt, run together as one batch."""
+    need = [-(-(len(p) + max_new) // block_size) for p in prompts]
+    ids = list(range(sum(need) + 3))
+    random.Random(seed).shuffle(ids)
+    tables, start = [], 0
+    for n in need:
+        tables.append(ids[start : start + n])
+        start += n
+    allocate_kv_caches(model, len(ids), block_size)
+    computed = [0] * len(prompts)
+    chunked = [_split(p, prefill_chunks) for p in prompts]
+    for i in range(prefill_chunks):
+        chunks = [c[i] for c in chunked]
+        nxt = _step(model, chunks, computed, tables, block_size)
+        computed = [n + len(c) for n, c in zip(computed, chunks, strict=True)]
+    outs = [[t] for t in nxt]
+    for _ in range(max_new - 1):
+        nxt = _step(model, [[o[-1]] for o in outs], computed, tables, block_size)
+        computed = [n + 1 for n in computed]
+        for o, t in zip(outs, nxt, strict=True):
+            o.append(t)
+    unbind_kv_caches(model)
+    return outs
+
+
+def hf_greedy(hf_model, prompt, max_new=NEW_TOKENS):
+    out = hf_model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+        max_new_tokens=max_new,
+        min_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def random_prompts(lengths, seed=1):
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 256) for _ in range(n)] for n in lengths]
+
+
+def reinit_with_layer_norms_(model: torch.nn.Module, std: float = 0.15, seed: int = 0) -> None:
+    """``reinit_`` for models with LayerNorms: LayerNorm weights 1 + noise and their biases noise (``reinit_``
+    finds norms by name and sets their biases near 1, which makes such models repeat one token), Bloom's
+    embedding norm at 0.3 of that (with a tied head a unit-scale embedding makes it repeat its input token)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module_name, module in model.named_modules():
+            for name, param in module.named_parameters(recurse=False):
+                noise = torch.randn(param.shape, generator=gen) * std
+                if isinstance(module, torch.nn.LayerNorm) and name == "weight":
+                    noise = (1.0 + noise) * (0.3 if "word_embeddings_layernorm" in module_name else 1.0)
+                param.copy_(noise)
+
+
+@torch.inference_mode()
+def prompt_logits(model, prompt: list[int]) -> torch.Tensor:
+    """Every position's logits of one prompt's prefill, its blocks out of order."""
+    blocks = -(-len(prompt) // 4)
+    allocate_kv_caches(model, blocks + 2, 4)
+    meta = AttentionMetadata.build([0], [len(prompt)], [list(range(blocks + 1, 0, -1))], 4)
+    hidden = model(torch.tensor(prompt), meta.positions(), meta)
+    unbind_kv_caches(model)
+    return model.compute_logits(hidden)
+
+
+def assert_logits_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    scale = expected.abs().max().item()  # small logits must not hide in the absolute tolerance
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5 * scale)

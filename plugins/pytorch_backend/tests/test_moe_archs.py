@@ -1,0 +1,304 @@
+"""ERNIE 4.5 MoE, Hunyuan MoE, PhiMoE and Llama 4's text decoder on the pytorch backend: greedy parity with
+transformers' generate (one sequence, a batch of different lengths, chunked prefill) and logits parity on tiny
+random checkpoints, config variants the real checkpoints use, each router against transformers' own, and the
+layouts refused at load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from core_pytorch_backend.attention_metadata import AttentionMetadata
+from core_pytorch_backend.kernels import reference
+from core_pytorch_backend.layers import allocate_kv_caches, unbind_kv_caches
+from core_pytorch_backend.loader import load_checkpoint
+from core_pytorch_backend.testing import (
+    TINY_VOCAB,
+    hf_greedy,
+    paged_greedy,
+    random_prompts,
+    reinit_,
+    tiny_tokenizer,
+)
+
+COMMON = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=257,
+              eos_token_id=258, pad_token_id=259)
+
+
+def _longrope(**extra) -> dict:
+    """Phi-3.5-MoE's rope settings for heads of 16: short factors all apart, long ones far off, two mscales."""
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.37 * i for i in range(8)],
+            "long_factor": [40.0] * 8, "short_mscale": 1.3, "long_mscale": 0.8, **extra}
+
+
+# name -> (config class name, overrides). ERNIE: 4 layers, experts on layers 1 and 2 (a dense first and last one),
+# 4 experts of 32, two a token, two shared experts, biases; Hunyuan: 4 experts of 128 and the shared MLP;
+# PhiMoE: 4 experts, biased attention and LM head, Phi-3.5-MoE's jitter.
+CONFIGS = {
+    "ernie": ("Ernie4_5_MoeConfig", dict(
+        num_hidden_layers=4, head_dim=16, moe_num_experts=4, moe_k=2, moe_intermediate_size=32,
+        moe_num_shared_experts=2, moe_layer_start_index=1, moe_layer_end_index=2, use_bias=True)),
+    # ERNIE-4.5-21B-A3B's biases (none), untied; experts every second layer from the first
+    "ernie-interval-no-bias-untied": ("Ernie4_5_MoeConfig", dict(
+        num_hidden_layers=4, head_dim=16, moe_num_experts=4, moe_k=2, moe_intermediate_size=32,
+        moe_num_shared_experts=1, moe_layer_start_index=0, moe_layer_end_index=-1, moe_layer_interval=2,
+        use_bias=False, tie_word_embeddings=False)),
+    # a floor on the weights' sum that bites (the top 2 of 4 probabilities sum to less), no shared expert
+    "ernie-norm-min-no-shared": ("Ernie4_5_MoeConfig", dict(
+        head_dim=16, moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=0,
+        moe_layer_start_index=0, moe_norm_min=0.9)),
+    "hunyuan": ("HunYuanMoEV1Config", dict(head_dim=16, num_experts=4, moe_topk=2)),
+    # Hunyuan-A13B's layout: top-k per layer, the NTK alpha, tied embeddings; q/k/v/o biases
+    "hunyuan-per-layer-topk-alpha-tied": ("HunYuanMoEV1Config", dict(
+        head_dim=16, num_experts=4, moe_topk=[3, 1], tie_word_embeddings=True, attention_bias=True,
+        rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10000.0, "factor": 1.0},
+        use_cla=False, use_mixed_mlp_moe=True, use_qk_norm=True, num_shared_expert=[1, 1],
+        moe_intermediate_size=[128, 128], moe_layer_num_skipped=0)),
+    "phimoe": ("PhimoeConfig", dict(num_local_experts=4, num_experts_per_tok=2, attention_bias=True,
+                                    lm_head_bias=True, router_jitter_noise=0.01)),
+    # a jitter wide enough that the masked softmaxes keep several experts; a window of 6; no biases
+    "phimoe-wide-jitter-window": ("PhimoeConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                                                       router_jitter_noise=0.5)),
+    "phimoe-longrope": ("PhimoeConfig", dict(num_local_experts=4, num_experts_per_tok=2, attention_bias=True,
+                                             lm_head_bias=True, max_position_embeddings=256,
+                                             rope_parameters=_longrope(original_max_position_embeddings=48))),
+    # Llama 4: attention chunks of 8 on the rotary layers (0, 2), NoPE layers (1, 3) whose temperature grows every 4
+    # positions, experts on layers 1 and 3 (one a token) beside a shared one, dense MLPs of 128 on 0 and 2
+    "llama4": ("Llama4TextConfig", dict(
+        head_dim=16, intermediate_size=32, intermediate_size_mlp=128, num_hidden_layers=4, num_local_experts=4,
+        num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layer_interval=2, attention_chunk_size=8,
+        floor_scale=4, attn_scale=0.5)),
+    # Scout's layout: NoPE every fourth layer, experts on every layer, llama3 rope; two experts a token, tied, biases
+    "llama4-scout-layout-top2-tied-bias": ("Llama4TextConfig", dict(
+        head_dim=16, intermediate_size=32, intermediate_size_mlp=128, num_hidden_layers=4, num_local_experts=4,
+        num_experts_per_tok=2, interleave_moe_layer_step=1, attention_chunk_size=6, floor_scale=4, attn_scale=0.5,
+        tie_word_embeddings=True, attention_bias=True,
+        rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 16, "rope_theta": 500000.0})),
+    # Maverick's q and k without norms; and neither chunks nor temperature tuning
+    "llama4-no-qk-norm-no-chunks-no-tuning": ("Llama4TextConfig", dict(
+        head_dim=16, intermediate_size=32, intermediate_size_mlp=128, num_hidden_layers=4, num_local_experts=4,
+        num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layer_interval=2, attention_chunk_size=None,
+        use_qk_norm=False, attn_temperature_tuning=False)),
+}
+PARITY = ("ernie", "hunyuan", "phimoe", "llama4")
+VARIANTS = [name for name in CONFIGS if name not in PARITY]
+
+
+def _config(name: str, **overrides):
+    import transformers
+
+    cls, extra = CONFIGS[name]
+    return getattr(transformers, cls)(**{**COMMON, **extra, **overrides})
+
+
+def _build(name: str, folder: Path, **overrides) -> Path:
+    """A tiny random checkpoint: weights of std 0.2 (of 0.1, the tied ERNIE and Hunyuan models repeated one token),
+    LayerNorm biases about 0 (reinit_ puts a norm's parameters about 1: the same large bias on every value made
+    PhiMoE's tokens constant), ERNIE's correction biases large enough to change which experts are chosen."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(name, **overrides), dtype=torch.float32)
+    reinit_(model, std=0.2)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name and param_name.endswith(".bias"):
+                param.sub_(1.0)
+            elif param_name.endswith("e_score_correction_bias"):
+                param.mul_(3.0)
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = _build(name, tmp_path_factory.mktemp(name))
+        return made[name]
+
+    return get
+
+
+def _pair(path: Path, **load):
+    from transformers import AutoModelForCausalLM
+
+    ours = load_checkpoint(path, dtype="float32", **load).model
+    return ours, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", params=PARITY)
+def pair(request, checkpoint):
+    return _pair(checkpoint(request.param))
+
+
+def test_single_sequence_matches_transformers(pair):
+    ours, hf = pair
+    (prompt,) = random_prompts([9])
+    assert paged_greedy(ours, [prompt], block_size=16)[0] == hf_greedy(hf, prompt)
+
+
+def test_batched_varlen_prefill_then_decode(pair):
+    ours, hf = pair
+    prompts = random_prompts([3, 13, 1, 8], seed=2)
+    assert paged_greedy(ours, prompts, block_size=4) == [hf_greedy(hf, p) for p in prompts]
+
+
+def test_chunked_prefill_with_cached_prefix(pair):
+    ours, hf = pair
+    prompts = random_prompts([14, 7], seed=3)
+    assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=3) == [hf_greedy(hf, p) for p in prompts]
+
+
+@torch.inference_mode()
+def test_logits_match_transformers(pair):
+    ours, hf = pair
+    (prompt,) = random_prompts([11], seed=5)
+    allocate_kv_caches(ours, 4, 4)
+    meta = AttentionMetadata.build([0], [len(prompt)], [[2, 0, 3]], 4)
+    hidden = ours(torch.tensor(prompt), meta.positions(), meta)
+    unbind_kv_caches(ours)
+    expected = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(ours.compute_logits(hidden), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_config_variants_match_transformers(variant, checkpoint):
+    ours, hf = _pair(checkpoint(variant))
+    prompts = random_prompts([23, 6], seed=7)
+    assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=2) == [hf_greedy(hf, p) for p in prompts]
+
+
+def test_ernie_experts_sit_on_the_layers_the_config_names(checkpoint):
+    from core_pytorch_backend.models.ernie4_5_moe import Ernie4_5_MoeBlock
+
+    def moe_layers(name):
+        layers = load_checkpoint(checkpoint(name), dtype="float32").model.model.layers
+        return [i for i, layer in enumerate(layers) if isinstance(layer.mlp, Ernie4_5_MoeBlock)]
+
+    assert moe_layers("ernie") == [1, 2] and moe_layers("ernie-interval-no-bias-untied") == [1, 3]
+
+
+def test_ernie_skips_the_multi_token_prediction_layer(checkpoint, tmp_path):
+    """ERNIE-4.5-21B-A3B ships a multi-token-prediction layer (``model.mtp_*``), which transformers leaves too."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "with-mtp"
+    shutil.copytree(checkpoint("ernie"), folder)
+    (weights,) = folder.glob("*.safetensors")
+    tensors = load_file(weights)
+    tensors["model.mtp_block.0.self_attn.q_proj.weight"] = torch.zeros(64, 64)
+    tensors["model.mtp_linear_proj.0.weight"] = torch.zeros(64, 128)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    prompts = random_prompts([9])
+    expected = paged_greedy(load_checkpoint(checkpoint("ernie"), dtype="float32").model, prompts)
+    assert paged_greedy(load_checkpoint(folder, dtype="float32").model, prompts) == expected
+
+
+def test_phimoe_longrope_past_its_original_context_matches_transformers_for_longer_prompts(checkpoint):
+    """Served past the original context (max_model_len), every position takes long_mscale (and the short
+    factors): transformers' PhiMoE for a prompt longer than the original context."""
+    path = checkpoint("phimoe-longrope")
+    ours, hf = _pair(path, max_model_len=256)
+    prompts = random_prompts([48 + 9, 48 + 30], seed=6)
+    assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=2) == [hf_greedy(hf, p) for p in prompts]
+    assert load_checkpoint(path, dtype="float32").max_model_len == 48
+
+
+# ---------------------------------------------------------------- each router against transformers' own
+
+
+def _hidden(tokens: int = 64) -> torch.Tensor:
+    return torch.randn(tokens, COMMON["hidden_size"], generator=torch.Generator().manual_seed(3))
+
+
+def _ours_and_theirs(block, router) -> tuple:
+    hidden = _hidden()
+    weights, chosen = block.routing(hidden)
+    _, their_weights, their_chosen = router(hidden)
+    order, their_order = chosen.sort(dim=-1).indices, their_chosen.sort(dim=-1).indices
+    return (weights.gather(-1, order), chosen.gather(-1, order), their_weights.gather(-1, their_order),
+            their_chosen.gather(-1, their_order))
+
+
+@torch.inference_mode()
+def test_ernie_router_matches_transformers():
+    from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeTopKRouter
+
+    from core_pytorch_backend.models.ernie4_5_moe import Ernie4_5_MoeBlock
+
+    config = _config("ernie-norm-min-no-shared")
+    router = Ernie4_5_MoeTopKRouter(config)
+    reinit_(router, std=0.15)
+    block = Ernie4_5_MoeBlock(config, reference)
+    block.gate.weight.copy_(router.weight)
+    block.e_score_correction_bias.copy_(router.moe_statics.e_score_correction_bias[0])
+    weights, chosen, their_weights, their_chosen = _ours_and_theirs(block, router)
+    assert torch.equal(chosen, their_chosen)
+    torch.testing.assert_close(weights, their_weights)
+    unbiased = torch.topk(torch.softmax(_hidden() @ router.weight.T, -1), 2).indices.sort(-1).values
+    clamped = weights.sum(-1) < 0.99
+    assert not torch.equal(chosen, unbiased) and clamped.any() and not clamped.all()  # both rules bite here
+
+
+@torch.inference_mode()
+def test_phimoe_router_matches_transformers_sparsemixer():
+    from transformers.models.phimoe.modeling_phimoe import PhimoeTopKRouter
+
+    from core_pytorch_backend.models.phimoe import SparseMixerBlock
+
+    for jitter in (0.01, 0.5):
+        config = _config("phimoe", router_jitter_noise=jitter)
+        router = PhimoeTopKRouter(config).eval()
+        reinit_(router, std=0.3)
+        block = SparseMixerBlock(config, reference)
+        block.gate.weight.copy_(router.weight)
+        hidden = _hidden()
+        weights, chosen = block.routing(hidden)
+        _, their_weights, their_chosen = router(hidden)
+        assert torch.equal(chosen, their_chosen)  # the best first, then the second: in this order
+        torch.testing.assert_close(weights, their_weights)
+
+
+@torch.inference_mode()
+def test_hunyuan_router_matches_transformers():
+    from transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe import HunYuanMoEV1Gate
+
+    from core_pytorch_backend.models.hunyuan_moe import moe_block
+
+    config = _config("hunyuan-per-layer-topk-alpha-tied")
+    for layer_index in (0, 1):
+        router = HunYuanMoEV1Gate(config, layer_index)
+        reinit_(router, std=0.5)
+        block = moe_block(config, reference, layer_index)
+        block.gate.weight.copy_(router.wg.weight)
+        weights, chosen, their_weights, their_chosen = _ours_and_theirs(block, router)
+        assert torch.equal(chosen, their_chosen) and chosen.shape[-1] == config.moe_topk[layer_index]
+        torch.testing.assert_close(weights, their_weights)
+
+
+# ---------------------------------------------------------------- refused at load
+
+
+@pytest.mark.parametrize("name, overrides, match", [
+    ("hunyuan", dict(use_cla=True, cla_share_factor=2), "use_cla=True"),
+    ("hunyuan", dict(use_mixed_mlp_moe=False), "use_mixed_mlp_moe=False"),
+    ("hunyuan", dict(use_qk_norm=False), "use_qk_norm=False"),
+    ("hunyuan", dict(num_shared_expert=[2, 2]), "num_shared_expert"),
+    ("hunyuan", dict(moe_intermediate_size=[64, 64]), "moe_intermediate_size"),
+    ("phimoe", dict(num_experts_per_tok=1), "num_experts_per_tok=1"),
+    ("phimoe", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
+                                     "short_mscale": 1.0, "long_mscale": 1.0}), "rope_type 'linear'"),
+])
+def test_layouts_not_served_are_refused_at_load(name, overrides, match, tmp_path):
+    with pytest.raises(NotImplementedError, match=match):
+        load_checkpoint(_build(name, tmp_path / "refused", **overrides), dtype="float32")
