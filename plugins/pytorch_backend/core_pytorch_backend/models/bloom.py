@@ -22,6 +22,7 @@ from ..layers import Attention, LayerNorm, RotaryEmbedding
 from ..layers.alibi import alibi_slopes
 from ..quant.attach import QuantizedShards
 from .llama import DecoderSpec, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, input_norm
+from .names import parts_renamed, prefix_renamed
 from .rotary_pairs import Weight, rows_reordered
 from .ungated_mlp import UngatedMLP
 
@@ -118,11 +119,4 @@ def _ours(weights: Iterable[tuple[str, Weight]], order: np.ndarray) -> Iterator[
 
 
 def _our_name(name: str) -> str:
-    name = name.removeprefix(PREFIX)
-    for theirs, ours in RENAMED:
-        if name.startswith(theirs):
-            name = ours + name[len(theirs):]
-            break
-    for theirs, ours in IN_LAYER:
-        name = name.replace(theirs, ours)
-    return name
+    return parts_renamed(prefix_renamed(name.removeprefix(PREFIX), RENAMED), IN_LAYER)

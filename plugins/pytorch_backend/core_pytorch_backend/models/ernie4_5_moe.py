@@ -21,6 +21,7 @@ from torch import nn
 from ..quant.attach import QuantizedShards
 from .ernie4_5 import Ernie4_5ForCausalLM
 from .llama import DecoderSpec, LlamaDecoderLayer, LlamaModel
+from .names import parts_renamed
 from .sparse_moe import SparseMoeBlock
 
 RENAMED = ((".mlp.shared_experts.", ".mlp.shared_expert."),
@@ -84,8 +85,7 @@ def _our_names(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     for name, tensor in weights:
         if name.startswith("model.mtp_"):
             continue
-        for theirs, ours in RENAMED:
-            name = name.replace(theirs, ours)
+        name = parts_renamed(name, RENAMED)
         if name.endswith(".e_score_correction_bias"):
             tensor = tensor.reshape(-1)  # [1, experts]: one group of experts
         yield name, tensor

@@ -24,6 +24,7 @@ from ..layers.alibi import alibi_slopes
 from ..layers.rotary import rotary_dim_of
 from ..quant.attach import QuantizedShards
 from .llama import DecoderSpec, LlamaForCausalLM, LlamaModel, head_dim_of, input_norm
+from .names import prefix_renamed
 from .ungated_mlp import UngatedMLP
 
 RENAMED = (("transformer.word_embeddings.", "model.embed_tokens."), ("transformer.ln_f.", "model.norm."),
@@ -151,7 +152,4 @@ def _refuse_unsupported(config: Any) -> None:
 
 
 def _our_name(name: str) -> str:
-    for theirs, ours in RENAMED:
-        if name.startswith(theirs):
-            return ours + name[len(theirs):]
-    return name
+    return prefix_renamed(name, RENAMED)

@@ -17,6 +17,7 @@ from ..attention_metadata import AttentionMetadata
 from ..layers import Attention, LayerNorm, Linear, VocabEmbedding
 from ..quant.attach import QuantizedShards
 from .llama import DecoderSpec, LlamaForCausalLM, LlamaModel, input_norm
+from .names import prefix_renamed
 from .ungated_mlp import UngatedMLP
 
 CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
@@ -94,7 +95,4 @@ def _ours(name: str, tensor: Any) -> tuple[str, Any]:
         if not isinstance(tensor, torch.Tensor):
             raise NotImplementedError(f"GPT-2: {name} is stored quantized, which cannot be transposed here")
         tensor = tensor.t().contiguous()
-    for theirs, ours in RENAMED:
-        if name.startswith(theirs):
-            return ours + name[len(theirs):], tensor
-    return name, tensor
+    return prefix_renamed(name, RENAMED), tensor

@@ -18,6 +18,7 @@ from ..attention_metadata import AttentionMetadata
 from ..layers import Attention, LayerNorm, Linear, VocabEmbedding
 from ..quant.attach import QuantizedShards
 from .gpt2 import RENAMED, GPT2Block, GPT2LMHeadModel, GPT2Model
+from .names import prefix_renamed
 from .ungated_mlp import UngatedMLP
 
 #: the causal mask, a buffer older checkpoints may keep beside the weights
@@ -86,7 +87,4 @@ class GPTBigCodeForCausalLM(GPT2LMHeadModel):
 
 
 def _our_name(name: str) -> str:
-    for theirs, ours in RENAMED:
-        if name.startswith(theirs):
-            return ours + name[len(theirs):]
-    return name
+    return prefix_renamed(name, RENAMED)

@@ -17,6 +17,7 @@ from ..layers import LayerNorm, VocabEmbedding
 from ..quant.attach import QuantizedShards
 from .gpt2 import RENAMED, GPT2Block, GPT2Model
 from .llama import DecoderSpec, LlamaAttention, LlamaForCausalLM
+from .names import parts_renamed, prefix_renamed
 from .ungated_mlp import UngatedMLP
 
 IN_LAYER = ((".attn.attention.out_proj.", ".attn.o_proj."), (".attn.attention.", ".attn."))
@@ -76,11 +77,5 @@ def _ours(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     for name, tensor in weights:
         if name.endswith(SKIPPED):
             continue
-        for theirs, ours in RENAMED:
-            if name.startswith(theirs):
-                name = ours + name[len(theirs):]
-                break
-        for theirs, ours in IN_LAYER:
-            name = name.replace(theirs, ours)
-        yield name, tensor
+        yield parts_renamed(prefix_renamed(name, RENAMED), IN_LAYER), tensor
 

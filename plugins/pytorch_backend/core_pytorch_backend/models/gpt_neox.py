@@ -18,6 +18,7 @@ from ..attention_metadata import AttentionMetadata
 from ..layers import Attention, LayerNorm, Linear, RotaryEmbedding
 from ..quant.attach import QuantizedShards
 from .llama import DecoderSpec, LayerNormModel, LlamaForCausalLM, head_dim_of
+from .names import parts_renamed
 from .ungated_mlp import UngatedMLP
 
 RENAMED = (("gpt_neox.embed_in.", "model.embed_tokens."), ("gpt_neox.final_layer_norm.", "model.norm."),
@@ -84,6 +85,4 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
 
 
 def _our_name(name: str) -> str:
-    for theirs, ours in RENAMED:
-        name = name.replace(theirs, ours)
-    return name
+    return parts_renamed(name, RENAMED)

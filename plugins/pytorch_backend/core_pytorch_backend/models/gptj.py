@@ -17,6 +17,7 @@ from ..attention_metadata import AttentionMetadata
 from ..layers import Attention, LayerNorm, Linear, QKVLinear, RotaryEmbedding
 from ..quant.attach import QuantizedShards
 from .llama import DecoderSpec, LlamaForCausalLM, LlamaModel, head_dim_of, input_norm
+from .names import parts_renamed
 from .rotary_pairs import pairs_to_rotate_half
 from .ungated_mlp import UngatedMLP
 
@@ -95,6 +96,4 @@ class GPTJForCausalLM(LlamaForCausalLM):
 
 
 def _our_name(name: str) -> str:
-    for theirs, ours in RENAMED:
-        name = name.replace(theirs, ours)
-    return name
+    return parts_renamed(name, RENAMED)

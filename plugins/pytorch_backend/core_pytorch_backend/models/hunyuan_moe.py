@@ -17,6 +17,7 @@ from torch import nn
 from ..quant.attach import QuantizedShards
 from .hunyuan_dense import HunYuanDenseV1DecoderLayer, HunYuanDenseV1ForCausalLM
 from .llama import DecoderSpec, LlamaModel
+from .names import parts_renamed
 from .sparse_moe import SparseMoeBlock
 
 RENAMED = ((".mlp.gate.wg.", ".mlp.gate."), (".mlp.shared_mlp.", ".mlp.shared_expert."))
@@ -76,6 +77,4 @@ def _per_layer(value: Any) -> list:
 
 def _our_names(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     for name, tensor in weights:
-        for theirs, ours in RENAMED:
-            name = name.replace(theirs, ours)
-        yield name, tensor
+        yield parts_renamed(name, RENAMED), tensor

@@ -28,6 +28,7 @@ from ..kernels import kv_int8
 from ..layers import Attention, RotaryEmbedding
 from ..quant.attach import QuantizedShards
 from .llama import DecoderSpec, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from .names import parts_renamed
 from .rotary_pairs import pairs_to_rotate_half
 from .sparse_moe import SparseMoeBlock
 
@@ -177,8 +178,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
 def _experts_one_by_one(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     """The checkpoint's tensors under SparseMoeBlock's names, its stacked experts one expert at a time."""
     for name, tensor in weights:
-        for theirs, ours in RENAMED:
-            name = name.replace(theirs, ours)
+        name = parts_renamed(name, RENAMED)
         if not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
             yield name, tensor
             continue

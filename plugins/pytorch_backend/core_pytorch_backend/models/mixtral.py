@@ -13,6 +13,7 @@ from torch import nn
 from ..quant.attach import QuantizedShards
 from .llama import DecoderSpec, LlamaDecoderLayer, LlamaModel
 from .mistral import MistralForCausalLM
+from .names import parts_renamed
 from .sparse_moe import SparseMoeBlock
 
 RENAMED = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
@@ -38,7 +39,4 @@ class MixtralForCausalLM(MistralForCausalLM):
 
 
 def _our_name(name: str) -> str:
-    if ".block_sparse_moe." in name:
-        for theirs, ours in RENAMED:
-            name = name.replace(theirs, ours)
-    return name
+    return parts_renamed(name, RENAMED) if ".block_sparse_moe." in name else name

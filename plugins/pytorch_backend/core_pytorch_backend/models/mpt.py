@@ -24,6 +24,7 @@ from ..layers import LayerNorm, RotaryEmbedding
 from ..quant.attach import QuantizedShards
 from .bloom import AlibiAttention, AlibiModel
 from .llama import DecoderSpec, LlamaDecoderLayer, LlamaForCausalLM
+from .names import parts_renamed
 from .rotary_pairs import Weight
 from .ungated_mlp import UngatedMLP
 
@@ -156,6 +157,4 @@ def _ours(weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]
         if name.startswith("transformer.wpe."):
             raise NotImplementedError(f"MPT: {name} (learned position embeddings beside ALiBi) is not "
                                       "supported: transformers' MPT adds no position embeddings")
-        for theirs, ours in RENAMED:
-            name = name.replace(theirs, ours)
-        yield name, tensor
+        yield parts_renamed(name, RENAMED), tensor
