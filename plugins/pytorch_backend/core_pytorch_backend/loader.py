@@ -27,7 +27,7 @@ from .default_model import default_model_path, generation_defaults  # noqa: F401
 from .kernels import select_ops
 from .layers.matmul import select_matmul, use_matmul
 from .layers.quantized import AffineRows, Int4Weight
-from .layers.rotary import context_positions, rope_parameters, serve_longrope_long
+from .layers.rotary import context_positions, fit_rotary_tables, rope_parameters, serve_longrope_long
 from .light_config import read_light_config, write_light_config
 from .models import BUILTIN_ARCHITECTURES, resolve_class
 from .native.half_weights import half_kernels, keep_sixteen_bit, pack_bfloat16, pack_exact_halves
@@ -108,7 +108,8 @@ def load_checkpoint(
     ``packed_choice`` imposes a packed-weights kernel instead of choosing one (ranks > 0 take rank 0's:
     ranks whose kernels or dtypes differed could not sum their partial results). ``max_model_len``: the
     context the caller will serve, where the model's positions depend on it (LongRoPE past its original
-    context: ``layers.rotary.serve_longrope_long``).
+    context: ``layers.rotary.serve_longrope_long``); a shorter one than the model's cuts its rotary tables to
+    it (``fit_rotary_tables``), and the loaded model then serves that many positions.
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
@@ -146,6 +147,9 @@ def load_checkpoint(
     _use_dense_matmul(model, device, torch_dtype)
     if shard is not None:
         shard.parallelize(model)
+    positions = getattr(model, "max_positions", None) or context_positions(config.get_text_config())
+    if max_model_len and max_model_len < positions:
+        positions = fit_rotary_tables(model, max_model_len)
     trim_heap()  # the load's staging copies and parsing leave ~350 MB freed but kept (default model: 929 -> 582)
     return LoadedModel(
         model=model.eval(),
@@ -155,8 +159,7 @@ def load_checkpoint(
         dtype=torch_dtype,
         kv_cache_dtype=kv_cache_dtype,
         chat_template=getattr(tokenizer, "chat_template", None) or legacy_chat_template(path),
-        # the positions the rotary tables (an encoder's learned positions) hold
-        max_model_len=getattr(model, "max_positions", None) or context_positions(config.get_text_config()),
+        max_model_len=positions,  # the positions the rotary tables (an encoder's learned positions) hold
         source=str(gguf or path),
         quantization=_describe_weights(model),
     )

@@ -31,6 +31,22 @@ def test_hf_folder_fields(tiny_checkpoint_factory):
     assert lm.tokenizer("hi").input_ids == [71, 72]
 
 
+def test_a_shorter_context_cuts_the_rotary_tables_and_keeps_the_text(tiny_checkpoint_factory):
+    """--max-model-len below the model's positions: every rotary table (one per layer type: OLMo 3's two) holds
+    that many rows, the model serves that many positions, and its greedy text is the full tables' text."""
+    from core_pytorch_backend.layers.rotary import RotaryEmbedding
+    from core_pytorch_backend.testing import paged_greedy, random_prompts
+
+    path = tiny_checkpoint_factory("olmo3")
+    full, cut = load_checkpoint(path, dtype="float32"), load_checkpoint(path, dtype="float32", max_model_len=48)
+    tables = [m for m in cut.model.modules() if isinstance(m, RotaryEmbedding)]
+    assert full.max_model_len == 256 and cut.max_model_len == 48
+    assert len({id(t) for t in tables}) == 2 and all(t.cos_cache.shape[0] == t.sin_cache.shape[0] == 48 for t in tables)
+    prompts = random_prompts([27, 5], seed=4)
+    assert paged_greedy(cut.model, prompts) == paged_greedy(full.model, prompts)  # 47 positions at most
+    assert load_checkpoint(path, dtype="float32", max_model_len=1000).max_model_len == 256  # never longer
+
+
 def test_tied_embeddings_share_weight(tiny_checkpoint_factory):
     model = load_checkpoint(tiny_checkpoint_factory("qwen2")).model
     assert model.lm_head.tied and model.lm_head.weight is model.model.embed_tokens.weight

@@ -212,6 +212,20 @@ class RotaryEmbedding(nn.Module):
         return q.reshape(q_shape), k.reshape(k_shape)
 
 
+def fit_rotary_tables(model: nn.Module, positions: int) -> int:
+    """Cut every rotary table of ``model`` to its first ``positions`` rows where it holds more (a server asked
+    for a shorter context than the model's: a 128k model's float32 tables are 64-384 MiB); returns the rows
+    they hold now, at most ``positions`` (the model's own count where it held fewer)."""
+    held = positions
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            if module.cos_cache.shape[0] > positions:
+                module.cos_cache = module.cos_cache[:positions].clone()
+                module.sin_cache = module.sin_cache[:positions].clone()
+            held = min(held, module.cos_cache.shape[0])
+    return held
+
+
 class MRotaryEmbedding(RotaryEmbedding):
     """M-RoPE (Qwen2-VL): ``positions`` is [3, T] (temporal, height, width); frequency slot j of the
     half head takes its angle from the axis whose ``mrope_section`` covers j. [T] positions (text
