@@ -149,7 +149,7 @@ def test_store_kv_cache_without_negative_slots_and_with_none():
 # ---------------------------------------------------------------- paged attention
 
 
-def _naive_attention(q, k, v, context, scale, window, softcap=None, alibi_slopes=None, sinks=None):
+def _naive_attention(q, k, v, context, scale, window, softcap=None, alibi_slopes=None, sinks=None, chunk=None):
     """q [n, Hq, D] for the last n of k/v [L, Hkv, D]'s positions, in float64; the score terms as their
     papers write them: tanh capping, ALiBi's slope * (j - i), a sink logit in each head's softmax."""
     n, hq, _ = q.shape
@@ -160,6 +160,8 @@ def _naive_attention(q, k, v, context, scale, window, softcap=None, alibi_slopes
     for i in range(n):
         pos = context + i
         lo = 0 if window is None else max(0, pos - window + 1)
+        if chunk is not None:
+            lo = max(lo, pos // chunk * chunk)
         scores = torch.einsum("hd,lhd->hl", q[i].double(), k[lo : pos + 1]) * scale
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
@@ -236,6 +238,8 @@ SCORE_TERMS = {
     "alibi": lambda hq: dict(alibi_slopes=2.0 ** -torch.arange(1, hq + 1, dtype=torch.float32)),
     "sinks": lambda hq: dict(sinks=torch.linspace(-2.0, 3.0, hq)),
     "all": lambda hq: dict(softcap=4.0, alibi_slopes=torch.linspace(0.05, 0.8, hq), sinks=torch.linspace(1.0, -1.0, hq)),
+    "chunk": lambda hq: dict(chunk=6),  # contexts of 1-37 positions: queries in their first to seventh chunk
+    "chunk-and-sinks": lambda hq: dict(chunk=4, sinks=torch.linspace(-2.0, 3.0, hq)),
 }
 
 

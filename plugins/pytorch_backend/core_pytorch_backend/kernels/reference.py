@@ -46,14 +46,20 @@ class ScoreTerms(NamedTuple):
     ``softcap`` caps each score as ``softcap * tanh(score / softcap)`` (Gemma 2); ``alibi_slopes`` [Hq] adds
     ``slope * (j - i)`` for key position j and query position i (ALiBi: Bloom, MPT; transformers adds
     ``slope * j``, the same softmax); ``sinks`` [Hq] is one more logit per head in each query's softmax that
-    weighs no value (gpt-oss's attention sinks)."""
+    weighs no value (gpt-oss's attention sinks). ``chunk`` masks rather than scores: a query sees only the
+    keys of its own chunk of ``chunk`` positions (Llama 4's chunked attention)."""
 
     softcap: float | None = None
     alibi_slopes: torch.Tensor | None = None
     sinks: torch.Tensor | None = None
+    chunk: int | None = None
+
+    @property
+    def adds_scores(self) -> bool:
+        return bool(self.softcap) or self.alibi_slopes is not None or self.sinks is not None
 
     def __bool__(self) -> bool:
-        return bool(self.softcap) or self.alibi_slopes is not None or self.sinks is not None
+        return self.adds_scores or self.chunk is not None
 
 
 NO_TERMS = ScoreTerms()
@@ -69,9 +75,10 @@ def paged_attention(
     *,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's whole cached context, with the score terms
-    (``ScoreTerms``: ``softcap``, ``alibi_slopes``, ``sinks``) a layer asks for.
+    (``ScoreTerms``: ``softcap``, ``alibi_slopes``, ``sinks``, ``chunk``) a layer asks for.
 
     ``query`` is [T, Hq, D] (Hq a multiple of Hkv); the new tokens' K/V must already be in the
     cache. Single-token sequences (decode) run as one padded batch; longer chunks one by one.
@@ -79,7 +86,7 @@ def paged_attention(
     later tokens of that span; a one-token chunk never needs it (it is the last token of any span
     it is in, since the scheduler never ends a chunk inside a span).
     """
-    terms = ScoreTerms(softcap, alibi_slopes, sinks)
+    terms = ScoreTerms(softcap, alibi_slopes, sinks, chunk)
     plan = _decode_plan(meta, k_cache.shape[1], query.device)
     if plan is not None and plan.rows is None:  # a pure decode step: every row is a decode row
         return _decode_attention(query, k_cache, v_cache, plan, scale, sliding_window, terms)
@@ -136,7 +143,7 @@ class _DecodePlan(NamedTuple):
     blocks: torch.Tensor  # [B * nb] int64 block ids: each decode sequence's first nb blocks
     num_blocks: int  # nb: blocks of the longest decode context
     lens: torch.Tensor  # [B, 1] context length of each decode sequence
-    masks: dict  # (sliding window or None, dtype) -> [B, 1, 1, nb * block_size] additive mask
+    masks: dict  # (sliding window or None, chunk or None, dtype) -> [B, 1, 1, nb * block_size] additive mask
 
 
 def decode_rows(meta: AttentionMetadata, device: torch.device) -> tuple[list[int], torch.Tensor | None]:
@@ -164,17 +171,20 @@ def _decode_plan(meta: AttentionMetadata, block_size: int, device: torch.device)
     return plan
 
 
-def _decode_mask(plan: _DecodePlan, block_size: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+def _decode_mask(plan: _DecodePlan, block_size: int, window: int | None, dtype: torch.dtype,
+                 chunk: int | None = None) -> torch.Tensor:
     """[B, 1, 1, L] additive mask (0 or -inf) in the query dtype: what SDPA would turn a bool mask into
     at every call, built once per step."""
-    mask = plan.masks.get((window, dtype))
+    mask = plan.masks.get((window, chunk, dtype))
     if mask is None:
         j = torch.arange(plan.num_blocks * block_size, device=plan.lens.device)[None, :]
         keep = j < plan.lens
         if window is not None:
             keep &= j > (plan.lens - 1 - window)
+        if chunk is not None:
+            keep &= j >= (plan.lens - 1) // chunk * chunk
         mask = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, -math.inf)
-        mask = plan.masks[(window, dtype)] = mask[:, None, None, :]
+        mask = plan.masks[(window, chunk, dtype)] = mask[:, None, None, :]
     return mask
 
 
@@ -191,7 +201,7 @@ def _decode_attention(q, k_cache, v_cache, plan: _DecodePlan, scale, window, ter
     def distance() -> torch.Tensor:  # [B, 1, 1, L]: key position j - the query's position lens - 1
         return torch.arange(length, device=q.device)[None, None, None, :] - (plan.lens[:, :, None, None] - 1)
 
-    out = _sdpa(q.view(b, hkv, group, d), k, v, _decode_mask(plan, block_size, window, q.dtype), scale,
+    out = _sdpa(q.view(b, hkv, group, d), k, v, _decode_mask(plan, block_size, window, q.dtype, terms.chunk), scale,
                 _grouped(terms, hkv, group, 1, distance))
     return out.reshape(b, hq, d)
 
@@ -221,6 +231,8 @@ def _chunk_attention(q, k_cache, v_cache, table, seq_len, scale, window, spans=(
         mask |= (pos >= start) & (pos < end) & (j >= start) & (j < end)
     if window is not None:
         mask &= j > pos - window
+    if terms.chunk is not None:
+        mask &= j // terms.chunk == pos // terms.chunk
     # The G query heads of one KV head, stacked as G * n query rows of that head (no K/V copies).
     rows = q.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * n, d)
     out = _sdpa(rows, k[None], v[None], mask.repeat(group, 1)[None, None], scale,
@@ -241,7 +253,7 @@ def _grouped(terms: ScoreTerms, hkv: int, group: int, n: int,
              distance: Callable[[], torch.Tensor]) -> _Grouped | None:
     """``terms`` for query rows that stack the ``group`` query heads of each KV head, ``n`` rows per head
     (head-major); ``distance()`` [B or 1, 1, group * n or 1, L] is each row's j - i (ALiBi's only)."""
-    if not terms:
+    if not terms.adds_scores:
         return None
 
     def per_row(values: torch.Tensor) -> torch.Tensor:  # [Hq] -> [1, Hkv, group * n, 1]

@@ -44,6 +44,7 @@ class Attention(nn.Module):
         alibi_slopes: torch.Tensor | None = None,
         v_head_dim: int | None = None,
         kv_source: int | None = None,
+        chunk: int | None = None,
     ):
         super().__init__()
         if num_heads % num_kv_heads:
@@ -62,6 +63,7 @@ class Attention(nn.Module):
         self.alibi_slopes = None if alibi_slopes is None else alibi_slopes.float()  # no buffer: a cast would round it
         self.v_head_dim = v_head_dim or head_dim
         self.kv_source = kv_source
+        self.chunk = chunk
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -97,7 +99,8 @@ class Attention(nn.Module):
             self.ops.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if self.has_score_terms:
             out = reference.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
-                                            self.softcap, alibi_slopes=self._slopes_on(q.device), sinks=self.sinks)
+                                            self.softcap, alibi_slopes=self._slopes_on(q.device), sinks=self.sinks,
+                                            chunk=self.chunk)
         else:
             out = self.ops.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)
         return out[..., : self.v_head_dim].reshape(t, self.num_heads * self.v_head_dim)
@@ -110,7 +113,7 @@ class Attention(nn.Module):
     @property
     def has_score_terms(self) -> bool:
         """Whether the scores take more than the scaled dot products (the reference attention then runs)."""
-        return bool(self.softcap) or self.sinks is not None or self.alibi_slopes is not None
+        return bool(self.softcap) or self.sinks is not None or self.alibi_slopes is not None or self.chunk is not None
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:

@@ -12,8 +12,8 @@ weigh their outputs); the other layers' MLP is a SwiGLU of ``intermediate_size_m
 (``experts.gate_up_proj`` [experts, hidden, 2 x size], gate then up; ``experts.down_proj`` [experts, size,
 hidden]): read one expert at a time under SparseMoeBlock's names.
 
-The chunked layers' attention is plain torch (``chunked_paged_attention``, sequence by sequence), whatever the op
-set; it refuses CUDA graph capture (decode then runs eagerly), and the native decode stack declines the model."""
+The chunked layers' attention is the reference attention's (``Attention(chunk=)``, plain torch whatever the op
+set), and the native decode stack declines the model."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from ..attention_metadata import AttentionMetadata
-from ..kernels import kv_int8
 from ..layers import Attention, RotaryEmbedding
 from ..quant.attach import QuantizedShards
 from .llama import DecoderSpec, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
@@ -33,64 +32,6 @@ from .rotary_pairs import pairs_to_rotate_half
 from .sparse_moe import SparseMoeBlock
 
 RENAMED = ((".feed_forward.", ".mlp."), (".mlp.router.", ".mlp.gate."))
-
-
-def chunked_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                            scale: float, chunk: int) -> torch.Tensor:
-    """Causal attention of each new token ([T, Hq, D]) over the cached keys of its own chunk of ``chunk``
-    positions (their K/V already stored), sequence by sequence."""
-    out = torch.empty_like(query)
-    for b, start in enumerate(meta.row_starts()):
-        rows, seq_len = meta.query_lens_list[b], meta.seq_lens_list[b]
-        if rows:
-            out[start : start + rows] = _sequence_attention(query[start : start + rows], k_cache, v_cache,
-                                                            meta.block_tables[b], seq_len, scale, chunk)
-    return out
-
-
-def _sequence_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                        seq_len: int, scale: float, chunk: int) -> torch.Tensor:
-    """The last ``len(q)`` tokens of one sequence of ``seq_len``, over the positions from their first chunk's."""
-    n, heads, _ = q.shape
-    block_size = k_cache.shape[1]
-    first = (seq_len - n) // chunk * chunk  # the first key any of these queries sees
-    blocks = table[first // block_size : -(-seq_len // block_size)].long()
-    offset = first - first // block_size * block_size
-    k, v = (_values(cache.index_select(0, blocks).flatten(0, 1)[offset : offset + seq_len - first])
-            for cache in (k_cache, v_cache))  # [L, Hkv, D]
-    group = heads // k.shape[1]
-    k, v = (x.transpose(0, 1).repeat_interleave(group, dim=0).to(q.dtype) for x in (k, v))  # [Hq, L, D]
-    pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]
-    key = torch.arange(first, seq_len, device=q.device)[None, :]
-    mask = (key <= pos) & (key // chunk == pos // chunk)
-    scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale
-    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(weights, v).transpose(0, 1)
-
-
-def _values(rows: torch.Tensor) -> torch.Tensor:
-    return kv_int8.dequantize(rows) if kv_int8.is_int8(rows.dtype) else rows
-
-
-class ChunkedAttention(Attention):
-    """The paged attention layer whose queries see only their own chunk of ``chunk`` positions."""
-
-    def __init__(self, chunk: int, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.chunk = chunk
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                meta: AttentionMetadata) -> torch.Tensor:
-        if self.k_cache is None or self.v_cache is None:
-            raise RuntimeError(f"attention layer {self.layer_index} has no KV cache bound: the runner must call "
-                               "bind_kv_caches(model, ...) before a forward (and after waking from sleep)")
-        if q.is_cuda and torch.cuda.is_current_stream_capturing():  # its loop reads the step's lengths on the host
-            raise RuntimeError("chunked attention cannot be captured in a CUDA graph")
-        t = q.shape[0]
-        shape = (t, -1, self.head_dim)
-        self.ops.store_kv_cache(k.view(shape), v.view(shape), self.k_cache, self.v_cache, meta.slot_mapping)
-        out = chunked_paged_attention(q.view(shape), self.k_cache, self.v_cache, meta, self.scale, self.chunk)
-        return out.reshape(t, -1)
 
 
 class Llama4Attention(LlamaAttention):
@@ -102,8 +43,8 @@ class Llama4Attention(LlamaAttention):
         self.temperature = (float(config.floor_scale), float(config.attn_scale)) if tuning else None
         if config.layer_types[layer_index] == "chunked_attention":
             attn = self.attn
-            self.attn = ChunkedAttention(config.attention_chunk_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                         attn.scale, ops, None, layer_index)
+            self.attn = Attention(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, ops, None, layer_index,
+                                  chunk=config.attention_chunk_size)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
