@@ -35,6 +35,7 @@ from .native.library import CpuKernels
 from .native.packed_weight import NativeWeight
 from .quant.attach import MODES as QUANTIZE_MODES
 from .quant.attach import attach_quantized, quantize_model
+from .quant.fp8_blocks import fp8_block_size, fp8_blocks_dequantized
 from .quant.gguf_file import gguf_weights
 from .quant.gguf_index import TensorEntry, read_gguf_index
 from .quant.kernel_choice import PackedKernel, packed_kernel
@@ -119,6 +120,8 @@ def load_checkpoint(
     if quantization in QUANTIZE_MODES and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on the CPU only; device is {device}")
     config, tokenizer, weights, generation = _open(path, gguf, packed, cache_dir, use_cache)
+    if gguf is None and (fp8_block := fp8_block_size(config)) is not None:
+        weights = fp8_blocks_dequantized(weights, fp8_block)
     if serve_longrope_long(config.get_text_config(), max_model_len):
         log.warning("%s: max_model_len %d is past LongRoPE's original %d positions: every position takes the "
                     "long factors (transformers keeps the short ones for sequences within the original context, "

@@ -138,3 +138,17 @@ def prompt_logits(model, prompt: list[int]) -> torch.Tensor:
 def assert_logits_close(got: torch.Tensor, expected: torch.Tensor) -> None:
     scale = expected.abs().max().item()  # small logits must not hide in the absolute tolerance
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5 * scale)
+
+
+def fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn codes, float32 scale per block, the weight they stand for) of ``weight``, in DeepSeek's
+    layout (each block's largest value the largest code, 448)."""
+    scale = torch.zeros(-(-weight.shape[0] // block[0]), -(-weight.shape[1] // block[1]))
+    codes, exact = torch.empty_like(weight), torch.empty_like(weight)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            rows, cols = slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1])
+            scale[i, j] = weight[rows, cols].abs().max() / 448.0
+            codes[rows, cols] = weight[rows, cols] / scale[i, j]
+            exact[rows, cols] = codes[rows, cols].to(torch.float8_e4m3fn).float() * scale[i, j]
+    return codes.to(torch.float8_e4m3fn), scale, exact

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from core_pytorch_backend import testing
 from core_pytorch_backend.attention_metadata import AttentionMetadata
 from core_pytorch_backend.kernels import reference
 from core_pytorch_backend.layers import allocate_kv_caches, unbind_kv_caches
@@ -295,20 +296,6 @@ def test_fused_experts_and_multi_token_prediction_layer_load(checkpoint, tmp_pat
                                our_logits(ours, prompt), rtol=0, atol=0)
 
 
-def _fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn codes, float32 scale per block, the weight they stand for) of ``weight``, in DeepSeek's
-    layout (each block's largest value the largest code, 448)."""
-    scale = torch.zeros(-(-weight.shape[0] // block[0]), -(-weight.shape[1] // block[1]))
-    codes, exact = torch.empty_like(weight), torch.empty_like(weight)
-    for i in range(scale.shape[0]):
-        for j in range(scale.shape[1]):
-            rows, cols = slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1])
-            scale[i, j] = weight[rows, cols].abs().max() / 448.0
-            codes[rows, cols] = weight[rows, cols] / scale[i, j]
-            exact[rows, cols] = codes[rows, cols].to(torch.float8_e4m3fn).float() * scale[i, j]
-    return codes.to(torch.float8_e4m3fn), scale, exact
-
-
 def test_fp8_block_checkpoint_is_dequantized_at_load(checkpoint, tmp_path):
     """DeepSeek-V3's released layout (float8_e4m3fn weights, ``weight_scale_inv`` per block): served as
     transformers serves the weights the codes stand for. Blocks of 16 x 32 here, so that weights of 24, 48 and
@@ -318,7 +305,7 @@ def test_fp8_block_checkpoint_is_dequantized_at_load(checkpoint, tmp_path):
     quantized, dequantized = dict(tensors), dict(tensors)
     for name, tensor in tensors.items():
         if name.endswith(("proj.weight", "proj_with_mqa.weight")):
-            quantized[name], quantized[name + "_scale_inv"], dequantized[name] = _fp8_blocks(tensor, (16, 32))
+            quantized[name], quantized[name + "_scale_inv"], dequantized[name] = testing.fp8_blocks(tensor, (16, 32))
     fp8 = _rewrite(source, tmp_path / "fp8", dict(reversed(quantized.items())), quantization_config={
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 32]})
     ours = load_checkpoint(fp8, dtype="float32").model
@@ -326,9 +313,9 @@ def test_fp8_block_checkpoint_is_dequantized_at_load(checkpoint, tmp_path):
 
 
 def test_fp8_weights_pair_with_their_scales_in_either_order():
-    from core_pytorch_backend.models.deepseek_v3 import fp8_blocks_dequantized
+    from core_pytorch_backend.quant.fp8_blocks import fp8_blocks_dequantized
 
-    codes, scale, exact = _fp8_blocks(torch.randn(40, 70), (16, 32))
+    codes, scale, exact = testing.fp8_blocks(torch.randn(40, 70), (16, 32))
     tensors = [("a.weight", codes), ("a.weight_scale_inv", scale), ("b.weight", torch.ones(2))]
     for order in (tensors, tensors[::-1]):
         out = dict(fp8_blocks_dequantized(order, (16, 32)))

@@ -47,6 +47,36 @@ def test_a_shorter_context_cuts_the_rotary_tables_and_keeps_the_text(tiny_checkp
     assert load_checkpoint(path, dtype="float32", max_model_len=1000).max_model_len == 256  # never longer
 
 
+def test_block_fp8_checkpoints_load_as_the_weights_they_stand_for(tiny_checkpoint_factory, tmp_path):
+    """Qwen3's -FP8 layout (DeepSeek-V3's: float8_e4m3fn weights, a weight_scale_inv per block of 16 x 32 here,
+    so partial blocks show) for an architecture with no FP8 code of its own: the logits of the float checkpoint
+    of the dequantized weights, bit for bit."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from core_pytorch_backend.testing import fp8_blocks, prompt_logits, random_prompts
+
+    source = tiny_checkpoint_factory("qwen3")
+    tensors = load_file(str(source / "model.safetensors"))
+    quantized, dequantized = dict(tensors), dict(tensors)
+    for name, tensor in tensors.items():
+        if name.endswith("proj.weight"):
+            quantized[name], quantized[name + "_scale_inv"], dequantized[name] = fp8_blocks(tensor, (16, 32))
+    folders = {}
+    for kind, weights in (("fp8", quantized), ("float", dequantized)):
+        folders[kind] = shutil.copytree(source, tmp_path / kind)
+        save_file(weights, str(folders[kind] / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folders["fp8"] / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 32]}
+    (folders["fp8"] / "config.json").write_text(json.dumps(config))
+    (prompt,) = random_prompts([13], seed=3)
+    fp8, float_ = (load_checkpoint(folders[k], dtype="float32").model for k in ("fp8", "float"))
+    assert any(t.dtype == torch.float8_e4m3fn for t in quantized.values())
+    torch.testing.assert_close(prompt_logits(fp8, prompt), prompt_logits(float_, prompt), rtol=0, atol=0)
+
+
 def test_tied_embeddings_share_weight(tiny_checkpoint_factory):
     model = load_checkpoint(tiny_checkpoint_factory("qwen2")).model
     assert model.lm_head.tied and model.lm_head.weight is model.model.embed_tokens.weight

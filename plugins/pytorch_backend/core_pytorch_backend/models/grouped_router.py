@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..quant.attach import QuantizedShards
+from ..quant.fp8_blocks import fp8_block_size
 from .llama import DecoderSpec, LlamaDecoderLayer, LlamaModel
 from .sparse_moe import SparseMoeBlock
 
@@ -153,7 +154,7 @@ class GroupedMoeCheckpoint:
     @classmethod
     def check_quantization(cls, config: Any) -> None:
         quantization = getattr(config, "quantization_config", None)
-        if quantization:
+        if quantization and fp8_block_size(config) is None:  # FP8 blocks: dequantized by the loader
             method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
             raise NotImplementedError(f"{cls.__name__}: quantization_config (quant_method {method!r}) is not "
                                       "supported; serve a bfloat16 / float32 checkpoint")
