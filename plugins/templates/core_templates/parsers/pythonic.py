@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 import json
 from collections.abc import Sequence
-from typing import Any
 
 from core.parsers import Tool
 from core_templates.parsers.tagged import Call, TaggedToolCallParser
@@ -26,25 +25,11 @@ class PythonicToolCallParser(TaggedToolCallParser):
     """A response that is a Python list of calls, ``[f(a=1), g(b="x")]``."""
 
     start_tag = "<|python_start|>"
+    bare_start = "["  # a response that opens with it is a call
     end_tag = "<|python_end|>"
-
-    def __init__(self, tokenizer: Any = None) -> None:
-        super().__init__(tokenizer)
-        self._at_start = True  # a "[" opens the list only at the very start of the response
 
     def parse_block(self, body: str, tools: Sequence[Tool] | None) -> list[Call] | None:
         return pythonic_calls(body)
-
-    def _find_start(self, text: str, pos: int, at_start: bool) -> tuple[int, int] | None:
-        rest = text[pos:].lstrip()
-        if at_start and rest.startswith("["):
-            return pos, len(text) - len(rest)
-        return super()._find_start(text, pos, at_start)
-
-    def _stream_start(self, buffer: str) -> tuple[int, int] | None:
-        at_start = self._at_start
-        self._at_start = at_start and not buffer.strip()  # leading whitespace keeps the start open
-        return self._find_start(buffer, 0, at_start)
 
 
 def pythonic_calls(source: str) -> list[Call] | None:

@@ -20,10 +20,13 @@ Call = tuple[str, str]  # (name, arguments JSON)
 
 
 class TaggedToolCallParser(ToolCallParser):
-    """Tool calls inside ``start_tag ... end_tag`` blocks; ``end_tag = ""`` means the block runs to the end."""
+    """Tool calls inside ``start_tag ... end_tag`` blocks; ``end_tag = ""`` means the block runs to the end.
+    ``bare_start``: a block may also open without ``start_tag``, with this text at the very start of the
+    response (after whitespace), which is then part of its body (Llama 3's ``{``, a pythonic ``[``)."""
 
     start_tag: str = ""
     end_tag: str = ""
+    bare_start: str = ""
 
     def __init__(self, tokenizer: Any = None) -> None:
         super().__init__(tokenizer)
@@ -33,6 +36,7 @@ class TaggedToolCallParser(ToolCallParser):
         self._held_space = ""  # trailing whitespace not yet known to be content
         self._after_block = False  # strip the whitespace that follows a parsed block
         self._calls = 0
+        self._at_start = True  # nothing but whitespace streamed yet: a bare_start may still open a block
 
     @abstractmethod
     def parse_block(self, body: str, tools: Sequence[Tool] | None) -> list[Call] | None:
@@ -65,6 +69,9 @@ class TaggedToolCallParser(ToolCallParser):
 
     def _find_start(self, text: str, pos: int, at_start: bool) -> tuple[int, int] | None:
         """(where the next block's opening starts, where its body starts), or None."""
+        rest = text[pos:].lstrip()
+        if at_start and self.bare_start and rest.startswith(self.bare_start):
+            return pos, len(text) - len(rest)
         index = text.find(self.start_tag, pos)
         return None if index < 0 else (index, index + len(self.start_tag))
 
@@ -108,8 +115,10 @@ class TaggedToolCallParser(ToolCallParser):
         return False
 
     def _stream_start(self, buffer: str) -> tuple[int, int] | None:
-        """Where a block opens in the undecided buffer (subclasses add other openings)."""
-        return self._find_start(buffer, 0, False)
+        """Where a block opens in the undecided buffer."""
+        at_start = self._at_start and bool(self.bare_start)
+        self._at_start = self._at_start and not buffer.strip()  # leading whitespace keeps the start open
+        return self._find_start(buffer, 0, at_start)
 
     def _stream_hold(self, buffer: str) -> int:
         """How much of the buffer's end may still become an opening."""
