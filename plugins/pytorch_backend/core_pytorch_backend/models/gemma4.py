@@ -48,6 +48,7 @@ from .gemma4_layers import (
     gemma4_mlp,
     unit_rms_norm,
 )
+from .names import prefix_renamed
 from .vision_language import VisionLanguageMixin
 
 ROPE_TYPES = ("default", "proportional")
@@ -299,8 +300,5 @@ class Gemma4ForConditionalGeneration(VisionLanguageMixin, Gemma4ForCausalLM):
 def language_model_weights(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     """``model.language_model.*`` as ``model.*``, the towers and their embedders dropped, the rest as is."""
     for name, tensor in weights:
-        if name.startswith(TOWER_PREFIXES):
-            continue
-        if name.startswith("model.language_model."):
-            name = "model." + name[len("model.language_model."):]
-        yield name, tensor
+        if not name.startswith(TOWER_PREFIXES):
+            yield prefix_renamed(name, (("model.language_model.", "model."),)), tensor

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .llama import LlamaForCausalLM
+from .names import prefix_renamed
 from .qwen2 import Qwen2ForCausalLM
 
 # (checkpoint prefix, our prefix), first match wins.
@@ -45,16 +46,9 @@ def text_config_of(config: Any) -> Any:
 def language_model_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """The language model's tensors of a VL checkpoint under the text model's names."""
     for name, tensor in weights:
-        renamed = _rename(name)
+        renamed = prefix_renamed(name, LANGUAGE_MODEL_PREFIXES)
         if renamed.startswith(LANGUAGE_MODEL_ROOTS):
             yield renamed, tensor
-
-
-def _rename(name: str) -> str:
-    for prefix, ours in LANGUAGE_MODEL_PREFIXES:
-        if name.startswith(prefix):
-            return ours + name[len(prefix):]
-    return name
 
 
 class VisionLanguageMixin:
