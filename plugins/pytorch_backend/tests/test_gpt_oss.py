@@ -23,14 +23,8 @@ from core_pytorch_backend.backend import PytorchBackend
 from core_pytorch_backend.kernels import select_ops
 from core_pytorch_backend.layers import allocate_kv_caches, unbind_kv_caches
 from core_pytorch_backend.loader import load_checkpoint
-from core_pytorch_backend.models.gpt_oss import (
-    FP4_VALUES,
-    ClampedSwiGLU,
-    GptOssForCausalLM,
-    GptOssRMSNorm,
-    dequantize_mxfp4,
-    llama_names,
-)
+from core_pytorch_backend.models.gpt_oss import ClampedSwiGLU, GptOssForCausalLM, GptOssRMSNorm, llama_names
+from core_pytorch_backend.quant.mxfp4 import FP4_VALUES, dequantize_mxfp4
 from core_pytorch_backend.testing import (
     TINY_VOCAB,
     hf_greedy,

@@ -15,7 +15,7 @@ and ``down_proj_bias``; the router is ``mlp.router``. OpenAI's checkpoints (``qu
 ``{"quant_method": "mxfp4"}``) store the two projections in MXFP4 instead: ``*_blocks`` [experts, out,
 in / 32, 16] uint8, two FP4 (e2m1) codes a byte (the low nibble first), and ``*_scales`` [experts, out,
 in / 32] uint8, one power of two 2^(scale - 127) per 32 inputs; they are dequantized at load, expert by
-expert, as transformers' ``Mxfp4Config(dequantize=True)`` does."""
+expert (quant/mxfp4.py), as transformers' ``Mxfp4Config(dequantize=True)`` does."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from torch import nn
 
 from ..layers import RMSNorm
 from ..quant.attach import QuantizedShards
+from ..quant.mxfp4 import dequantize_mxfp4
 from .llama import (
     DecoderSpec,
     LlamaDecoderLayer,
@@ -39,11 +40,6 @@ from .llama import (
 from .sparse_moe import SparseMoeBlock
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
-# the e2m1 value of each 4-bit code (sign bit, 2 exponent bits, 1 mantissa bit), as transformers' FP4_VALUES
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-# each byte's two values (low nibble's, high nibble's) as one 8-byte item: a gather of one item a byte
-_FP4 = torch.tensor(FP4_VALUES, dtype=torch.float32)
-_BYTE_VALUES = torch.stack((_FP4.repeat(16), _FP4.repeat_interleave(16)), dim=-1).view(torch.int64).flatten()
 MXFP4_PARTS = ("_blocks", "_scales")  # the two tensors of one MXFP4 weight, named after it
 
 
@@ -56,17 +52,6 @@ def check_supported(config: Any) -> None:
     unknown = sorted(set(layer_types_of(config)) - set(LAYER_TYPES))
     if unknown:
         raise NotImplementedError(f"gpt-oss: layer_types {unknown} are not supported (supported: {LAYER_TYPES})")
-
-
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """float32 [..., groups * 32] of MXFP4 ``blocks`` [..., groups, 16] (two codes a byte, the low nibble the
-    even value) and ``scales`` [..., groups] (e8m0: 2^(scale - 127) for the group's 32 values; 255, e8m0's NaN,
-    is no scale a checkpoint holds)."""
-    if blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
-        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match "
-                         "([..., groups, 16] and [..., groups])")
-    values = _BYTE_VALUES.index_select(0, blocks.flatten().int()).view(torch.float32).view(*scales.shape, 32)
-    return (values * torch.exp2(scales.float() - 127).unsqueeze(-1)).flatten(-2)
 
 
 class ClampedSwiGLU(nn.Module):
