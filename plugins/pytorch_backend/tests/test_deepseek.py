@@ -72,8 +72,31 @@ CONFIGS = {
     "v2-attention-bias": ("DeepseekV2Config", dict(**MLA, q_lora_rank=48, topk_method="group_limited_greedy",
                                                    n_group=4, topk_group=2, attention_bias=True, rms_norm_eps=0.01)),
 }
-PARITY = ("v2-lite", "v3")
-VARIANTS = [name for name in CONFIGS if name not in PARITY]
+
+# GLM-4.5 and dots.llm1: the same router under GQA attention
+GQA = dict(COMMON, num_key_value_heads=2, head_dim=16)
+ROUTED = dict(norm_topk_prob=True, routed_scaling_factor=2.5)
+
+# name -> (config class name, overrides)
+GLM_CONFIGS = {
+    # GLM-4.5 / 4.5-Air: q/k/v biases, no q/k norms, rotary on half of each head, one group
+    "glm4.5": ("Glm4MoeConfig", dict(**ROUTED, attention_bias=True, use_qk_norm=False, n_group=1, topk_group=1,
+                                     num_nextn_predict_layers=1)),
+    # per-head q/k norms, no biases, the best 2 of 4 groups, rotary on three quarters of each head
+    "glm4.5-qk-norm-groups": ("Glm4MoeConfig", dict(**ROUTED, attention_bias=False, use_qk_norm=True, n_group=4,
+                                                    topk_group=2, rope_parameters={"rope_type": "default",
+                                                                                   "rope_theta": 10000.0,
+                                                                                   "partial_rotary_factor": 0.75})),
+    # dots.llm1: Qwen3's attention, two shared experts, one group
+    "dots1": ("Dots1Config", dict(**ROUTED, n_shared_experts=2, n_group=1, topk_group=1, sliding_window=None)),
+    # a window of 5 on the layers from max_window_layers on, q/k/v/o biases, unnormalized weights
+    "dots1-window-bias": ("Dots1Config", dict(norm_topk_prob=False, routed_scaling_factor=1.0, n_shared_experts=1,
+                                              n_group=4, topk_group=2, sliding_window=5, max_window_layers=1,
+                                              attention_bias=True)),
+}
+
+PARITY = ("v2-lite", "v3", "glm4.5", "dots1")
+VARIANTS = [name for name in (*CONFIGS, *GLM_CONFIGS) if name not in PARITY]
 
 
 def make_config(cls_name: str, overrides: dict, common: dict = COMMON):
@@ -129,13 +152,27 @@ def assert_greedy_match(ours, hf, lengths=(23, 6), chunks: int = 2, seed: int = 
     assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=chunks) == [hf_greedy(hf, p) for p in prompts]
 
 
+def _with_mtp_layer(folder: Path, layers: int) -> None:
+    """GLM-4.5's checkpoints hold the multi-token-prediction layer after the others: a copy of the last one
+    (and its own projections) as ``model.layers.{layers}``, which the model must skip."""
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    last = f"model.layers.{layers - 1}."
+    extra = {k.replace(last, f"model.layers.{layers}."): v.clone() for k, v in tensors.items() if k.startswith(last)}
+    extra[f"model.layers.{layers}.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file({**tensors, **extra}, str(path), metadata={"format": "pt"})
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     made: dict[str, Path] = {}
 
     def get(name: str) -> Path:
         if name not in made:
-            made[name] = build_checkpoint(make_config(*CONFIGS[name]), tmp_path_factory.mktemp(name))
+            config = make_config(*CONFIGS[name]) if name in CONFIGS else make_config(*GLM_CONFIGS[name], GQA)
+            made[name] = build_checkpoint(config, tmp_path_factory.mktemp(name))
+            if name in GLM_CONFIGS and GLM_CONFIGS[name][1].get("num_nextn_predict_layers"):
+                _with_mtp_layer(made[name], GQA["num_hidden_layers"])
         return made[name]
 
     return get
@@ -345,88 +382,7 @@ def test_unsupported_configs_are_refused_at_load(name, overrides, match, tmp_pat
         load_checkpoint(tmp_path, dtype="float32")
 
 
-# GLM-4.5 and dots.llm1: DeepSeek-V3's router under GQA attention
-
-GQA = dict(COMMON, num_key_value_heads=2, head_dim=16)
-ROUTED = dict(norm_topk_prob=True, routed_scaling_factor=2.5)
-
-# name -> (config class name, overrides)
-GLM_CONFIGS = {
-    # GLM-4.5 / 4.5-Air: q/k/v biases, no q/k norms, rotary on half of each head, one group
-    "glm4.5": ("Glm4MoeConfig", dict(**ROUTED, attention_bias=True, use_qk_norm=False, n_group=1, topk_group=1,
-                                     num_nextn_predict_layers=1)),
-    # per-head q/k norms, no biases, the best 2 of 4 groups, rotary on three quarters of each head
-    "glm4.5-qk-norm-groups": ("Glm4MoeConfig", dict(**ROUTED, attention_bias=False, use_qk_norm=True, n_group=4,
-                                                    topk_group=2, rope_parameters={"rope_type": "default",
-                                                                                   "rope_theta": 10000.0,
-                                                                                   "partial_rotary_factor": 0.75})),
-    # dots.llm1: Qwen3's attention, two shared experts, one group
-    "dots1": ("Dots1Config", dict(**ROUTED, n_shared_experts=2, n_group=1, topk_group=1, sliding_window=None)),
-    # a window of 5 on the layers from max_window_layers on, q/k/v/o biases, unnormalized weights
-    "dots1-window-bias": ("Dots1Config", dict(norm_topk_prob=False, routed_scaling_factor=1.0, n_shared_experts=1,
-                                              n_group=4, topk_group=2, sliding_window=5, max_window_layers=1,
-                                              attention_bias=True)),
-}
-GLM_PARITY = ("glm4.5", "dots1")
-GLM_VARIANTS = [name for name in GLM_CONFIGS if name not in GLM_PARITY]
-
-
-def _with_mtp_layer(folder: Path, layers: int) -> None:
-    """GLM-4.5's checkpoints hold the multi-token-prediction layer after the others: a copy of the last one
-    (and its own projections) as ``model.layers.{layers}``, which the model must skip."""
-    path = folder / "model.safetensors"
-    tensors = load_file(str(path))
-    last = f"model.layers.{layers - 1}."
-    extra = {k.replace(last, f"model.layers.{layers}."): v.clone() for k, v in tensors.items() if k.startswith(last)}
-    extra[f"model.layers.{layers}.eh_proj.weight"] = torch.zeros(64, 128)
-    save_file({**tensors, **extra}, str(path), metadata={"format": "pt"})
-
-
-@pytest.fixture(scope="module")
-def glm_checkpoint(tmp_path_factory):
-    made: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in made:
-            cls, overrides = GLM_CONFIGS[name]
-            made[name] = build_checkpoint(make_config(cls, overrides, GQA), tmp_path_factory.mktemp(name))
-            if overrides.get("num_nextn_predict_layers"):
-                _with_mtp_layer(made[name], GQA["num_hidden_layers"])
-        return made[name]
-
-    return get
-
-
-@pytest.fixture(scope="module", params=GLM_PARITY)
-def glm_pair(request, glm_checkpoint):
-    return pair_of(glm_checkpoint(request.param))
-
-
-def test_glm_dots_single_sequence_matches_transformers(glm_pair):
-    ours, hf = glm_pair
-    (prompt,) = random_prompts([9])
-    assert paged_greedy(ours, [prompt], block_size=16)[0] == hf_greedy(hf, prompt)
-
-
-def test_glm_dots_batched_varlen_prefill_then_decode(glm_pair):
-    ours, hf = glm_pair
-    prompts = random_prompts([3, 13, 1, 8], seed=2)
-    assert paged_greedy(ours, prompts, block_size=4) == [hf_greedy(hf, p) for p in prompts]
-
-
-def test_glm_dots_chunked_prefill_with_cached_prefix(glm_pair):
-    assert_greedy_match(*glm_pair, lengths=(14, 7), chunks=3, seed=3)
-
-
-def test_glm_dots_logits_match_transformers(glm_pair):
-    assert_logits_match(*glm_pair)
-
-
-@pytest.mark.parametrize("variant", GLM_VARIANTS)
-def test_glm_dots_config_variants_match_transformers(variant, glm_checkpoint):
-    ours, hf = pair_of(glm_checkpoint(variant))
-    assert_logits_match(ours, hf)
-    assert_greedy_match(ours, hf)
+# GLM-4.5 and dots.llm1: DeepSeek-V3's router under GQA attention (the shared parity tests above)
 
 
 @pytest.mark.parametrize("name", ["glm4.5-qk-norm-groups", "dots1-window-bias"])
