@@ -9,9 +9,13 @@ import pytest
 
 from core.parsers import ParseContext, ToolCallParser
 from core.testing.parsers import collect_tool_calls
+from core_templates.parsers.deepseek import DeepSeekV3ToolCallParser, DeepSeekV31ToolCallParser
+from core_templates.parsers.glm45 import Glm45ToolCallParser, typed_value
 from core_templates.parsers.hermes import HermesToolCallParser
+from core_templates.parsers.kimi_k2 import KimiK2ToolCallParser
 from core_templates.parsers.llama3_json import Llama3JsonToolCallParser
 from core_templates.parsers.mistral import MistralToolCallParser
+from core_templates.parsers.pythonic import PythonicToolCallParser
 from core_templates.parsers.qwen3_coder import Qwen3CoderToolCallParser
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -55,6 +59,95 @@ CASES: list[Case] = [
     (Qwen3CoderToolCallParser, "<tool_call>\n<function=get_weather>\n<parameter=days>\nmany\n</parameter>\n"
      "</function>\n</tool_call>", "", [("get_weather", {"days": "many"})]),
     (Qwen3CoderToolCallParser, "<tool_call>oops</tool_call>", "<tool_call>oops</tool_call>", []),
+]
+
+
+OSLO = {"city": "Oslo ünï 東京", "days": 3}
+
+CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+
+
+def v3_call(name: str, arguments: dict[str, Any]) -> str:
+    return (f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{json.dumps(arguments, ensure_ascii=False)}"
+            "\n```<｜tool▁call▁end｜>")
+
+
+def v31_call(name: str, arguments: str) -> str:
+    return f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{arguments}<｜tool▁call▁end｜>"
+
+
+def kimi_call(call_id: str, arguments: str) -> str:
+    return f"<|tool_call_begin|>{call_id}<|tool_call_argument_begin|>{arguments}<|tool_call_end|>"
+
+
+def kimi_section(*calls: str) -> str:
+    return "<|tool_calls_section_begin|>" + "".join(calls) + "<|tool_calls_section_end|>"
+
+
+def glm_call(name: str, *pairs: tuple[str, str]) -> str:
+    written = "".join(f"<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n" for key, value in pairs)
+    return f"<tool_call>{name}\n{written}</tool_call>"
+
+
+V3_TWO = CALLS_BEGIN + v3_call("get_weather", PARIS) + "\n" + v3_call("get_weather", OSLO) + CALLS_END
+V31_TWO = CALLS_BEGIN + v31_call("get_weather", json.dumps(PARIS)) + v31_call("get_time", "{}") + CALLS_END
+GLM_TYPED = glm_call("get_weather", ("city", "42"), ("days", "3"), ("metric", "true"), ("hours", "[1, 2]"))
+
+# DeepSeek V3 / V3.1, Kimi K2, GLM-4.5 and pythonic calls
+CASES += [
+    (DeepSeekV3ToolCallParser, "Let me check.\n\n" + V3_TWO, "Let me check.",
+     [("get_weather", PARIS), ("get_weather", OSLO)]),
+    (DeepSeekV3ToolCallParser, CALLS_BEGIN + v3_call("get_weather", PARIS), "", [("get_weather", PARIS)]),
+    (DeepSeekV3ToolCallParser, V3_TWO + "\nDone.", "Done.", [("get_weather", PARIS), ("get_weather", OSLO)]),
+    (DeepSeekV3ToolCallParser, CALLS_BEGIN + v3_call("f", PARIS).replace("```json", "```") + CALLS_END, "",
+     [("f", PARIS)]),
+    (DeepSeekV3ToolCallParser, V31_TWO, V31_TWO, []),  # V3.1's calls are not V3's
+    (DeepSeekV3ToolCallParser, CALLS_BEGIN + v3_call("f", PARIS).replace("}", "") + CALLS_END,
+     CALLS_BEGIN + v3_call("f", PARIS).replace("}", "") + CALLS_END, []),
+    (DeepSeekV3ToolCallParser, "A <｜tool▁calls", "A <｜tool▁calls", []),
+    (DeepSeekV31ToolCallParser, "Sure.\n" + V31_TWO, "Sure.", [("get_weather", PARIS), ("get_time", {})]),
+    (DeepSeekV31ToolCallParser, CALLS_BEGIN + v31_call("get_weather", json.dumps(OSLO, ensure_ascii=False)), "",
+     [("get_weather", OSLO)]),
+    (DeepSeekV31ToolCallParser, V3_TWO, V3_TWO, []),  # V3's calls are not V3.1's
+    (DeepSeekV31ToolCallParser, CALLS_BEGIN + v31_call("f", "[1]") + CALLS_END,
+     CALLS_BEGIN + v31_call("f", "[1]") + CALLS_END, []),
+    (DeepSeekV31ToolCallParser, CALLS_BEGIN + " junk " + CALLS_END, CALLS_BEGIN + " junk " + CALLS_END, []),
+    (KimiK2ToolCallParser, "I'll check. " + kimi_section(kimi_call("functions.get_weather:0", json.dumps(PARIS)),
+                                                         kimi_call("functions.get_weather:1", json.dumps(OSLO))),
+     "I'll check.", [("get_weather", PARIS), ("get_weather", OSLO)]),
+    (KimiK2ToolCallParser, kimi_section(kimi_call(" get_time:3 ", "{}")), "", [("get_time", {})]),
+    (KimiK2ToolCallParser, kimi_section(kimi_call("functions.get_time", "{}")),
+     kimi_section(kimi_call("functions.get_time", "{}")), []),
+    (KimiK2ToolCallParser, kimi_section(kimi_call("functions.f:0", '{"a": ')),
+     kimi_section(kimi_call("functions.f:0", '{"a": ')), []),
+    (KimiK2ToolCallParser, "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0",
+     "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0", []),
+    (Glm45ToolCallParser, "Checking.\n" + GLM_TYPED, "Checking.",
+     [("get_weather", {"city": "42", "days": 3, "metric": True, "hours": [1, 2]})]),
+    (Glm45ToolCallParser, glm_call("other", ("n", "42"), ("s", "Paris"), ("b", "True"), ("d", "{'a': (1, 2)}"),
+                                   ("x", " {1, 2} ")) + "\n" + glm_call("get_time"), "",
+     [("other", {"n": 42, "s": "Paris", "b": True, "d": {"a": [1, 2]}, "x": "{1, 2}"}), ("get_time", {})]),
+    (Glm45ToolCallParser, glm_call("get_weather", ("city", " 東京\n")), "", [("get_weather", {"city": " 東京\n"})]),
+    (Glm45ToolCallParser, '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+     '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', []),
+    (Glm45ToolCallParser, "<tool_call>f\n<arg_key>a</arg_key>oops</tool_call>",
+     "<tool_call>f\n<arg_key>a</arg_key>oops</tool_call>", []),
+    (Glm45ToolCallParser, "No call <tool", "No call <tool", []),
+    (PythonicToolCallParser, '[get_weather(city="Paris", days=2), get_weather(city=\'Oslo ünï 東京\', days=3)]', "",
+     [("get_weather", PARIS), ("get_weather", OSLO)]),
+    (PythonicToolCallParser, ' \n[f(flag=True, none=None, neg=-1.5, items=[1, (2, 3)], d={"k": "v"})]\n', "",
+     [("f", {"flag": True, "none": None, "neg": -1.5, "items": [1, [2, 3]], "d": {"k": "v"}})]),
+    (PythonicToolCallParser, "<|python_start|>[get_time()]<|python_end|>", "", [("get_time", {})]),
+    (PythonicToolCallParser, "[a link](http://example.com) is plain text",
+     "[a link](http://example.com) is plain text", []),
+    (PythonicToolCallParser, "Sure: [f(x=1)]", "Sure: [f(x=1)]", []),
+    (PythonicToolCallParser, "[f(1)]", "[f(1)]", []),
+    (PythonicToolCallParser, "[os.system(cmd='ls')]", "[os.system(cmd='ls')]", []),
+    (PythonicToolCallParser, "[f(x=g())]", "[f(x=g())]", []),
+    (PythonicToolCallParser, "[f(x={1, 2})]", "[f(x={1, 2})]", []),
+    (PythonicToolCallParser, "[f(**k)]", "[f(**k)]", []),
+    (PythonicToolCallParser, "[f(x=1)", "[f(x=1)", []),
+    (PythonicToolCallParser, "[]", "[]", []),
 ]
 
 
@@ -118,3 +211,36 @@ def test_content_streams_before_the_call() -> None:
     delta = parser.feed('_call>{"name": "f", "arguments": {}}</tool_call>')
     assert delta.content == "" and delta.tool_calls[0].name == "f"
     assert not parser.flush()
+
+
+def test_kimi_ids_are_the_models_own() -> None:
+    text = kimi_section(kimi_call("functions.get_weather:4", "{}"), kimi_call("functions.get_time:5", "{}"))
+    assert [c.id for c in KimiK2ToolCallParser().parse(text).tool_calls] == [
+        "functions.get_weather:4", "functions.get_time:5"]
+    for pieces in cuts(text):
+        parser = KimiK2ToolCallParser()
+        deltas = [parser.feed(piece) for piece in pieces] + [parser.flush()]
+        assert [f.id for d in deltas for f in d.tool_calls] == ["functions.get_weather:4", "functions.get_time:5"]
+
+
+def test_glm_values_follow_the_request_tools() -> None:
+    parser = Glm45ToolCallParser().start(ParseContext(tools=TOOLS))
+    assert parser.parse(GLM_TYPED).tool_calls[0].input()["city"] == "42"  # declared a string
+    assert Glm45ToolCallParser().parse(GLM_TYPED).tool_calls[0].input()["city"] == 42  # no tools: typed
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("3", 3), (" 2.5 ", 2.5), ("null", None), ("None", None), ("'a'", "a"), ('"b"', "b"), ("[1, 'x']", [1, "x"]),
+    ("b'x'", "b'x'"), ("__import__('os')", "__import__('os')"), ("[" * 99999 + "]" * 99999, "[" * 99999 + "]" * 99999),
+])
+def test_glm_typed_value_never_evaluates(text: str, value: Any) -> None:
+    assert typed_value(text) == value
+
+
+def test_pythonic_content_streams_at_once_unless_it_starts_a_list() -> None:
+    parser = PythonicToolCallParser()
+    assert parser.feed("Hello [x]").content == "Hello [x]"
+    held = PythonicToolCallParser()
+    assert not held.feed("[get_time(")
+    delta = held.feed(")]")
+    assert not delta and held.flush().tool_calls[0].name == "get_time"
