@@ -34,6 +34,13 @@ def find_tool(tools: Sequence[Mapping[str, Any]] | None, name: str) -> Mapping[s
     return None
 
 
+def tool_properties(function: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """The JSON-schema ``properties`` of a tool's parameters (`function` as ``find_tool`` gives it), or {}."""
+    parameters = function.get("parameters") if function else None
+    properties = parameters.get("properties") if isinstance(parameters, Mapping) else None
+    return properties if isinstance(properties, Mapping) else {}
+
+
 def arguments_json(arguments: Any) -> str | None:
     """Tool-call arguments as JSON object text; None when they are not an object (malformed output)."""
     if isinstance(arguments, str):

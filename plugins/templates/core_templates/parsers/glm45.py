@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from core.parsers import Tool
-from core_templates.parsers.common import find_tool
+from core_templates.parsers.common import find_tool, tool_properties
 from core_templates.parsers.tagged import Call, TaggedToolCallParser
 
 _NAME = re.compile(r"\s*([^\s<>{}\"']+)[^\S\n]*(?:\n|(?=<arg_key>)|$)")
@@ -53,11 +53,7 @@ class Glm45ToolCallParser(TaggedToolCallParser):
 
 
 def _argument_types(function: Mapping[str, Any] | None) -> dict[str, Any]:
-    parameters = function.get("parameters") if function else None
-    properties = parameters.get("properties") if isinstance(parameters, Mapping) else None
-    if not isinstance(properties, Mapping):
-        return {}
-    return {key: schema.get("type") for key, schema in properties.items() if isinstance(schema, Mapping)}
+    return {key: schema.get("type") for key, schema in tool_properties(function).items() if isinstance(schema, Mapping)}
 
 
 def typed_value(text: str) -> Any:

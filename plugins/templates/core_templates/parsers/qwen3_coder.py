@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from core.parsers import Tool
-from core_templates.parsers.common import find_tool
+from core_templates.parsers.common import find_tool, tool_properties
 from core_templates.parsers.tagged import Call, TaggedToolCallParser
 
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
@@ -37,19 +37,13 @@ class Qwen3CoderToolCallParser(TaggedToolCallParser):
         calls = []
         for function in _FUNCTION.finditer(body):
             name = function.group(1).strip()
-            schema = _properties(find_tool(tools, name))
+            schema = tool_properties(find_tool(tools, name))
             arguments = {
                 match.group(1).strip(): convert(_strip_newline(match.group(2)), schema.get(match.group(1).strip()))
                 for match in _PARAMETER.finditer(function.group(2))
             }
             calls.append((name, json.dumps(arguments, ensure_ascii=False)))
         return calls or None
-
-
-def _properties(function: Mapping[str, Any] | None) -> Mapping[str, Any]:
-    parameters = function.get("parameters") if function else None
-    properties = parameters.get("properties") if isinstance(parameters, Mapping) else None
-    return properties if isinstance(properties, Mapping) else {}
 
 
 def _strip_newline(value: str) -> str:
