@@ -3,6 +3,7 @@
 from core.scheduling.block_manager import BlockManager, hash_block
 from core.scheduling.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from core.scheduling.sequence import Sequence, SequenceStatus
+from core.scheduling.state_slots import StateSlots
 
 __all__ = [
     "BlockManager",
@@ -11,5 +12,6 @@ __all__ = [
     "SchedulerOutput",
     "Sequence",
     "SequenceStatus",
+    "StateSlots",
     "hash_block",
 ]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from core.scheduling.block_manager import BlockManager
 from core.scheduling.sequence import Sequence, SequenceStatus
+from core.scheduling.state_slots import StateSlots
 
 
 def _arrival(seq: Sequence) -> int:
@@ -75,12 +76,15 @@ class SchedulerOutput:
     their KV and went back to the waiting queue (they keep their output).
     ``too_long`` sequences outgrew the whole KV cache: the scheduler finished
     them and freed their blocks; the engine reports them as length-stopped.
+    ``state_copies`` are ``(src, dst)`` recurrent-state slot copies (forks of
+    a model with recurrent layers), also done before the forward.
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     too_long: list[Sequence] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -107,11 +111,16 @@ class Scheduler:
     """
 
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048
+        self, block_manager: BlockManager, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+        state_slots: StateSlots | None = None,
     ) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if state_slots is not None and block_manager.enable_prefix_caching:
+            raise ValueError("a model with recurrent state cannot start a sequence from cached KV blocks: "
+                             "turn prefix caching off")
         self.block_manager = block_manager
+        self.state_slots = state_slots  # a model with recurrent layers: one slot per running sequence
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -119,6 +128,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._seqs: dict[str, Sequence] = {}
         self._pending_copies: list[tuple[int, int]] = []
+        self._pending_state_copies: list[tuple[int, int]] = []
 
     # ---------------------------------------------------------------- queues
 
@@ -181,7 +191,7 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        self._free(seq)
         seq.status = SequenceStatus.FINISHED
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -195,6 +205,8 @@ class Scheduler:
         if child.seq_id in self._seqs:
             raise ValueError(f"sequence {child.seq_id!r} is already scheduled")
         self._pending_copies.extend(self.block_manager.fork(parent, child))
+        if self.state_slots is not None:
+            self._pending_state_copies.append((parent.state_slot, self.state_slots.take(child)))
         child.status = SequenceStatus.RUNNING
         self._seqs[child.seq_id] = child
         bisect.insort(self.running, child, key=_arrival)
@@ -210,8 +222,8 @@ class Scheduler:
         budget and free blocks allow. Drafts never preempt anyone: without
         room they are dropped and the sequence decodes one token.
         """
-        out = SchedulerOutput(block_copies=self._pending_copies)
-        self._pending_copies = []
+        out = SchedulerOutput(block_copies=self._pending_copies, state_copies=self._pending_state_copies)
+        self._pending_copies, self._pending_state_copies = [], []
         budget = self._schedule_running(out, self.max_num_batched_tokens, drafts or {})
         # After a preemption memory is tight: admitting now would only thrash.
         if not out.preempted:
@@ -274,6 +286,8 @@ class Scheduler:
             if n <= 0 or not bm.allocate(seq, n, cached):
                 break  # FCFS: nobody overtakes the head of the queue
             waiting.popleft()
+            if self.state_slots is not None:
+                self.state_slots.take(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)
             out.scheduled.append(ScheduledSequence(seq, n))
@@ -282,12 +296,18 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         # Recompute, not swap: drop the KV, keep the tokens (outputs included);
         # the prefix cache often makes the recompute cheap.
-        self.block_manager.free(seq)
+        self._free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         # Victims come newest first, so appendleft keeps the front in arrival order.
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        """Give back what ``seq`` holds: its blocks and its state slot."""
+        self.block_manager.free(seq)
+        if self.state_slots is not None:
+            self.state_slots.release(seq)
 
     def _exceeds_cache(self, seq: Sequence) -> bool:
         bm = self.block_manager

@@ -56,6 +56,10 @@ class Sequence:
     ``skip_reading_prefix_cache`` makes the sequence compute every token even when
     a prefix of it is cached (a request that needs the logits of its prompt
     positions); its own full blocks are still offered to the cache.
+
+    ``state_slot`` is the slot of the model's recurrent state the sequence
+    holds while it runs (``StateSlots``); None for a model without recurrent
+    layers, and while the sequence waits.
     """
 
     def __init__(
@@ -89,6 +93,7 @@ class Sequence:
         self.multimodal = multimodal
         self.atomic_spans = _checked_atomic_spans(seq_id, atomic_spans, len(self.prompt_token_ids))
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
+        self.state_slot: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -38,6 +38,9 @@ class AttentionMetadata:
     # earlier row of the same step writes, so every layer must take the rows together, never groups of rows
     # layer by layer apart (the native decode stack's row-group path).
     rows_independent: bool = True
+    # Each row's recurrent-state slot (layers/recurrent.py): the scheduler's slot of the row's sequence; None
+    # when the model has no recurrent layer.
+    state_slots: tuple[int, ...] | None = None
     # Per-step scratch an op set fills at the first layer and reuses in the others (index tensors,
     # masks): this object lives for one forward step.
     op_cache: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -95,12 +98,16 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         prompt_lens: Sequence[int] | None = None,
         rows_independent: bool = True,
+        state_slots: Sequence[int] | None = None,
     ) -> AttentionMetadata:
         """From per-sequence cached-token counts, new-token counts and block tables; ``prompt_lens`` (per
         sequence, its prompt's tokens) tells a prompt token alone in its chunk from a decode row;
-        ``rows_independent`` False says that some "sequences" here are rows of one sequence."""
+        ``rows_independent`` False says that some "sequences" here are rows of one sequence; ``state_slots``
+        (per sequence) their recurrent-state slots."""
         if not (len(num_computed) == len(num_new) == len(block_tables)):
             raise ValueError("num_computed, num_new and block_tables must have one entry per sequence")
+        if state_slots is not None and len(state_slots) != len(num_new):
+            raise ValueError("state_slots must have one entry per sequence")
         seq_lens = [c + n for c, n in zip(num_computed, num_new, strict=True)]
         slots = _slot_mapping(num_computed, num_new, block_tables, block_size)
         width = max(max((len(t) for t in block_tables), default=0), 1)
@@ -124,6 +131,7 @@ class AttentionMetadata:
             is_decode=all(n == 1 for n in num_new) and not singletons,
             prompt_singletons=singletons,
             rows_independent=rows_independent,
+            state_slots=None if state_slots is None else tuple(state_slots),
         )
 
 

@@ -32,6 +32,7 @@ from core_pytorch_backend.cuda_graphs import make_decode_graphs
 from core_pytorch_backend.distributed import TensorParallel
 from core_pytorch_backend.engine_loop import EngineLoop
 from core_pytorch_backend.kernels import kv_int8, select_ops
+from core_pytorch_backend.layers.recurrent import recurrent_layers, state_bytes_per_sequence
 from core_pytorch_backend.loader import LoadedModel, default_model_path, load_checkpoint
 from core_pytorch_backend.lora.manager import AdapterManager
 from core_pytorch_backend.model_runner import ModelRunner, kv_cache_blocks
@@ -133,6 +134,7 @@ class PytorchBackend(Backend):
         self.ops = self._select_ops()  # chosen once; a level-2 wakeup reloads the weights onto the same set
         self.tp = TensorParallel.from_config(config, self.device)  # None unless --tensor-parallel-size > 1
         loaded = self._load()
+        self._check_recurrent_state(loaded.model)
         self.tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
         kv_dtype = kv_int8.DTYPE if self.options.kv_cache_dtype == "int8" else loaded.kv_cache_dtype
@@ -184,6 +186,23 @@ class PytorchBackend(Backend):
                                    shard=self.tp.shard if self.tp is not None else None)  # rank 0's part under TP
         except NotImplementedError as exc:  # a setting of the checkpoint no layer implements (e.g. a rope type)
             raise UnsupportedError(f"{self.source}: {exc}") from exc
+
+    def _check_recurrent_state(self, model: torch.nn.Module) -> None:
+        """A model with recurrent layers (Mamba, gated DeltaNet, short convolutions) keeps one state per sequence
+        that only its tokens in order rebuild: its sequences start at their first token (no prefix cache) and
+        never advance by guesses (no speculative decoding); its layers are not sharded across ranks."""
+        layers = recurrent_layers(model)
+        if not layers:
+            return
+        if self.config.speculative is not None:
+            raise UnsupportedError(f"{self.source}: speculative decoding is not supported for a model with recurrent "
+                                   "layers (a rejected draft would have advanced their state)", param="speculative")
+        if self.tp is not None:
+            raise UnsupportedError(f"{self.source}: tensor parallelism does not shard recurrent layers yet",
+                                   param="tensor_parallel_size")
+        per_seq = state_bytes_per_sequence(model, next(model.parameters()).dtype)
+        log.info("recurrent state: %.1f MiB per sequence in %d layers; prefix caching off (cached KV blocks do "
+                 "not restore a recurrent state)", per_seq / 2**20, len(layers))
 
     def _select_ops(self) -> Any:
         """The op set the model's layers run on; a backend with its own kernels overrides this."""

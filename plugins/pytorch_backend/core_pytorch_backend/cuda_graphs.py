@@ -25,6 +25,7 @@ import torch
 
 from core_pytorch_backend.attention_metadata import AttentionMetadata
 from core_pytorch_backend.layers.attention import attention_layers
+from core_pytorch_backend.layers.recurrent import recurrent_layers
 from core_pytorch_backend.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
@@ -217,6 +218,9 @@ def make_decode_graphs(model: torch.nn.Module, *, device: torch.device, enabled:
     graph-safe, or when capture fails (logged; serving goes on eagerly).
     """
     if not enabled or device.type != "cuda":
+        return None
+    if recurrent_layers(model):
+        log.info("CUDA graphs off: the model's recurrent layers index their state slots from the host")
         return None
     if not getattr(getattr(model, "ops", None), "graph_safe", False):
         log.info("CUDA graphs off: the model's op set syncs with the host in decode (use the triton set)")

@@ -25,7 +25,7 @@ from core.backend import BackendStats, EndResult, FinishReason, TokenLogprob
 from core.channel import batched_sends
 from core.errors import BackendError, ModelNotFoundError
 from core.memory import trim_heap
-from core.scheduling import BlockManager, ScheduledSequence, Scheduler, SchedulerOutput, Sequence
+from core.scheduling import BlockManager, ScheduledSequence, Scheduler, SchedulerOutput, Sequence, StateSlots
 from core_pytorch_backend.lora.manager import AdapterManager
 from core_pytorch_backend.model_runner import ModelRunner
 from core_pytorch_backend.multimodal_inputs import SequenceImages, cache_keys
@@ -58,10 +58,14 @@ class EngineLoop:
         self.sample_kernel = sample_kernel  # the op set's fused sampler, if it has one
         self.argmax_kernel = argmax_kernel  # and its argmax of the greedy rows
         self.max_model_len = max_model_len
-        self.block_manager = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching,
+        # a model with recurrent state starts every sequence at its first token: no prefix cache (the backend says so)
+        recurrent = runner.has_recurrent_state
+        self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
+                                          enable_prefix_caching and not recurrent,
                                           lazy_memory=runner.kv_memory_is_lazy)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max(max_num_batched_tokens, 1))
+                                   max_num_batched_tokens=max(max_num_batched_tokens, 1),
+                                   state_slots=StateSlots() if recurrent else None)
         self.requests: dict[str, RequestState] = {}  # in flight
         self.known: set[str] = set()  # generated for and not yet ended
         self._by_seq: dict[str, tuple[RequestState, int]] = {}
@@ -306,6 +310,8 @@ class EngineLoop:
         for seq in out.too_long:
             self._close_sequence(seq, FinishReason.LENGTH)
         self.runner.copy_blocks(out.block_copies)
+        if out.state_copies:
+            self.runner.copy_states(out.state_copies)
         if not out.scheduled:
             return
         if not self.runner.has_kv_cache:
@@ -428,9 +434,11 @@ class EngineLoop:
 
     def _isolate_failure(self, chunks: list[ScheduledSequence], exc: Exception) -> None:
         """A step failed: bisect. Each half runs again on its own; a request that fails alone ends with
-        the error, so one bad request costs the others a few recomputed steps, never their results."""
+        the error, so one bad request costs the others a few recomputed steps, never their results. A model
+        with recurrent state cannot run a step again (its layers advanced each sequence's state as far as they
+        got): every request of the step ends with the error."""
         states = {id(state): state for state in (self._owner(c) for c in chunks) if state is not None}
-        if len(states) <= 1:
+        if len(states) <= 1 or self.runner.has_recurrent_state:
             for state in states.values():
                 log.error("request %s failed its engine step: %r", state.session_id, exc)
                 self._fail_request(state, exc)

@@ -28,6 +28,12 @@ from core_pytorch_backend.layers.attention import (
     kv_cache_shape,
     unbind_kv_caches,
 )
+from core_pytorch_backend.layers.recurrent import (
+    allocate_recurrent_states,
+    copy_state_slots,
+    recurrent_layers,
+    unbind_recurrent_states,
+)
 from core_pytorch_backend.lora.layers import LoraStep
 from core_pytorch_backend.multimodal_inputs import with_images
 from core_pytorch_backend.native import tile_rows
@@ -36,6 +42,8 @@ from core_pytorch_backend.step_inputs import PromptRows, StepInputs, StepLogits,
 log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
 ZERO_BLOCKS_AT_LEAST = 64  # the CPU cache is zeroed this many blocks (or more) at a time
+# A model whose layers are all recurrent (Mamba) stores no KV: its blocks only count tokens (no memory behind them)
+BLOCKS_WITHOUT_KV = 65536
 
 
 class DecodePath(Protocol):
@@ -61,6 +69,8 @@ def kv_cache_blocks(model: torch.nn.Module, block_size: int, dtype: torch.dtype,
                     memory_gib: float | None, memory_fraction: float) -> int:
     """How many blocks fit the budget: an absolute GiB size, else a fraction of free GPU memory."""
     per_block = kv_bytes_per_block(model, block_size, dtype)
+    if per_block == 0:
+        return BLOCKS_WITHOUT_KV
     if memory_gib is not None:
         budget = memory_gib * 2**30
     elif device.type == "cuda":
@@ -101,6 +111,10 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype or dtype
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # recurrent layers' per-sequence states (layers/recurrent.py), grown to the slots in use; they are part
+        # of what sleep's "kv_cache" releases
+        self.has_recurrent_state = bool(recurrent_layers(model))
+        self.recurrent_states: list[tuple[torch.Tensor, ...]] = []
         self.zeroed_blocks = 0  # blocks [0, zeroed_blocks) of the cache are zeroed (see _zero_blocks_up_to)
         self.asleep: set[str] = set()  # the parts sleep released: "kv_cache", "weights"
         self._weights_dropped = False  # level 2: the weights must be loaded again on wakeup
@@ -124,6 +138,15 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.model, self.num_blocks, self.block_size, self.kv_cache_dtype,
                                             self.device, zeroed=not lazy)
         self.zeroed_blocks = 0 if lazy else self.num_blocks
+        self.recurrent_states = []  # slots are allocated as sequences take them (_hold_state_slots)
+
+    def _hold_state_slots(self, slots: Iterable[int | None]) -> None:
+        """Grow the recurrent states (doubling, keeping what they hold) to cover every slot in ``slots``."""
+        needed = max((slot for slot in slots if slot is not None), default=-1) + 1
+        held = len(self.recurrent_states[0][0]) if self.recurrent_states else 0
+        if needed > held:
+            self.recurrent_states = allocate_recurrent_states(
+                self.model, max(needed, 2 * held, 4), self.dtype, self.device, keep=self.recurrent_states or None)
 
     def _zero_blocks_up_to(self, block_ids: Iterable[int]) -> None:
         """Zero every block below the highest of ``block_ids`` that is not zeroed yet, before a step
@@ -147,7 +170,9 @@ class ModelRunner:
 
     def free_kv_cache(self) -> None:
         unbind_kv_caches(self.model)
+        unbind_recurrent_states(self.model)
         self.kv_caches = None
+        self.recurrent_states = []
         if self.decode_path is not None:
             self.decode_path.release()  # it baked in the freed cache
         _empty_device_cache(self.device)
@@ -199,6 +224,12 @@ class ModelRunner:
             k_cache[dst] = k_cache[src]
             v_cache[dst] = v_cache[src]
 
+    def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy recurrent-state slots (src -> dst) in every recurrent layer: a forked sequence's."""
+        if copies:
+            self._hold_state_slots(slot for copy in copies for slot in copy)
+            copy_state_slots(self.model, list(copies))
+
     def prepare(self, scheduled: Sequence[ScheduledSequence], scores_prompt: Set[str] = frozenset(),
                 pools: Mapping[str, range] | None = None, adapter_slots: Sequence[int] | None = None) -> StepInputs:
         """Flatten the scheduled chunks into one batch of new tokens; the sequences in `scores_prompt`
@@ -206,6 +237,8 @@ class ModelRunner:
         (prefill-only: they never sample) the hidden states of the positions it maps them to;
         `adapter_slots` gives each chunk's LoRA slot (-1: the base model)."""
         self._zero_blocks_up_to(max(s.seq.block_table) for s in scheduled if s.seq.block_table)
+        if self.has_recurrent_state:
+            self._hold_state_slots(s.seq.state_slot for s in scheduled)
         pools = pools or {}
         tokens: list[int] = []
         sample_rows: list[int] = []
@@ -224,9 +257,10 @@ class ModelRunner:
             if s.samples and s.seq.seq_id not in pools:  # a speculating chunk: each verified position
                 sample_rows.extend(range(len(tokens) - 1 - len(s.draft_token_ids), len(tokens)))
                 sampling.append(s)
-        computed, new, tables, prompt_lens, independent = _attention_rows(scheduled)
+        computed, new, tables, prompt_lens, independent, slots = _attention_rows(scheduled)
         meta = AttentionMetadata.build(computed, new, tables, self.block_size, self.device, prompt_lens=prompt_lens,
-                                       rows_independent=independent)
+                                       rows_independent=independent,
+                                       state_slots=slots if self.has_recurrent_state else None)
         inputs = StepInputs(
             input_ids=torch.tensor(tokens, dtype=torch.int64, device=self.device),
             positions=meta.positions(),
@@ -293,14 +327,16 @@ class ModelRunner:
 
 
 def _attention_rows(scheduled: Sequence[ScheduledSequence]
-                    ) -> tuple[list[int], list[int], list[list[int]], list[int], bool]:
+                    ) -> tuple[list[int], list[int], list[list[int]], list[int], bool, list[int]]:
     """Cached-token counts, new-token counts, block tables and prompt lengths of the step's attention rows:
     a chunk's prompt tokens one row (attended as a chunk), and each of its generated tokens a row of its own
     (a speculating chunk's verified positions, a preempted sequence's recomputed output), so that a
     generated token is attended to exactly as the decode step of one token that made it (the same kernel
     and rounding: greedy output stays token for token, speculating or recomputed); and whether every
-    sequence has at most one row (AttentionMetadata.rows_independent)."""
+    sequence has at most one row (AttentionMetadata.rows_independent); and each row's recurrent-state slot (-1:
+    the sequence holds none)."""
     independent = True
+    slots: list[int] = []
     computed: list[int] = []
     new: list[int] = []
     tables: list[list[int]] = []
@@ -316,7 +352,8 @@ def _attention_rows(scheduled: Sequence[ScheduledSequence]
             new.append(count)
             tables.append(s.seq.block_table)
             prompt_lens.append(s.seq.num_prompt_tokens)
-    return computed, new, tables, prompt_lens, independent
+            slots.append(-1 if s.seq.state_slot is None else s.seq.state_slot)
+    return computed, new, tables, prompt_lens, independent, slots
 
 
 def _lora_rows(scheduled: Sequence[ScheduledSequence], slots: Sequence[int] | None) -> tuple[int, ...] | None:

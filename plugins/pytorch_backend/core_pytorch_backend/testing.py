@@ -12,6 +12,7 @@ import torch
 
 from core_pytorch_backend.attention_metadata import AttentionMetadata
 from core_pytorch_backend.layers import allocate_kv_caches, unbind_kv_caches
+from core_pytorch_backend.layers.recurrent import allocate_recurrent_states, unbind_recurrent_states
 
 NEW_TOKENS = 20
 TINY_VOCAB = 260  # 256 byte-level tokens + 4 specials
@@ -51,9 +52,21 @@ def tiny_tokenizer():
     )
 
 
-def _step(model, chunks, computed, tables, block_size):
+def allocate_poisoned_states(model, slots: int) -> list[int]:
+    """Bind ``slots`` recurrent-state slots of ``model`` (if it has recurrent layers) filled with NaN, as memory
+    never written may be (a fresh sequence must never read its slot), and return them shuffled."""
+    for states in allocate_recurrent_states(model, slots):
+        for state in states:
+            state.fill_(float("nan"))
+    order = list(range(slots))
+    random.Random(slots).shuffle(order)
+    return order
+
+
+def _step(model, chunks, computed, tables, block_size, slots):
     """One forward over several sequences' new tokens; returns each sequence's greedy next token."""
-    meta = AttentionMetadata.build(computed, [len(c) for c in chunks], tables, block_size)
+    meta = AttentionMetadata.build(computed, [len(c) for c in chunks], tables, block_size,
+                                   state_slots=slots[: len(chunks)])
     ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64)
     hidden = model(ids, meta.positions(), meta)
     logits = model.compute_logits(hidden[meta.last_token_indices()])
@@ -76,19 +89,21 @@ def paged_greedy(model, prompts, max_new=NEW_TOKENS, block_size=4, prefill_chunk
         tables.append(ids[start : start + n])
         start += n
     allocate_kv_caches(model, len(ids), block_size)
+    slots = allocate_poisoned_states(model, len(prompts) + 2)
     computed = [0] * len(prompts)
     chunked = [_split(p, prefill_chunks) for p in prompts]
     for i in range(prefill_chunks):
         chunks = [c[i] for c in chunked]
-        nxt = _step(model, chunks, computed, tables, block_size)
+        nxt = _step(model, chunks, computed, tables, block_size, slots)
         computed = [n + len(c) for n, c in zip(computed, chunks, strict=True)]
     outs = [[t] for t in nxt]
     for _ in range(max_new - 1):
-        nxt = _step(model, [[o[-1]] for o in outs], computed, tables, block_size)
+        nxt = _step(model, [[o[-1]] for o in outs], computed, tables, block_size, slots)
         computed = [n + 1 for n in computed]
         for o, t in zip(outs, nxt, strict=True):
             o.append(t)
     unbind_kv_caches(model)
+    unbind_recurrent_states(model)
     return outs
 
 
@@ -129,9 +144,11 @@ def prompt_logits(model, prompt: list[int]) -> torch.Tensor:
     """Every position's logits of one prompt's prefill, its blocks out of order."""
     blocks = -(-len(prompt) // 4)
     allocate_kv_caches(model, blocks + 2, 4)
-    meta = AttentionMetadata.build([0], [len(prompt)], [list(range(blocks + 1, 0, -1))], 4)
+    slots = allocate_poisoned_states(model, 3)
+    meta = AttentionMetadata.build([0], [len(prompt)], [list(range(blocks + 1, 0, -1))], 4, state_slots=slots[:1])
     hidden = model(torch.tensor(prompt), meta.positions(), meta)
     unbind_kv_caches(model)
+    unbind_recurrent_states(model)
     return model.compute_logits(hidden)
 
 

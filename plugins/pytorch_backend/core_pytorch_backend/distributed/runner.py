@@ -53,6 +53,7 @@ class TensorParallelRunner:
     dtype = _local("dtype")
     kv_memory_is_lazy = _local("kv_memory_is_lazy")
     has_kv_cache = _local("has_kv_cache")
+    has_recurrent_state = _local("has_recurrent_state")
     asleep = _local("asleep")
 
     # -- steps ----------------------------------------------------------------------------------------
