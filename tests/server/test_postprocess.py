@@ -170,7 +170,7 @@ def test_named_parsers_and_unknown_names(host: Any):
     named = Postprocessors.choose(host, engine, "deepseek_r1", "hermes")
     assert (named.reasoning, named.tools) == (DeepSeekR1ReasoningParser, HermesToolCallParser)
     assert _parses(named.for_request("p", TOOLS)) == (True, True)
-    with pytest.raises(PluginError, match="--reasoning-parser 'r2'.*deepseek_r1, glm45, openai_gptoss, qwen3"):
+    with pytest.raises(PluginError, match="--reasoning-parser 'r2'.*deepseek_r1, glm45, lfm2, minimax_m1, nemotron_v3, openai_gptoss, qwen3"):
         Postprocessors.choose(host, engine, "r2")
 
 

@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from core.parsers import ParseContext, ReasoningDelta
-from core_templates.parsers.think import DeepSeekR1ReasoningParser, Qwen3ReasoningParser, ThinkReasoningParser
+from core_templates.jinja_template import JinjaChatTemplate
+from core_templates.parsers.think import (
+    DeepSeekR1ReasoningParser,
+    PromptThinkReasoningParser,
+    Qwen3ReasoningParser,
+    ThinkReasoningParser,
+)
+
+DATA = Path(__file__).parent / "data"
+
+
+def prompt(template: str, system: str = "", **kwargs: Any) -> str:
+    """The prompt a real template (data/TEMPLATE.jinja) renders for one question."""
+    messages = [{"role": "system", "content": system}] if system else []
+    source = (DATA / f"{template}.jinja").read_text(encoding="utf-8")
+    return JinjaChatTemplate(source).render([*messages, {"role": "user", "content": "Hi"}], **kwargs)
+
 
 QWEN3_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 QWEN3_NO_THINK_PROMPT = QWEN3_PROMPT + "<think>\n\n</think>\n\n"
@@ -31,6 +48,32 @@ CASES: list[tuple[type[ThinkReasoningParser], ParseContext, str, tuple[str | Non
     (DeepSeekR1ReasoningParser, ParseContext(), "<thin", ("<thin", "")),
     (DeepSeekR1ReasoningParser, ParseContext("<｜User｜>Hi<｜Assistant｜>"), "Just content", (None, "Just content")),
     (DeepSeekR1ReasoningParser, ParseContext(R1_PROMPT), "  \n </think>", ("", "")),
+]
+
+NO_THINKING = {"enable_thinking": False}
+# Hybrid families, with the prompts their own templates render: Qwen3.5 and Nemotron-H open <think> in the
+# prompt; LFM2.5 and MiniMax-M1 write it themselves.
+CASES += [
+    (Qwen3ReasoningParser, ParseContext(prompt("qwen3_5")), "Paris, then.\n</think>\n\nSunny.", ("Paris, then.", "Sunny.")),
+    (Qwen3ReasoningParser, ParseContext(prompt("qwen3_5", **NO_THINKING), chat_template_kwargs=NO_THINKING),
+     "Sunny.", (None, "Sunny.")),
+    (PromptThinkReasoningParser, ParseContext(prompt("nemotron_nano_v2")), "Hm.\n</think>\n\nSunny.", ("Hm.", "Sunny.")),
+    # Nano 2's template ignores enable_thinking (it still opens <think>): the prompt decides
+    (PromptThinkReasoningParser, ParseContext(prompt("nemotron_nano_v2", **NO_THINKING), chat_template_kwargs=NO_THINKING),
+     "Hm.\n</think>\n\nSunny.", ("Hm.", "Sunny.")),
+    (PromptThinkReasoningParser, ParseContext(prompt("nemotron_nano_v2", system="/no_think")), "Sunny.", (None, "Sunny.")),
+    (PromptThinkReasoningParser, ParseContext(prompt("nemotron3_nano")), "Hm.\n</think>\nSunny.", ("Hm.", "Sunny.")),
+    (PromptThinkReasoningParser, ParseContext(prompt("nemotron3_nano", **NO_THINKING), chat_template_kwargs=NO_THINKING),
+     "Sunny.", (None, "Sunny.")),
+    (PromptThinkReasoningParser, ParseContext(chat_template_kwargs=NO_THINKING), "<think>x</think>y", (None, "<think>x</think>y")),
+    (PromptThinkReasoningParser, ParseContext(prompt("lfm2_5")), "<think>Easy.</think>Sunny.", ("Easy.", "Sunny.")),
+    (PromptThinkReasoningParser, ParseContext(prompt("lfm2_5")), "Sunny.", (None, "Sunny.")),
+    # LFM2.5's and MiniMax-M1's templates ignore enable_thinking: the model's own <think> still counts
+    (PromptThinkReasoningParser, ParseContext(prompt("lfm2_5_8b_a1b"), chat_template_kwargs=NO_THINKING),
+     "<think>Easy.</think>Sunny.", ("Easy.", "Sunny.")),
+    (PromptThinkReasoningParser, ParseContext(prompt("minimax_m1")), "<think>\nEasy.\n</think>\nSunny.", ("Easy.", "Sunny.")),
+    (PromptThinkReasoningParser, ParseContext(prompt("minimax_m1"), chat_template_kwargs=NO_THINKING),
+     "<think>\nEasy.\n</think>\nSunny.", ("Easy.", "Sunny.")),
 ]
 
 
@@ -71,6 +114,11 @@ def test_content_streams_without_waiting_for_the_end() -> None:
     (Qwen3ReasoningParser, ParseContext(QWEN3_PROMPT, chat_template_kwargs={"enable_thinking": False}), False),
     (DeepSeekR1ReasoningParser, ParseContext(R1_PROMPT), True),
     (DeepSeekR1ReasoningParser, ParseContext(), True),
+    (Qwen3ReasoningParser, ParseContext(prompt("qwen3_5")), True),
+    (Qwen3ReasoningParser, ParseContext(prompt("qwen3_5", **NO_THINKING)), False),
+    (PromptThinkReasoningParser, ParseContext(prompt("nemotron_nano_v2"), chat_template_kwargs=NO_THINKING), True),
+    (PromptThinkReasoningParser, ParseContext(prompt("nemotron_nano_v2", system="/no_think")), False),
+    (PromptThinkReasoningParser, ParseContext(prompt("nemotron3_nano", **NO_THINKING)), False),
 ])
 def test_a_constraint_waits_for_the_end_of_reasoning(cls: Any, context: ParseContext, waits: bool) -> None:
     parser = cls().start(context)

@@ -11,10 +11,14 @@ from core.parsers import ParseContext, ToolCallParser
 from core.testing.parsers import collect_tool_calls
 from core_templates.parsers.deepseek import DeepSeekV3ToolCallParser, DeepSeekV31ToolCallParser
 from core_templates.parsers.glm45 import Glm45ToolCallParser, typed_value
-from core_templates.parsers.hermes import HermesToolCallParser
+from core_templates.parsers.hermes import Granite4ToolCallParser, HermesToolCallParser
+from core_templates.parsers.jamba import JambaToolCallParser
 from core_templates.parsers.kimi_k2 import KimiK2ToolCallParser
+from core_templates.parsers.lfm2 import Lfm2ToolCallParser
 from core_templates.parsers.llama3_json import Llama3JsonToolCallParser
+from core_templates.parsers.minimax import MiniMaxToolCallParser
 from core_templates.parsers.mistral import MistralToolCallParser
+from core_templates.parsers.nemotron import NemotronJsonToolCallParser
 from core_templates.parsers.pythonic import PythonicToolCallParser
 from core_templates.parsers.qwen3_coder import Qwen3CoderToolCallParser
 
@@ -150,6 +154,51 @@ CASES += [
     (PythonicToolCallParser, "[]", "[]", []),
 ]
 
+LFM2_START, LFM2_END = "<|tool_call_start|>", "<|tool_call_end|>"
+PARIS_JSON = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
+OSLO_JSON = json.dumps({"name": "get_weather", "arguments": OSLO}, ensure_ascii=False)
+TIME_JSON = '{"name": "get_time", "arguments": {}}'
+
+# LFM2 / LFM2.5, Jamba, Nemotron's <TOOLCALL>, MiniMax and Granite 4.0 calls
+CASES += [
+    (Lfm2ToolCallParser, LFM2_START + '[get_weather(city="Paris", days=2)]' + LFM2_END + "Let me check that.",
+     "Let me check that.", [("get_weather", PARIS)]),
+    (Lfm2ToolCallParser, "Sure.\n" + LFM2_START + "[get_weather(city='Oslo ünï 東京', days=3), get_time()]" + LFM2_END,
+     "Sure.", [("get_weather", OSLO), ("get_time", {})]),
+    (Lfm2ToolCallParser, LFM2_START + "[" + PARIS_JSON + "]" + LFM2_END, "", [("get_weather", PARIS)]),  # llama.cpp's
+    (Lfm2ToolCallParser, LFM2_START + "[get_time()]", "", [("get_time", {})]),  # cut off before the end token
+    (Lfm2ToolCallParser, LFM2_START + "[get_weather(city=)]" + LFM2_END, LFM2_START + "[get_weather(city=)]" + LFM2_END,
+     []),
+    (Lfm2ToolCallParser, LFM2_START + "[]" + LFM2_END, LFM2_START + "[]" + LFM2_END, []),
+    (Lfm2ToolCallParser, '[get_weather(city="Paris")]', '[get_weather(city="Paris")]', []),  # no tokens, no call
+    (Lfm2ToolCallParser, "Hi <|tool_call_st", "Hi <|tool_call_st", []),
+    (JambaToolCallParser, "Let me check. <tool_calls>[\n" + PARIS_JSON + ",\n" + TIME_JSON + "\n]</tool_calls>",
+     "Let me check.", [("get_weather", PARIS), ("get_time", {})]),
+    (JambaToolCallParser, '<tool_calls>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\", \\"days\\": 2}"}'
+     "</tool_calls>", "", [("get_weather", PARIS)]),
+    (JambaToolCallParser, '<tool_calls>[{"name": "get_weather"</tool_calls>', '<tool_calls>[{"name": "get_weather"</tool_calls>',
+     []),
+    (JambaToolCallParser, "<tool_calls>[]</tool_calls>", "<tool_calls>[]</tool_calls>", []),
+    (JambaToolCallParser, "A list of <tool_calls> is fine.", "A list of <tool_calls> is fine.", []),
+    (NemotronJsonToolCallParser, "I will look it up.\n\n<TOOLCALL>[" + PARIS_JSON + ", " + TIME_JSON + "]</TOOLCALL>",
+     "I will look it up.", [("get_weather", PARIS), ("get_time", {})]),
+    (NemotronJsonToolCallParser, "<TOOLCALL>[" + OSLO_JSON + "]</TOOLCALL>\n", "", [("get_weather", OSLO)]),
+    (NemotronJsonToolCallParser, '<TOOLCALL>[{"name": "get_weather", "arguments": [1]}]</TOOLCALL>',
+     '<TOOLCALL>[{"name": "get_weather", "arguments": [1]}]</TOOLCALL>', []),
+    (NemotronJsonToolCallParser, "<TOOLCALL>not json</TOOLCALL>", "<TOOLCALL>not json</TOOLCALL>", []),
+    (NemotronJsonToolCallParser, "<TOOLCALL>[" + PARIS_JSON + ', {"name": 3}]</TOOLCALL>',  # one bad call: all content
+     "<TOOLCALL>[" + PARIS_JSON + ', {"name": 3}]</TOOLCALL>', []),
+    (MiniMaxToolCallParser, "Checking both.\n<tool_calls>\n" + PARIS_JSON + "\n" + TIME_JSON + "\n</tool_calls>",
+     "Checking both.", [("get_weather", PARIS), ("get_time", {})]),
+    (MiniMaxToolCallParser, "<tool_calls>\n" + OSLO_JSON + "\n</tool_calls>\nDone.", "Done.", [("get_weather", OSLO)]),
+    (MiniMaxToolCallParser, "<tool_calls>\n" + PARIS_JSON + "\noops\n</tool_calls>",
+     "<tool_calls>\n" + PARIS_JSON + "\noops\n</tool_calls>", []),
+    (MiniMaxToolCallParser, "<tool_calls>\n</tool_calls>", "<tool_calls>\n</tool_calls>", []),
+    (MiniMaxToolCallParser, "<tool_calls>[" + TIME_JSON + "]</tool_calls>", "<tool_calls>[" + TIME_JSON + "]</tool_calls>",
+     []),  # Jamba's list is not MiniMax's format
+    (Granite4ToolCallParser, "Let me check.\n\n" + HERMES_CALL, "Let me check.", [("get_weather", PARIS)]),
+]
+
 
 def expected_calls(calls: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, str]]:
     return [(name, json.dumps(args, ensure_ascii=False)) for name, args in calls]
@@ -190,6 +239,13 @@ def test_streaming_matches_parse_at_every_cut(case: Case) -> None:
         collected = collect_tool_calls(deltas)
         assert collected.content == content, pieces
         assert [(c.name, c.arguments) for c in collected.tool_calls] == expected_calls(calls), pieces
+
+
+@pytest.mark.parametrize("cls", [Lfm2ToolCallParser, JambaToolCallParser, NemotronJsonToolCallParser,
+                                 Granite4ToolCallParser])
+def test_formats_of_special_tokens_are_read_with_them(cls: type[ToolCallParser]) -> None:
+    # their tags are special tokens (or may be): decoded without them, no call could ever be found
+    assert cls().reads_special_tokens is True
 
 
 def test_mistral_ids_fit_its_template() -> None:

@@ -1,4 +1,5 @@
-"""Reasoning between ``<think>`` and ``</think>`` (DeepSeek-R1, Qwen3, QwQ and their distills).
+"""Reasoning between ``<think>`` and ``</think>`` (DeepSeek-R1, Qwen3, QwQ and their distills; Qwen3.5,
+Nemotron-H, LFM2.5, MiniMax-M1).
 
 A response starts inside reasoning when the prompt left a ``<think>`` block open (DeepSeek-R1's template
 ends the prompt with ``<think>\\n``); otherwise an optional ``<think>`` at its start opens it. Without a
@@ -134,3 +135,12 @@ class DeepSeekR1ReasoningParser(ThinkReasoningParser):
 
 class Qwen3ReasoningParser(ThinkReasoningParser):
     """Qwen3 / QwQ: the model writes ``<think>`` itself; ``enable_thinking=False`` turns reasoning off."""
+
+
+class PromptThinkReasoningParser(ThinkReasoningParser):
+    """For templates that ignore ``enable_thinking`` (Nemotron Nano 2 reads "/think" and "/no_think" in the
+    messages; LFM2.5 and MiniMax-M1 read nothing): a known prompt decides where the response starts, not the
+    request's kwargs. Nemotron 3 Nano's template does read it, and then closes ``<think>`` in the prompt."""
+
+    def _thinking_disabled(self) -> bool:
+        return not self.context.prompt and super()._thinking_disabled()
