@@ -12,7 +12,7 @@ else may skip tokens (the engine turns prefix caching off and refuses speculativ
 `segments` gives each sequence's rows of a step as one run (a recomputed sequence's prompt row and its
 generated tokens' rows are consecutive: a recurrence takes them in order); `initial_states` and
 `store_states` read and write a state's slots; `causal_conv1d` is the depthwise causal convolution these
-mixers share, its last ``kernel - 1`` inputs kept per slot.
+mixers share, its last ``kernel - 1`` inputs kept per slot (`DepthwiseConv`: its taps as checkpoints store them).
 """
 
 from __future__ import annotations
@@ -103,10 +103,25 @@ def _slot_index(segs: tuple[Segment, ...], device: torch.device) -> torch.Tensor
     return torch.tensor([s.slot for s in segs], dtype=torch.int64, device=device)
 
 
+def _consecutive_slots(segs: tuple[Segment, ...]) -> int | None:
+    """The first slot when the segments hold consecutive slots in order (the usual case: the scheduler hands out
+    the lowest free slot, in the running sequences' order), else None."""
+    first = segs[0].slot if segs else None
+    if first is None or any(seg.slot != first + i for i, seg in enumerate(segs)):
+        return None
+    return first
+
+
 def initial_states(state: torch.Tensor, segs: tuple[Segment, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``[len(segs), *shape]``: each segment's state before its rows (zero for a fresh one), as ``dtype``."""
-    out = state.index_select(0, _slot_index(segs, state.device))
-    if dtype is not None:
+    """``[len(segs), *shape]``: each segment's state before its rows (zero for a fresh one), as ``dtype``. Where
+    the segments' slots are consecutive (and no cast is asked for) this is a view of ``state``: a mixer may update
+    it in place, and `store_states` of it then copies nothing."""
+    first = _consecutive_slots(segs)
+    if first is not None:
+        out = state[first : first + len(segs)]
+    else:
+        out = state.index_select(0, _slot_index(segs, state.device))
+    if dtype is not None and dtype != out.dtype:
         out = out.to(dtype)
     fresh = [i for i, s in enumerate(segs) if s.fresh]
     if fresh:
@@ -116,7 +131,13 @@ def initial_states(state: torch.Tensor, segs: tuple[Segment, ...], dtype: torch.
 
 def store_states(state: torch.Tensor, segs: tuple[Segment, ...], final: torch.Tensor) -> None:
     """Write each segment's state after its rows (``final[i]`` for ``segs[i]``) back to its slot."""
-    state.index_copy_(0, _slot_index(segs, state.device), final.to(state.dtype))
+    first = _consecutive_slots(segs)
+    if first is None:
+        state.index_copy_(0, _slot_index(segs, state.device), final.to(state.dtype))
+        return
+    rows = state[first : first + len(segs)]
+    if rows.data_ptr() != final.data_ptr() or rows.stride() != final.stride() or rows.dtype != final.dtype:
+        rows.copy_(final)  # (else the mixer updated its initial_states view in place)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
@@ -139,6 +160,19 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         finals.append(full[:, full.shape[-1] - width:])
     store_states(conv_state, segs, torch.stack(finals))
     return out
+
+
+class DepthwiseConv(nn.Module):
+    """A depthwise causal convolution's taps as checkpoints store ``nn.Conv1d``'s (``weight`` [channels, 1, taps],
+    ``bias`` [channels] or none); ``forward`` runs them through `causal_conv1d`."""
+
+    def __init__(self, channels: int, taps: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, taps), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(channels), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor, conv_state: torch.Tensor, segs: tuple[Segment, ...]) -> torch.Tensor:
+        return causal_conv1d(x, self.weight[:, 0], self.bias, conv_state, segs)
 
 
 def recurrent_layers(model: nn.Module) -> list[RecurrentLayer]:

@@ -63,6 +63,26 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "Gemma4ForCausalLM": "core_pytorch_backend.models.gemma4:Gemma4ForCausalLM",
     # the released checkpoints' class: their language model, for text only (no vision processor registered)
     "Gemma4ForConditionalGeneration": "core_pytorch_backend.models.gemma4:Gemma4ForConditionalGeneration",
+    "Mamba2ForCausalLM": "core_pytorch_backend.models.mamba2:Mamba2ForCausalLM",  # no attention: no KV cache
+    "GraniteMoeHybridForCausalLM": "core_pytorch_backend.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
+    "BambaForCausalLM": "core_pytorch_backend.models.bamba:BambaForCausalLM",
+    "NemotronHForCausalLM": "core_pytorch_backend.models.nemotron_h:NemotronHForCausalLM",
+    "FalconH1ForCausalLM": "core_pytorch_backend.models.falcon_h1:FalconH1ForCausalLM",
+    "Lfm2ForCausalLM": "core_pytorch_backend.models.lfm2:Lfm2ForCausalLM",
+    "Lfm2MoeForCausalLM": "core_pytorch_backend.models.lfm2_moe:Lfm2MoeForCausalLM",
+    "Lfm3ForCausalLM": "core_pytorch_backend.models.lfm3:Lfm3ForCausalLM",
+    "MiniMaxForCausalLM": "core_pytorch_backend.models.minimax:MiniMaxForCausalLM",  # lightning + softmax layers
+    "MambaForCausalLM": "core_pytorch_backend.models.mamba:MambaForCausalLM",  # no attention: no KV cache
+    "FalconMambaForCausalLM": "core_pytorch_backend.models.mamba:FalconMambaForCausalLM",
+    "JambaForCausalLM": "core_pytorch_backend.models.jamba:JambaForCausalLM",
+    "Qwen3NextForCausalLM": "core_pytorch_backend.models.qwen3_next:Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM": "core_pytorch_backend.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM": "core_pytorch_backend.models.qwen3_5:Qwen3_5MoeForCausalLM",
+    # the released Qwen3.5 checkpoints' class: their language model, for text only (no vision processor registered)
+    "Qwen3_5ForConditionalGeneration": "core_pytorch_backend.models.qwen3_5:Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration": "core_pytorch_backend.models.qwen3_5:Qwen3_5MoeForConditionalGeneration",
+    "OlmoHybridForCausalLM": "core_pytorch_backend.models.olmo_hybrid:OlmoHybridForCausalLM",
+    "KimiLinearForCausalLM": "core_pytorch_backend.models.kimi_linear:KimiLinearForCausalLM",  # KDA + MLA layers
     # Encoders: served on the pooling path (embeddings and scores), never generating.
     "BertModel": "core_pytorch_backend.models.bert:BertModel",
     "RobertaModel": "core_pytorch_backend.models.bert:RobertaModel",

@@ -44,11 +44,11 @@ from .gemma4_layers import (
     Gemma4Experts,
     Gemma4RMSNorm,
     Gemma4Router,
-    experts_one_by_one,
     gemma4_mlp,
     unit_rms_norm,
 )
 from .names import prefix_renamed
+from .sparse_moe import experts_one_by_one
 from .vision_language import VisionLanguageMixin
 
 ROPE_TYPES = ("default", "proportional")

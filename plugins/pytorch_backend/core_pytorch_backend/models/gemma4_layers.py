@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,8 +23,6 @@ from torch import nn
 from .gemma3 import GemmaRMSNorm
 from .llama import LlamaMLP
 from .sparse_moe import mix_experts
-
-STACKED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
 
 
 class Gemma4RMSNorm(GemmaRMSNorm):
@@ -75,17 +72,3 @@ class Gemma4Experts(nn.ModuleList):
 
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         return mix_experts(self, hidden, weights, chosen)
-
-
-def experts_one_by_one(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """The stacked expert tensors as one tensor per expert (``experts.{e}.gate_up_proj.weight``, whose gate
-    rows come first as in ``LlamaMLP``, and ``experts.{e}.down_proj.weight``); other tensors as they are."""
-    for name, tensor in weights:
-        if not name.endswith(STACKED_EXPERTS):
-            yield name, tensor
-            continue
-        if not isinstance(tensor, torch.Tensor):
-            raise NotImplementedError(f"{name}: Gemma 4's stacked experts from a quantized file")
-        prefix, projection = name.rsplit(".", 1)
-        for expert in range(tensor.shape[0]):
-            yield f"{prefix}.{expert}.{projection}.weight", tensor[expert]

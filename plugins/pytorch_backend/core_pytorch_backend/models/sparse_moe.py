@@ -7,7 +7,7 @@ stays float."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -92,3 +92,22 @@ class QwenMoeDecoderLayer(LlamaDecoderLayer):
 
 class QwenMoeModel(LlamaModel):
     layer_class = QwenMoeDecoderLayer
+
+
+STACKED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def experts_one_by_one(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """Stacked expert tensors (``experts.gate_up_proj`` [experts, 2 x size, hidden], ``experts.down_proj``
+    [experts, hidden, size]: Gemma 4's, Qwen3.5-MoE's and transformers' fused layout) as one tensor per expert
+    (``experts.{e}.gate_up_proj.weight``, whose gate rows come first as in ``LlamaMLP``, and
+    ``experts.{e}.down_proj.weight``); other tensors as they are."""
+    for name, tensor in weights:
+        if not name.endswith(STACKED_EXPERTS):
+            yield name, tensor
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            raise NotImplementedError(f"{name}: stacked experts from a quantized file")
+        prefix, projection = name.rsplit(".", 1)
+        for expert in range(tensor.shape[0]):
+            yield f"{prefix}.{expert}.{projection}.weight", tensor[expert]
