@@ -74,7 +74,9 @@ def _step(model, chunks, computed, tables, block_size, slots):
 
 
 def _split(prompt, n_chunks):
-    bounds = [round(i * len(prompt) / n_chunks) for i in range(n_chunks + 1)]
+    """``n_chunks`` consecutive parts of ``prompt``, the last never empty (its row gives the next token), so a
+    prompt shorter than ``n_chunks`` has empty chunks before it."""
+    bounds = [i * len(prompt) // n_chunks for i in range(n_chunks + 1)]
     return [prompt[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 

@@ -41,6 +41,12 @@ def test_batched_varlen_prefill_then_decode(pair):
     assert got == [hf_greedy(hf, p) for p in prompts]
 
 
+def test_prompts_shorter_than_the_chunks_prefill_in_their_last_ones(pair):
+    ours, hf = pair
+    prompts = random_prompts([9, 2, 1], seed=4)  # the short ones' first chunks are empty rows
+    assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=4) == [hf_greedy(hf, p) for p in prompts]
+
+
 def test_chunked_prefill_with_cached_prefix(pair):
     ours, hf = pair
     prompts = random_prompts([14, 7], seed=3)
