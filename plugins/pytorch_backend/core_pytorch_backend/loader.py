@@ -27,7 +27,13 @@ from .default_model import default_model_path, generation_defaults  # noqa: F401
 from .kernels import select_ops
 from .layers.matmul import select_matmul, use_matmul
 from .layers.quantized import AffineRows, Int4Weight
-from .layers.rotary import context_positions, fit_rotary_tables, rope_parameters, serve_longrope_long
+from .layers.rotary import (
+    context_positions,
+    fit_rotary_tables,
+    rope_parameters,
+    rotary_rows,
+    serve_longrope_long,
+)
 from .light_config import read_light_config, write_light_config
 from .models import BUILTIN_ARCHITECTURES, resolve_class
 from .native.half_weights import half_kernels, keep_sixteen_bit, pack_bfloat16, pack_exact_halves
@@ -153,6 +159,10 @@ def load_checkpoint(
     positions = getattr(model, "max_positions", None) or context_positions(config.get_text_config())
     if max_model_len and max_model_len < positions:
         positions = fit_rotary_tables(model, max_model_len)
+    elif (rows := rotary_rows(model)) is not None and rows < positions:
+        log.info("%s: serving %d of its %d positions (its rotary tables' first rows); --max-model-len serves more",
+                 path.name, rows, positions)
+        positions = rows
     trim_heap()  # the load's staging copies and parsing leave ~350 MB freed but kept (default model: 929 -> 582)
     return LoadedModel(
         model=model.eval(),

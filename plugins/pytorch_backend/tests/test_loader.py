@@ -47,6 +47,25 @@ def test_a_shorter_context_cuts_the_rotary_tables_and_keeps_the_text(tiny_checkp
     assert load_checkpoint(path, dtype="float32", max_model_len=1000).max_model_len == 256  # never longer
 
 
+def test_a_very_long_context_starts_with_capped_rotary_tables_built_out_on_demand(tiny_checkpoint_factory, monkeypatch):
+    """A model of millions of positions (Llama 4, MiniMax) builds its tables for the first TABLE_ROWS_AT_START
+    positions and serves that many; --max-model-len past them builds them out, row for row the whole table's."""
+    from core_pytorch_backend.layers import rotary
+
+    monkeypatch.setattr(rotary, "TABLE_ROWS_AT_START", 64)
+    path = tiny_checkpoint_factory("olmo3")  # 256 positions: "millions" at this scale
+    capped, longer = load_checkpoint(path, dtype="float32"), load_checkpoint(path, dtype="float32", max_model_len=200)
+    assert capped.max_model_len == 64 and longer.max_model_len == 200
+    monkeypatch.setattr(rotary, "TABLE_ROWS_AT_START", 1 << 18)
+    whole = load_checkpoint(path, dtype="float32")
+    for table, built_out, full in zip(*(
+            [m for m in loaded.model.modules() if isinstance(m, rotary.RotaryEmbedding)]
+            for loaded in (capped, longer, whole)), strict=True):
+        assert table.cos_cache.shape[0] == 64 and built_out.cos_cache.shape[0] == 200
+        assert torch.equal(built_out.cos_cache, full.cos_cache[:200]) and torch.equal(built_out.sin_cache,
+                                                                                    full.sin_cache[:200])
+
+
 def test_block_fp8_checkpoints_load_as_the_weights_they_stand_for(tiny_checkpoint_factory, tmp_path):
     """Qwen3's -FP8 layout (DeepSeek-V3's: float8_e4m3fn weights, a weight_scale_inv per block of 16 x 32 here,
     so partial blocks show) for an architecture with no FP8 code of its own: the logits of the float checkpoint

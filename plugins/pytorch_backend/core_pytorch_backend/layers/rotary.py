@@ -173,6 +173,12 @@ def _divided(inv_freq: torch.Tensor, factors: list[float] | None) -> torch.Tenso
     return inv_freq / torch.tensor(factors, dtype=inv_freq.dtype)
 
 
+# A model's rotary tables start with at most this many positions (float32 cos and sin: 128 MiB at 128-wide heads);
+# Llama 4's and MiniMax's 10M positions took 17 s and 8 GB to build, for a context the KV cache never holds.
+# The loader serves that many unless --max-model-len asks for more (fit_rotary_tables builds them out).
+TABLE_ROWS_AT_START = 1 << 18
+
+
 class RotaryEmbedding(nn.Module):
     """Holds float32 cos/sin tables for every position; ``forward(positions, q, k)`` rotates q and k.
 
@@ -186,16 +192,22 @@ class RotaryEmbedding(nn.Module):
         self.ops = ops
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
+        self.max_positions = max_positions
         # where YaRN's factor or original context is missing, context_positions left max_positions at
         # max_position_embeddings: the value transformers falls back on
-        inv_freq, scaling = rope_frequencies(self.rotary_dim, params, max_positions)
-        t = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
-        freqs = torch.outer(t, inv_freq.to(t.device))
-        cos, sin = freqs.cos(), freqs.sin()
-        if scaling != 1.0:  # YaRN's or LongRoPE's attention factor, applied to the tables as transformers does
-            cos, sin = cos * scaling, sin * scaling
+        self.inv_freq, self.scaling = rope_frequencies(self.rotary_dim, params, max_positions)
+        cos, sin = self.tables(min(max_positions, TABLE_ROWS_AT_START))
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
+
+    def tables(self, rows: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 cos and sin tables [rows, rotary_dim / 2] of positions 0 .. rows - 1."""
+        t = torch.arange(rows, dtype=torch.int64, device=device).to(torch.float32)
+        freqs = torch.outer(t, self.inv_freq.to(device))
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.scaling != 1.0:  # YaRN's or LongRoPE's attention factor, applied to the tables as transformers does
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return cos, sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q [T, Hq * D] and k [T, Hkv * D] (or already [T, H, D]); returns them rotated, same shapes."""
@@ -213,17 +225,27 @@ class RotaryEmbedding(nn.Module):
 
 
 def fit_rotary_tables(model: nn.Module, positions: int) -> int:
-    """Cut every rotary table of ``model`` to its first ``positions`` rows where it holds more (a server asked
-    for a shorter context than the model's: a 128k model's float32 tables are 64-384 MiB); returns the rows
-    they hold now, at most ``positions`` (the model's own count where it held fewer)."""
+    """Hold ``positions`` rows in every rotary table of ``model`` (at most its own ``max_positions``): cut where
+    it holds more (a server asked for a shorter context than the model's: a 128k model's float32 tables are
+    64-384 MiB), built out where it holds fewer (tables start at ``TABLE_ROWS_AT_START`` rows); returns the rows
+    they all hold now (``positions`` for a model without rotary tables)."""
     held = positions
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
-            if module.cos_cache.shape[0] > positions:
-                module.cos_cache = module.cos_cache[:positions].clone()
-                module.sin_cache = module.sin_cache[:positions].clone()
+            rows = min(positions, module.max_positions)
+            if module.cos_cache.shape[0] > rows:
+                module.cos_cache = module.cos_cache[:rows].clone()
+                module.sin_cache = module.sin_cache[:rows].clone()
+            elif module.cos_cache.shape[0] < rows:
+                module.cos_cache, module.sin_cache = module.tables(rows, module.cos_cache.device)
             held = min(held, module.cos_cache.shape[0])
     return held
+
+
+def rotary_rows(model: nn.Module) -> int | None:
+    """The positions every rotary table of ``model`` holds (None: it has none)."""
+    rows = [m.cos_cache.shape[0] for m in model.modules() if isinstance(m, RotaryEmbedding)]
+    return min(rows) if rows else None
 
 
 class MRotaryEmbedding(RotaryEmbedding):
