@@ -7,6 +7,9 @@ Importable from any test module (pytest's ``--import-mode=importlib`` puts no te
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -107,6 +110,30 @@ def paged_greedy(model, prompts, max_new=NEW_TOKENS, block_size=4, prefill_chunk
     unbind_kv_caches(model)
     unbind_recurrent_states(model)
     return outs
+
+
+def built_once(tmp_path_factory: Any, build: Callable[[str, Path], Path]) -> Callable[[str], Path]:
+    """``get(name)``: the checkpoint ``build(name, folder)`` saves into a fresh temporary folder, built once per
+    name (the body of a module-scoped ``checkpoint`` fixture)."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = build(name, tmp_path_factory.mktemp(name))
+        return made[name]
+
+    return get
+
+
+def ours_and_transformers(path: Path, **load: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Our float32 model of the checkpoint at ``path`` (``load``: more of load_checkpoint's arguments) and
+    transformers' (in eval mode): the two sides of a parity test."""
+    from transformers import AutoModelForCausalLM
+
+    from core_pytorch_backend.loader import load_checkpoint
+
+    ours = load_checkpoint(path, dtype="float32", **load).model
+    return ours, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def hf_greedy(hf_model, prompt, max_new=NEW_TOKENS):

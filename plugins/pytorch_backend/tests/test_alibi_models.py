@@ -69,9 +69,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=list(CASES))
 def pair(request, checkpoint):
-    path = checkpoint(request.param)
-    ours = load_checkpoint(path, dtype="float32").model
-    return ours, transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return testing.ours_and_transformers(checkpoint(request.param))
 
 
 def test_single_sequence_matches_transformers(pair):

@@ -25,7 +25,9 @@ from core_pytorch_backend.layers import allocate_kv_caches, unbind_kv_caches
 from core_pytorch_backend.loader import load_checkpoint
 from core_pytorch_backend.testing import (
     TINY_VOCAB,
+    built_once,
     hf_greedy,
+    ours_and_transformers,
     paged_greedy,
     random_prompts,
     reinit_,
@@ -123,13 +125,6 @@ def build_checkpoint(config, folder: Path) -> Path:
     return folder
 
 
-def pair_of(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    ours = load_checkpoint(path, dtype="float32").model
-    return ours, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
 @torch.inference_mode()
 def our_logits(model, prompt: list[int]) -> torch.Tensor:
     """Every position's logits of ``prompt``, prefilled in one step over blocks in reverse order."""
@@ -165,22 +160,19 @@ def _with_mtp_layer(folder: Path, layers: int) -> None:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    made: dict[str, Path] = {}
+    def build(name: str, folder: Path) -> Path:
+        config = make_config(*CONFIGS[name]) if name in CONFIGS else make_config(*GLM_CONFIGS[name], GQA)
+        path = build_checkpoint(config, folder)
+        if name in GLM_CONFIGS and GLM_CONFIGS[name][1].get("num_nextn_predict_layers"):
+            _with_mtp_layer(path, GQA["num_hidden_layers"])
+        return path
 
-    def get(name: str) -> Path:
-        if name not in made:
-            config = make_config(*CONFIGS[name]) if name in CONFIGS else make_config(*GLM_CONFIGS[name], GQA)
-            made[name] = build_checkpoint(config, tmp_path_factory.mktemp(name))
-            if name in GLM_CONFIGS and GLM_CONFIGS[name][1].get("num_nextn_predict_layers"):
-                _with_mtp_layer(made[name], GQA["num_hidden_layers"])
-        return made[name]
-
-    return get
+    return built_once(tmp_path_factory, build)
 
 
 @pytest.fixture(scope="module", params=PARITY)
 def pair(request, checkpoint):
-    return pair_of(checkpoint(request.param))
+    return ours_and_transformers(checkpoint(request.param))
 
 
 def test_single_sequence_matches_transformers(pair):
@@ -205,7 +197,7 @@ def test_logits_match_transformers(pair):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_config_variants_match_transformers(variant, checkpoint):
-    ours, hf = pair_of(checkpoint(variant))
+    ours, hf = ours_and_transformers(checkpoint(variant))
     assert_logits_match(ours, hf)
     assert_greedy_match(ours, hf)
 
@@ -322,7 +314,7 @@ def test_fused_experts_and_multi_token_prediction_layer_load(checkpoint, tmp_pat
     """transformers' fused expert tensors, and DeepSeek-V3's extra layer (model.layers.{num_hidden_layers}:
     the multi-token-prediction module) skipped: the same logits as the per-expert checkpoint's."""
     source = checkpoint("v3")
-    ours, hf = pair_of(source)
+    ours, hf = ours_and_transformers(source)
     tensors = load_file(str(source / "model.safetensors"))
     fused = _fused_experts(tensors, range(1, 2), 16)
     mtp = {k.replace("layers.1.", "layers.2."): v.clone() for k, v in tensors.items() if "model.layers.1." in k}
@@ -346,7 +338,7 @@ def test_fp8_block_checkpoint_is_dequantized_at_load(checkpoint, tmp_path):
     fp8 = _rewrite(source, tmp_path / "fp8", dict(reversed(quantized.items())), quantization_config={
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 32]})
     ours = load_checkpoint(fp8, dtype="float32").model
-    assert_logits_match(ours, pair_of(_rewrite(source, tmp_path / "plain", dequantized))[1])
+    assert_logits_match(ours, ours_and_transformers(_rewrite(source, tmp_path / "plain", dequantized))[1])
 
 
 def test_fp8_weights_pair_with_their_scales_in_either_order():

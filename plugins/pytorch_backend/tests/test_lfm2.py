@@ -15,7 +15,9 @@ from core_pytorch_backend.loader import load_checkpoint
 from core_pytorch_backend.testing import (
     TINY_VOCAB,
     assert_logits_close,
+    built_once,
     hf_greedy,
+    ours_and_transformers,
     paged_greedy,
     prompt_logits,
     random_prompts,
@@ -92,27 +94,12 @@ def _build(cls_name: str, overrides: dict, folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    made: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in made:
-            cls_name, overrides = {**CONFIGS, **VARIANTS}[name]
-            made[name] = _build(cls_name, overrides, tmp_path_factory.mktemp(name))
-        return made[name]
-
-    return get
-
-
-def _pair(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    ours = load_checkpoint(path, dtype="float32").model
-    return ours, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return built_once(tmp_path_factory, lambda name, folder: _build(*{**CONFIGS, **VARIANTS}[name], folder))
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def pair(request, checkpoint):
-    return _pair(checkpoint(request.param))
+    return ours_and_transformers(checkpoint(request.param))
 
 
 def test_single_sequence_matches_transformers(pair):
@@ -149,7 +136,7 @@ def test_logits_match_transformers(pair):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_config_variants_match_transformers(variant, checkpoint):
-    ours, hf = _pair(checkpoint(variant))
+    ours, hf = ours_and_transformers(checkpoint(variant))
     prompts = random_prompts([23, 6], seed=7)
     assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=2) == [hf_greedy(hf, p) for p in prompts]
 
@@ -170,7 +157,7 @@ def test_mlp_widths_follow_the_config(checkpoint):
 @pytest.mark.parametrize("name", ["lfm2_moe", "lfm2-moe-unbiased-unnormalized-scaled"])
 @torch.inference_mode()
 def test_router_matches_transformers(name, checkpoint):
-    ours, hf = _pair(checkpoint(name))
+    ours, hf = ours_and_transformers(checkpoint(name))
     hidden = torch.randn(64, COMMON["hidden_size"], generator=torch.Generator().manual_seed(0))
     block = hf.model.layers[1].feed_forward
     _, hf_weights, hf_chosen = block.gate(hidden, block.expert_bias if block.use_expert_bias else None)

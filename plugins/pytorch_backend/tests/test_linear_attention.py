@@ -19,7 +19,9 @@ from core_pytorch_backend.loader import load_checkpoint
 from core_pytorch_backend.testing import (
     TINY_VOCAB,
     assert_logits_close,
+    built_once,
     hf_greedy,
+    ours_and_transformers,
     paged_greedy,
     prompt_logits,
     random_prompts,
@@ -109,29 +111,18 @@ def build_checkpoint(config, folder: Path) -> Path:
     return folder
 
 
-def pair_of(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    ours = load_checkpoint(path, dtype="float32").model
-    return ours, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    made: dict[str, Path] = {}
+    def build(name: str, folder: Path) -> Path:
+        family, overrides = VARIANTS.get(name, (name, {}))
+        return build_checkpoint(make_config(family, **overrides), folder)
 
-    def get(name: str) -> Path:
-        if name not in made:
-            family, overrides = VARIANTS.get(name, (name, {}))
-            made[name] = build_checkpoint(make_config(family, **overrides), tmp_path_factory.mktemp(name))
-        return made[name]
-
-    return get
+    return built_once(tmp_path_factory, build)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def pair(request, checkpoint):
-    return pair_of(checkpoint(request.param))
+    return ours_and_transformers(checkpoint(request.param))
 
 
 def assert_greedy_match(ours, hf, lengths, chunks: int = 1, seed: int = 7) -> None:
@@ -169,7 +160,7 @@ def test_logits_match_transformers(pair):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_config_variants_match_transformers(variant, checkpoint):
-    ours, hf = pair_of(checkpoint(variant))
+    ours, hf = ours_and_transformers(checkpoint(variant))
     assert_logits_match(ours, hf)
     assert_greedy_match(ours, hf, lengths=[23, 6], chunks=2)
 
@@ -209,7 +200,7 @@ def partial_rotary_transformers(hf, rotary_dim: int, monkeypatch) -> None:
 def test_minimax_rotary_on_half_of_each_head(field, tmp_path, monkeypatch):
     """The released configs' ``rotary_dim`` 64 of 128 (or the same as a partial factor) against transformers
     with partial rotary put in."""
-    ours, hf = pair_of(build_checkpoint(make_config("minimax", **field), tmp_path))
+    ours, hf = ours_and_transformers(build_checkpoint(make_config("minimax", **field), tmp_path))
     assert ours.model.layers[2].self_attn.rotary_emb.rotary_dim == 8
     partial_rotary_transformers(hf, 8, monkeypatch)
     assert_logits_match(ours, hf)

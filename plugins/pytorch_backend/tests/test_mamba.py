@@ -21,7 +21,9 @@ from core_pytorch_backend.models.mamba_mixer import MambaMixer, MixerSizes, sele
 from core_pytorch_backend.testing import (
     TINY_VOCAB,
     assert_logits_close,
+    built_once,
     hf_greedy,
+    ours_and_transformers,
     paged_greedy,
     prompt_logits,
     random_prompts,
@@ -89,10 +91,7 @@ class Pair:
     """Our model and transformers' of one checkpoint; transformers' greedy tokens kept by prompt."""
 
     def __init__(self, path: Path):
-        from transformers import AutoModelForCausalLM
-
-        self.ours = load_checkpoint(path, dtype="float32").model
-        self.hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.ours, self.hf = ours_and_transformers(path)
         self.cache: dict[tuple[int, ...], list[int]] = {}
 
     def expected(self, prompts: list[list[int]]) -> list[list[int]]:
@@ -104,14 +103,7 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    made: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in made:
-            made[name] = _build(tmp_path_factory.mktemp(name), name)
-        return made[name]
-
-    return get
+    return built_once(tmp_path_factory, lambda name, folder: _build(folder, name))
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

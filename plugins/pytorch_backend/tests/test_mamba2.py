@@ -27,7 +27,9 @@ from core_pytorch_backend.testing import (
     TINY_VOCAB,
     allocate_poisoned_states,
     assert_logits_close,
+    built_once,
     hf_greedy,
+    ours_and_transformers,
     paged_greedy,
     prompt_logits,
     random_prompts,
@@ -124,26 +126,12 @@ def _build(name: str, folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    made: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in made:
-            made[name] = _build(name, tmp_path_factory.mktemp(name))
-        return made[name]
-
-    return get
-
-
-def _pair(path: Path):
-    from transformers import AutoModelForCausalLM
-
-    ours = load_checkpoint(path, dtype="float32").model
-    return ours, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return built_once(tmp_path_factory, _build)
 
 
 @pytest.fixture(scope="module", params=PARITY)
 def pair(request, checkpoint):
-    return _pair(checkpoint(request.param))
+    return ours_and_transformers(checkpoint(request.param))
 
 
 def test_single_sequence_matches_transformers(pair):
@@ -180,7 +168,7 @@ def test_logits_match_transformers(pair):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_config_variants_match_transformers(variant, checkpoint):
-    ours, hf = _pair(checkpoint(variant))
+    ours, hf = ours_and_transformers(checkpoint(variant))
     prompts = random_prompts([23, 6], seed=7)
     assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=2) == [hf_greedy(hf, p) for p in prompts]
 

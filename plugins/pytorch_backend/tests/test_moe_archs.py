@@ -16,7 +16,9 @@ from core_pytorch_backend.layers import allocate_kv_caches, unbind_kv_caches
 from core_pytorch_backend.loader import load_checkpoint
 from core_pytorch_backend.testing import (
     TINY_VOCAB,
+    built_once,
     hf_greedy,
+    ours_and_transformers,
     paged_greedy,
     random_prompts,
     reinit_,
@@ -117,26 +119,12 @@ def _build(name: str, folder: Path, **overrides) -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    made: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in made:
-            made[name] = _build(name, tmp_path_factory.mktemp(name))
-        return made[name]
-
-    return get
-
-
-def _pair(path: Path, **load):
-    from transformers import AutoModelForCausalLM
-
-    ours = load_checkpoint(path, dtype="float32", **load).model
-    return ours, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return built_once(tmp_path_factory, _build)
 
 
 @pytest.fixture(scope="module", params=PARITY)
 def pair(request, checkpoint):
-    return _pair(checkpoint(request.param))
+    return ours_and_transformers(checkpoint(request.param))
 
 
 def test_single_sequence_matches_transformers(pair):
@@ -171,7 +159,7 @@ def test_logits_match_transformers(pair):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_config_variants_match_transformers(variant, checkpoint):
-    ours, hf = _pair(checkpoint(variant))
+    ours, hf = ours_and_transformers(checkpoint(variant))
     prompts = random_prompts([23, 6], seed=7)
     assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=2) == [hf_greedy(hf, p) for p in prompts]
 
@@ -208,7 +196,7 @@ def test_phimoe_longrope_past_its_original_context_matches_transformers_for_long
     """Served past the original context (max_model_len), every position takes long_mscale (and the short
     factors): transformers' PhiMoE for a prompt longer than the original context."""
     path = checkpoint("phimoe-longrope")
-    ours, hf = _pair(path, max_model_len=256)
+    ours, hf = ours_and_transformers(path, max_model_len=256)
     prompts = random_prompts([48 + 9, 48 + 30], seed=6)
     assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=2) == [hf_greedy(hf, p) for p in prompts]
     assert load_checkpoint(path, dtype="float32").max_model_len == 48

@@ -20,7 +20,7 @@ from core.testing.contract import assert_idle, wait_idle
 from core_pytorch_backend.backend import PytorchBackend
 from core_pytorch_backend.layers.recurrent import recurrent_layers
 from core_pytorch_backend.model_runner import BLOCKS_WITHOUT_KV
-from core_pytorch_backend.testing import TINY_VOCAB, hf_greedy, reinit_, tiny_tokenizer
+from core_pytorch_backend.testing import TINY_VOCAB, built_once, hf_greedy, reinit_, tiny_tokenizer
 
 GREEDY = GenerationConfig(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 COMMON = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=4, bos_token_id=257, eos_token_id=258,
@@ -60,14 +60,7 @@ def _build(name: str, folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    made: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in made:
-            made[name] = _build(name, tmp_path_factory.mktemp(name))
-        return made[name]
-
-    return get
+    return built_once(tmp_path_factory, _build)
 
 
 _HF: dict[Path, torch.nn.Module] = {}
