@@ -215,8 +215,7 @@ def copy_state_slots(model: nn.Module, copies: list[tuple[int, int]]) -> None:
     """Copy slot ``src`` to ``dst`` in every recurrent layer's states (a forked sequence's)."""
     if not copies:
         return
+    src, dst = (list(slots) for slots in zip(*copies, strict=True))
     for layer in recurrent_layers(model):
         for state in layer.bound_states():
-            src = torch.tensor([s for s, _ in copies], device=state.device)
-            dst = torch.tensor([d for _, d in copies], device=state.device)
             state[dst] = state[src]
