@@ -34,12 +34,14 @@ from core_pytorch_backend.prompt_logprobs import score_tokens
 from core_pytorch_backend.request_state import RequestState
 from core_pytorch_backend.sampling import ArgmaxKernel, SampleKernel, SamplingBatch, SamplingRow, sample
 from core_pytorch_backend.speculative import SpeculativeDecoder
-from core_pytorch_backend.step_inputs import PromptRows
+from core_pytorch_backend.step_inputs import PromptRows, StepInputs, StepLogits, narrowed
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_SECONDS = 0.5  # also how long the loop is idle, after steps, before it trims the heap
 Scored = list[tuple[PromptRows, list[TokenLogprob]]]  # a step's prompt rows and their scored entries
 Pooled = list[tuple[PromptRows, torch.Tensor]]  # a step's pooling rows and their hidden states
+# a forward pass's outputs: the sampling chunks, each one's sampler rows, the sampler's result, prompt scores, pooled
+Outputs = tuple[list[ScheduledSequence], list[list[int]], Any, Scored, Pooled]
 
 
 class EngineLoop:
@@ -320,13 +322,24 @@ class EngineLoop:
         self._run_chunks(out.scheduled)
 
     def _run_chunks(self, chunks: list[ScheduledSequence]) -> None:
-        """Forward and sample `chunks`, then record the results; a failure of the forward or the
-        sampler is isolated to the requests that cause it (`_isolate_failure`)."""
+        """Forward `chunks`, then sample them and record the results. A failure is isolated to the requests
+        that cause it: a failed forward by running the step again in halves (`_isolate_failure`); a failed
+        sampler, prompt scoring or pooling request by request on the same forward (`_record_each`)."""
         try:
-            sampling, groups, result, scored, pooled = self._compute(chunks)
+            inputs, step = self._forward(chunks)
         except Exception as exc:
             self._isolate_failure(chunks, exc)
             return
+        try:
+            outputs = self._outputs(inputs, step)
+        except Exception as exc:
+            self._record_each(chunks, inputs, step, exc)
+            return
+        self._record(chunks, outputs)
+
+    def _record(self, chunks: list[ScheduledSequence], outputs: Outputs) -> None:
+        """Advance the scheduler by `chunks` and hand each request what its chunks produced."""
+        sampling, groups, result, scored, pooled = outputs
         tokens: dict[str, Any] = {c.seq.seq_id: self._sampled(c, [result.token_ids[r] for r in g])
                                   for c, g in zip(sampling, groups, strict=True)}
         pooled_ends = [c.seq for c in chunks if c.samples and self._pooling(c) is not None]
@@ -341,13 +354,16 @@ class EngineLoop:
         if sampling:
             self._emit(sampling, groups, result, tokens)
 
-    def _compute(self, chunks: list[ScheduledSequence]) -> tuple[list[ScheduledSequence], list[list[int]], Any, Scored,
-                                                                 Pooled]:
-        """The forward pass, the prompt scores, the hidden states to pool and the sampler: no scheduler
-        or request state changes, so it can be run again."""
+    def _forward(self, chunks: list[ScheduledSequence]) -> tuple[StepInputs, StepLogits]:
+        """The forward pass: it writes the chunks' KV (the same values when run again) and advances a
+        recurrent model's states (which running it again would advance twice)."""
         inputs = self.runner.prepare(chunks, self._scoring_prompts(chunks), self._pooling_positions(chunks),
                                      self._chunk_adapter_slots(chunks))
-        step = self.runner.forward(inputs)
+        return inputs, self.runner.forward(inputs)
+
+    def _outputs(self, inputs: StepInputs, step: StepLogits) -> Outputs:
+        """The prompt scores, the hidden states to pool and the sampler's tokens of a forward pass: no
+        scheduler, request or model state changes, so it can be computed again on any part of the step."""
         scored = self._score_prompts(inputs.prompt_rows, step.prompt_hidden)
         pooled = _split_rows(inputs.pooling_rows, step.pooling_hidden)
         logits = step.sample
@@ -359,6 +375,28 @@ class EngineLoop:
             logits = logits.index_select(0, torch.tensor(owners, device=logits.device))
         return sampling, groups, sample(logits, SamplingBatch.from_rows(rows, device=logits.device),
                                         self.sample_kernel, self.argmax_kernel), scored, pooled
+
+    def _record_each(self, chunks: list[ScheduledSequence], inputs: StepInputs, step: StepLogits,
+                     exc: Exception) -> None:
+        """The outputs of a forward pass failed: compute them request by request from the same forward. A
+        request that fails alone ends with the error; the others are recorded as if nothing happened (the
+        forward ran once, so a recurrent model's states are right for every one of them)."""
+        log.warning("a step's outputs failed (%r): computing them request by request", exc)
+        by_request: dict[int, list[ScheduledSequence]] = {}
+        for chunk in chunks:
+            if (state := self._owner(chunk)) is not None:
+                by_request.setdefault(id(state), []).append(chunk)
+        for group in by_request.values():
+            state = self._owner(group[0])
+            if state is None:  # (ended by an earlier request of this loop? only its own chunks end it)
+                continue
+            try:
+                outputs = self._outputs(*narrowed(inputs, step, {c.seq.seq_id for c in group}))
+            except Exception as alone:
+                log.error("request %s failed its engine step: %r", state.session_id, alone)
+                self._fail_request(state, alone)
+                continue
+            self._record(group, outputs)
 
     # -- speculative decoding (speculative/) -----------------------------------------------------------
 
@@ -433,10 +471,11 @@ class EngineLoop:
             state.prompt_scores.add(rows.first_position, entries)
 
     def _isolate_failure(self, chunks: list[ScheduledSequence], exc: Exception) -> None:
-        """A step failed: bisect. Each half runs again on its own; a request that fails alone ends with
-        the error, so one bad request costs the others a few recomputed steps, never their results. A model
-        with recurrent state cannot run a step again (its layers advanced each sequence's state as far as they
-        got): every request of the step ends with the error."""
+        """A forward pass failed: bisect. Each half runs again on its own; a request that fails alone ends
+        with the error, so one bad request costs the others a few recomputed steps, never their results. A
+        model with recurrent state cannot run a forward again (its layers advanced each sequence's state as
+        far as they got): every request of the step ends with the error. (What a request brings to a forward
+        is checked before it is admitted; a request's own failures are its outputs', `_record_each`.)"""
         states = {id(state): state for state in (self._owner(c) for c in chunks) if state is not None}
         if len(states) <= 1 or self.runner.has_recurrent_state:
             for state in states.values():

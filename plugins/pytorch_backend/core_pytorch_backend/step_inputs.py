@@ -1,6 +1,7 @@
 """What one forward pass takes and gives: the flat batch of a step (`StepInputs`), the rows of it whose
 hidden states a request keeps (`PromptRows`: to score prompt tokens, or to pool them into an embedding),
-and the logits and hidden states it returns (`StepLogits`).
+and the logits and hidden states it returns (`StepLogits`); `narrowed` cuts both down to some of the step's
+sequences (the engine loop computes a failed step's outputs request by request).
 
 Shared by the model runner, which builds and runs them, and by the parts that fill or replay a step
 (multimodal_inputs.py, cuda_graphs.py); it imports none of them.
@@ -8,7 +9,8 @@ Shared by the model runner, which builds and runs them, and by the parts that fi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -69,3 +71,34 @@ class StepLogits:
     sample: torch.Tensor
     prompt_hidden: torch.Tensor | None = None
     pooling_hidden: torch.Tensor | None = None
+
+
+def narrowed(inputs: StepInputs, step: StepLogits, seq_ids: Collection[str]) -> tuple[StepInputs, StepLogits]:
+    """The part of a step's inputs and of its forward pass's outputs that belongs to `seq_ids`: their
+    sampling chunks with their logits rows (1 + its drafts for a speculating chunk), their prompt rows and
+    pooling rows with their hidden states, in the step's order."""
+    sampling, logits_rows, row = [], [], 0
+    for chunk in inputs.sampling:
+        count = 1 + len(chunk.draft_token_ids)
+        if chunk.seq.seq_id in seq_ids:
+            sampling.append(chunk)
+            logits_rows.extend(range(row, row + count))
+        row += count
+    logits = step.sample.index_select(0, torch.tensor(logits_rows, dtype=torch.int64, device=step.sample.device))
+    prompt_rows, prompt_hidden = _kept_rows(inputs.prompt_rows, step.prompt_hidden, seq_ids)
+    pooling_rows, pooling_hidden = _kept_rows(inputs.pooling_rows, step.pooling_hidden, seq_ids)
+    return (replace(inputs, sampling=sampling, prompt_rows=prompt_rows, pooling_rows=pooling_rows),
+            StepLogits(logits, prompt_hidden, pooling_hidden))
+
+
+def _kept_rows(rows: tuple[PromptRows, ...], hidden: torch.Tensor | None,
+               seq_ids: Collection[str]) -> tuple[tuple[PromptRows, ...], torch.Tensor | None]:
+    """The entries of `rows` (whose hidden states lie concatenated in `hidden`, in order) of `seq_ids`."""
+    kept, pieces, offset = [], [], 0
+    for r in rows:
+        if r.seq_id in seq_ids:
+            assert hidden is not None
+            kept.append(r)
+            pieces.append(hidden[offset : offset + r.count])
+        offset += r.count
+    return tuple(kept), (torch.cat(pieces) if pieces else None)

@@ -1,7 +1,8 @@
 """A model with recurrent layers through the whole engine (LFM2: short convolutions beside attention; Mamba-2:
 no attention, no KV cache; Qwen3.5: gated DeltaNet beside attention): greedy parity with transformers under continuous batching and chunked prefill,
 preemption, n > 1 forks (a copied state), sleep cycles, no prefix cache, state slots back to none when idle,
-speculative decoding refused, and a failed step ending its requests without touching the next ones."""
+speculative decoding refused, a request that its sampler rejects failing alone (the others' outputs computed
+from the same forward pass), and a failed forward ending its requests without touching the next ones."""
 
 from __future__ import annotations
 
@@ -201,4 +202,36 @@ async def test_a_failed_step_ends_its_requests_and_the_next_ones_are_right(check
         await idle_without_slots(engine)
     finally:
         layer.forward = original
+        await engine.close()
+
+
+async def test_a_request_whose_sampling_fails_fails_alone(checkpoint):
+    """The sampler refuses one request of the step (a banned stop token outside the vocabulary, sent to the
+    backend directly): the others' tokens come from the same forward, so their states advance once."""
+    from core.backend import GenerateRequest
+
+    path = checkpoint("qwen3_5")
+    engine = engine_of(path)
+    prompts = prompts_of_different_lengths(4)
+    bad = GenerateRequest("bad", [5, 6, 7], GREEDY.replace(min_new_tokens=5), max_new_tokens=20,
+                          stop_token_ids=frozenset({TINY_VOCAB + 50}))
+
+    async def bad_request() -> list:
+        try:
+            return [output async for output in engine.backend.generate(bad)]
+        finally:
+            await engine.backend.end("bad")
+
+    try:
+        streams = [engine.generate(p, GREEDY) for p in prompts]
+        firsts = await asyncio.gather(*(stream.__anext__() for stream in streams))
+        failing = asyncio.ensure_future(bad_request())
+        responses = await asyncio.gather(*(collect(stream) for stream in streams))
+        with pytest.raises(BackendError, match="engine step failed"):
+            await failing
+        for prompt, first, response in zip(prompts, firsts, responses, strict=True):
+            assert response.finish_reason == "length"
+            assert first.token_ids + response.token_ids == reference(path, prompt)
+        await idle_without_slots(engine)
+    finally:
         await engine.close()
