@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from core.scheduling.block_manager import BlockManager
 from core.scheduling.sequence import Sequence, SequenceStatus
+from core.scheduling.state_cache import StateCache, snapshot_position
 from core.scheduling.state_slots import StateSlots
 
 
@@ -77,7 +78,10 @@ class SchedulerOutput:
     ``too_long`` sequences outgrew the whole KV cache: the scheduler finished
     them and freed their blocks; the engine reports them as length-stopped.
     ``state_copies`` are ``(src, dst)`` recurrent-state slot copies (forks of
-    a model with recurrent layers), also done before the forward.
+    a model with recurrent layers, and prefix-cache hits: a snapshot into the
+    sequence's slot), also done before the forward, after ``snapshot_copies``:
+    states kept by the state cache (the sequence's slot into a snapshot's),
+    which may overwrite a snapshot that ``state_copies`` then read.
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
@@ -85,6 +89,7 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     too_long: list[Sequence] = field(default_factory=list)
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    snapshot_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -112,15 +117,19 @@ class Scheduler:
 
     def __init__(
         self, block_manager: BlockManager, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-        state_slots: StateSlots | None = None,
+        state_slots: StateSlots | None = None, state_cache: StateCache | None = None,
     ) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if state_slots is not None and block_manager.enable_prefix_caching:
-            raise ValueError("a model with recurrent state cannot start a sequence from cached KV blocks: "
-                             "turn prefix caching off")
+        if state_slots is not None and block_manager.enable_prefix_caching and state_cache is None:
+            raise ValueError("a model with recurrent state cannot start a sequence from cached KV blocks alone: "
+                             "give a state cache or turn prefix caching off")
+        if state_cache is not None and (state_cache.slots is not state_slots
+                                        or not block_manager.enable_prefix_caching):
+            raise ValueError("a state cache takes the scheduler's state slots, with prefix caching on")
         self.block_manager = block_manager
         self.state_slots = state_slots  # a model with recurrent layers: one slot per running sequence
+        self.state_cache = state_cache  # and its prefix cache: state snapshots at block boundaries
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -129,6 +138,7 @@ class Scheduler:
         self._seqs: dict[str, Sequence] = {}
         self._pending_copies: list[tuple[int, int]] = []
         self._pending_state_copies: list[tuple[int, int]] = []
+        self._snapshot_copies: dict[int, int] = {}  # snapshot slot -> the slot its state comes from
 
     # ---------------------------------------------------------------- queues
 
@@ -206,7 +216,11 @@ class Scheduler:
             raise ValueError(f"sequence {child.seq_id!r} is already scheduled")
         self._pending_copies.extend(self.block_manager.fork(parent, child))
         if self.state_slots is not None:
-            self._pending_state_copies.append((parent.state_slot, self.state_slots.take(child)))
+            slot = self.state_slots.take(child)
+            if child.num_computed_tokens == parent.num_computed_tokens:
+                self._pending_state_copies.append((parent.state_slot, slot))
+            else:  # no block for a copy of the parent's partial block: its state is not the child's
+                self.block_manager.free(child)  # the child recomputes from its first token
         child.status = SequenceStatus.RUNNING
         self._seqs[child.seq_id] = child
         bisect.insort(self.running, child, key=_arrival)
@@ -222,8 +236,9 @@ class Scheduler:
         budget and free blocks allow. Drafts never preempt anyone: without
         room they are dropped and the sequence decodes one token.
         """
-        out = SchedulerOutput(block_copies=self._pending_copies, state_copies=self._pending_state_copies)
-        self._pending_copies, self._pending_state_copies = [], []
+        out = SchedulerOutput(block_copies=self._pending_copies, state_copies=self._pending_state_copies,
+                              snapshot_copies=[(src, dst) for dst, src in self._snapshot_copies.items()])
+        self._pending_copies, self._pending_state_copies, self._snapshot_copies = [], [], {}
         budget = self._schedule_running(out, self.max_num_batched_tokens, drafts or {})
         # After a preemption memory is tight: admitting now would only thrash.
         if not out.preempted:
@@ -241,7 +256,7 @@ class Scheduler:
                 self._cap(seq, out)
                 continue
             start = seq.num_computed_tokens
-            n = fit_chunk(seq, start, min(seq.num_tokens - start, budget))
+            n = self._fit(seq, start, min(seq.num_tokens - start, budget))
             if n <= 0:  # nothing sampled for it yet, or its span waits for a fuller budget
                 i += 1
                 continue
@@ -280,18 +295,62 @@ class Scheduler:
             if self._exceeds_cache(seq):
                 self._cap(seq, out)
                 continue
-            cached = bm.match_prefix(seq)
+            cached, snapshot = self._cached_start(seq)
             start = len(cached) * bm.block_size
-            n = fit_chunk(seq, start, min(seq.num_tokens - start, budget))
+            n = self._fit(seq, start, min(seq.num_tokens - start, budget))
             if n <= 0 or not bm.allocate(seq, n, cached):
                 break  # FCFS: nobody overtakes the head of the queue
             waiting.popleft()
             if self.state_slots is not None:
                 self.state_slots.take(seq)
+                if snapshot is not None:
+                    out.state_copies.append((snapshot, seq.state_slot))
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)
             out.scheduled.append(ScheduledSequence(seq, n))
             budget -= n
+
+    def _cached_start(self, seq: Sequence) -> tuple[list[int], int | None]:
+        """The cached blocks ``seq`` starts from and, for a model with recurrent state, the snapshot slot of
+        the state after them: the KV prefix cut back to the deepest boundary with a snapshot."""
+        cached = self.block_manager.match_prefix(seq)
+        if self.state_cache is None or not cached:
+            return cached, None
+        hit = self.state_cache.lookup(seq.block_hashes[: len(cached)])
+        if hit is None:
+            return [], None
+        blocks, slot = hit
+        return cached[:blocks], slot
+
+    def _fit(self, seq: Sequence, start: int, n: int) -> int:
+        """``fit_chunk``, and with a state cache a prompt's chunk ends at its snapshot position."""
+        n = fit_chunk(seq, start, n)
+        if self.state_cache is not None:
+            at = snapshot_position(seq.num_prompt_tokens, self.block_manager.block_size)
+            if start < at < start + n:
+                cut = fit_chunk(seq, start, at - start)
+                n = cut if cut > 0 else n  # (an atomic span across it: no snapshot there)
+        return n
+
+    def _keep_state(self, chunk: ScheduledSequence) -> None:
+        """A chunk that ended at its prompt's snapshot position: keep the state there (state_cache.py)."""
+        seq, bs = chunk.seq, self.block_manager.block_size
+        at = snapshot_position(seq.num_prompt_tokens, bs)
+        if self.state_cache is None or at == 0 or seq.num_computed_tokens != at or chunk.start >= at:
+            return
+        assert seq.state_slot is not None
+        copy = self.state_cache.store(self.block_manager.block_hash(seq, at // bs - 1), seq.state_slot)
+        if copy is not None:
+            src, dst = copy
+            self._snapshot_copies[dst] = src  # (a snapshot evicted again before the copy: the later wins)
+
+    def forget_cached(self) -> None:
+        """Drop the prefix cache, KV blocks and state snapshots (their memory is about to go); nothing
+        may hold a block."""
+        self.block_manager.reset()
+        if self.state_cache is not None:
+            self.state_cache.clear()
+        self._snapshot_copies = {}
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         # Recompute, not swap: drop the KV, keep the tokens (outputs included);
@@ -346,6 +405,7 @@ class Scheduler:
                 continue
             seq.num_computed_tokens = s.start + s.num_new_tokens
             bm.cache_computed_blocks(seq)
+            self._keep_state(s)
             if token is not None:
                 seq.append_token(token)
             elif s.samples:

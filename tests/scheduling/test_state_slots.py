@@ -55,11 +55,6 @@ def test_lowest_free_slot_first_and_release_is_idempotent():
         slots.take(c)
 
 
-def test_prefix_caching_is_refused_with_state_slots():
-    with pytest.raises(ValueError, match="prefix caching"):
-        Scheduler(BlockManager(8, 4), state_slots=StateSlots())
-
-
 def test_finish_abort_and_preemption_give_the_slot_back():
     sched = scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
     model = FakeRecurrentModel()

@@ -35,7 +35,7 @@ from core_pytorch_backend.kernels import kv_int8, select_ops
 from core_pytorch_backend.layers.recurrent import recurrent_layers, state_bytes_per_sequence
 from core_pytorch_backend.loader import LoadedModel, default_model_path, load_checkpoint
 from core_pytorch_backend.lora.manager import AdapterManager
-from core_pytorch_backend.model_runner import ModelRunner, kv_cache_blocks
+from core_pytorch_backend.model_runner import ModelRunner, kv_cache_blocks, state_snapshot_budget
 from core_pytorch_backend.native import tile_rows
 from core_pytorch_backend.native_decode import make_native_decode
 from core_pytorch_backend.pooled_prompt import PooledPrompt
@@ -134,7 +134,7 @@ class PytorchBackend(Backend):
         self.ops = self._select_ops()  # chosen once; a level-2 wakeup reloads the weights onto the same set
         self.tp = TensorParallel.from_config(config, self.device)  # None unless --tensor-parallel-size > 1
         loaded = self._load()
-        self._check_recurrent_state(loaded.model)
+        snapshots = self._check_recurrent_state(loaded.model)
         self.tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
         kv_dtype = kv_int8.DTYPE if self.options.kv_cache_dtype == "int8" else loaded.kv_cache_dtype
@@ -166,7 +166,7 @@ class PytorchBackend(Backend):
                                    architectures=self._architectures, ops_kind=self.ops.name)
         self.loop = EngineLoop(runner, max_model_len=max_len, max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=max(config.max_num_batched_tokens, 1),
-                               enable_prefix_caching=config.enable_prefix_caching,
+                               enable_prefix_caching=config.enable_prefix_caching, state_snapshots=snapshots,
                                sample_kernel=getattr(self.ops, "sample_tokens", None),
                                argmax_kernel=getattr(self.ops, "argmax_rows", None), adapters=self.lora,
                                speculative=speculative)
@@ -187,13 +187,14 @@ class PytorchBackend(Backend):
         except NotImplementedError as exc:  # a setting of the checkpoint no layer implements (e.g. a rope type)
             raise UnsupportedError(f"{self.source}: {exc}") from exc
 
-    def _check_recurrent_state(self, model: torch.nn.Module) -> None:
+    def _check_recurrent_state(self, model: torch.nn.Module) -> int:
         """A model with recurrent layers (Mamba, gated DeltaNet, short convolutions) keeps one state per sequence
-        that only its tokens in order rebuild: its sequences start at their first token (no prefix cache) and
-        never advance by guesses (no speculative decoding); its layers are not sharded across ranks."""
+        that only its tokens in order rebuild: it never advances by guesses (no speculative decoding), its layers
+        are not sharded across ranks, and a sequence starts from cached KV blocks only where a snapshot of its
+        state was kept. How many snapshots the prefix cache keeps (0: none, or no recurrent layers)."""
         layers = recurrent_layers(model)
         if not layers:
-            return
+            return 0
         if self.config.speculative is not None:
             raise UnsupportedError(f"{self.source}: speculative decoding is not supported for a model with recurrent "
                                    "layers (a rejected draft would have advanced their state)", param="speculative")
@@ -201,8 +202,13 @@ class PytorchBackend(Backend):
             raise UnsupportedError(f"{self.source}: tensor parallelism does not shard recurrent layers yet",
                                    param="tensor_parallel_size")
         per_seq = state_bytes_per_sequence(model, next(model.parameters()).dtype)
-        log.info("recurrent state: %.1f MiB per sequence in %d layers; prefix caching off (cached KV blocks do "
-                 "not restore a recurrent state)", per_seq / 2**20, len(layers))
+        budget = state_snapshot_budget(self.device, self.config.kv_cache_memory_gib,
+                                       self.options.kv_cache_memory_fraction)
+        snapshots = min(self.config.max_num_seqs, int(budget // per_seq)) if self.config.enable_prefix_caching else 0
+        log.info("recurrent state: %.1f MiB per sequence in %d layers; prefix caching %s", per_seq / 2**20,
+                 len(layers), f"keeps up to {snapshots} state snapshots ({snapshots * per_seq / 2**20:.0f} MiB) at "
+                 "prompts' last block boundaries" if snapshots else "off")
+        return snapshots
 
     def _select_ops(self) -> Any:
         """The op set the model's layers run on; a backend with its own kernels overrides this."""

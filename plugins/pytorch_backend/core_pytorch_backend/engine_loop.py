@@ -25,7 +25,15 @@ from core.backend import BackendStats, EndResult, FinishReason, TokenLogprob
 from core.channel import batched_sends
 from core.errors import BackendError, ModelNotFoundError
 from core.memory import trim_heap
-from core.scheduling import BlockManager, ScheduledSequence, Scheduler, SchedulerOutput, Sequence, StateSlots
+from core.scheduling import (
+    BlockManager,
+    ScheduledSequence,
+    Scheduler,
+    SchedulerOutput,
+    Sequence,
+    StateCache,
+    StateSlots,
+)
 from core_pytorch_backend.lora.manager import AdapterManager
 from core_pytorch_backend.model_runner import ModelRunner
 from core_pytorch_backend.multimodal_inputs import SequenceImages, cache_keys
@@ -48,7 +56,7 @@ class EngineLoop:
     """Owns the scheduler and the model runner; see the module docstring."""
 
     def __init__(self, runner: ModelRunner, *, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, enable_prefix_caching: bool,
+                 max_num_batched_tokens: int, enable_prefix_caching: bool, state_snapshots: int = 0,
                  sample_kernel: SampleKernel | None = None, argmax_kernel: ArgmaxKernel | None = None,
                  adapters: AdapterManager | None = None, speculative: SpeculativeDecoder | None = None) -> None:
         self.runner = runner
@@ -60,14 +68,16 @@ class EngineLoop:
         self.sample_kernel = sample_kernel  # the op set's fused sampler, if it has one
         self.argmax_kernel = argmax_kernel  # and its argmax of the greedy rows
         self.max_model_len = max_model_len
-        # a model with recurrent state starts every sequence at its first token: no prefix cache (the backend says so)
+        # a model with recurrent state starts a sequence from cached blocks only with a snapshot of its state
+        # there: `state_snapshots` of them at most (core/scheduling/state_cache.py), none: no prefix cache
         recurrent = runner.has_recurrent_state
-        self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
-                                          enable_prefix_caching and not recurrent,
+        caching = enable_prefix_caching and (not recurrent or state_snapshots > 0)
+        self.block_manager = BlockManager(runner.num_blocks, runner.block_size, caching,
                                           lazy_memory=runner.kv_memory_is_lazy)
+        slots = StateSlots() if recurrent else None
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max(max_num_batched_tokens, 1),
-                                   state_slots=StateSlots() if recurrent else None)
+                                   max_num_batched_tokens=max(max_num_batched_tokens, 1), state_slots=slots,
+                                   state_cache=StateCache(slots, state_snapshots) if slots and caching else None)
         self.requests: dict[str, RequestState] = {}  # in flight
         self.known: set[str] = set()  # generated for and not yet ended
         self._by_seq: dict[str, tuple[RequestState, int]] = {}
@@ -298,7 +308,7 @@ class EngineLoop:
     def sleep(self, level: int) -> None:
         """Abort everything in flight, forget the cached blocks, and let the runner free its memory."""
         self.abort_all()
-        self.block_manager.reset()  # nothing holds a block now; the cache they index is about to go
+        self.scheduler.forget_cached()  # nothing holds a block now; the memory the cache indexes is about to go
         self.runner.sleep(level)
 
     def wakeup(self, tags: Iterable[str], load_model: Callable[[], torch.nn.Module]) -> None:
@@ -312,8 +322,8 @@ class EngineLoop:
         for seq in out.too_long:
             self._close_sequence(seq, FinishReason.LENGTH)
         self.runner.copy_blocks(out.block_copies)
-        if out.state_copies:
-            self.runner.copy_states(out.state_copies)
+        self.runner.copy_states(out.snapshot_copies)  # first: they may overwrite what state_copies read
+        self.runner.copy_states(out.state_copies)
         if not out.scheduled:
             return
         if not self.runner.has_kv_cache:

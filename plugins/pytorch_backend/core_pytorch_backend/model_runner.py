@@ -65,19 +65,33 @@ def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dty
     return sum(2 * math.prod(shape) * dtype.itemsize for shape in shapes)
 
 
+def kv_cache_budget(device: torch.device, memory_gib: float | None, memory_fraction: float) -> float:
+    """Bytes the KV cache may take: an absolute GiB size, else a fraction of free GPU memory, else the CPU's
+    default."""
+    if memory_gib is not None:
+        return memory_gib * 2**30
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free * memory_fraction
+    return DEFAULT_CPU_KV_CACHE_GIB * 2**30
+
+
+def state_snapshot_budget(device: torch.device, memory_gib: float | None, memory_fraction: float) -> float:
+    """Bytes a recurrent model's prefix-cache state snapshots may take (core/scheduling/state_cache.py): a
+    quarter of the KV cache's budget; on a GPU without a GiB size, half the memory the KV cache leaves free."""
+    if memory_gib is None and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free * (1 - memory_fraction) / 2
+    return kv_cache_budget(device, memory_gib, memory_fraction) / 4
+
+
 def kv_cache_blocks(model: torch.nn.Module, block_size: int, dtype: torch.dtype, device: torch.device,
                     memory_gib: float | None, memory_fraction: float) -> int:
     """How many blocks fit the budget: an absolute GiB size, else a fraction of free GPU memory."""
     per_block = kv_bytes_per_block(model, block_size, dtype)
     if per_block == 0:
         return BLOCKS_WITHOUT_KV
-    if memory_gib is not None:
-        budget = memory_gib * 2**30
-    elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = free * memory_fraction
-    else:
-        budget = DEFAULT_CPU_KV_CACHE_GIB * 2**30
+    budget = kv_cache_budget(device, memory_gib, memory_fraction)
     blocks = int(budget // per_block)
     if blocks < 1:
         raise ValueError(f"the KV-cache budget ({budget / 2**20:.1f} MiB) holds no block of {per_block} bytes")
@@ -225,7 +239,8 @@ class ModelRunner:
             v_cache[dst] = v_cache[src]
 
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
-        """Copy recurrent-state slots (src -> dst) in every recurrent layer: a forked sequence's."""
+        """Copy recurrent-state slots (src -> dst) in every recurrent layer, all read before any is written: a
+        forked sequence's, a state snapshot kept or restored (core/scheduling/state_cache.py)."""
         if copies:
             self._hold_state_slots(slot for copy in copies for slot in copy)
             copy_state_slots(self.model, list(copies))

@@ -1,6 +1,7 @@
 """A model with recurrent layers through the whole engine (LFM2: short convolutions beside attention; Mamba-2:
 no attention, no KV cache; Qwen3.5: gated DeltaNet beside attention): greedy parity with transformers under continuous batching and chunked prefill,
-preemption, n > 1 forks (a copied state), sleep cycles, no prefix cache, state slots back to none when idle,
+preemption, n > 1 forks (a copied state), sleep cycles, prefix caching through state snapshots (multi-turn
+conversations start from the last one's prompt), state slots back to none when idle but the snapshots',
 speculative decoding refused, a request that its sampler rejects failing alone (the others' outputs computed
 from the same forward pass), and a failed forward ending its requests without touching the next ones."""
 
@@ -89,8 +90,11 @@ async def generate_all(engine: AsyncEngine, prompts, config=GREEDY):
 
 
 async def idle_without_slots(engine: AsyncEngine) -> None:
+    """Idle, and the only state slots held are the prefix cache's snapshots."""
     assert_idle(engine, await wait_idle(engine))
-    assert engine.backend.loop.scheduler.state_slots.in_use == 0
+    scheduler = engine.backend.loop.scheduler
+    snapshots = len(scheduler.state_cache) if scheduler.state_cache is not None else 0
+    assert scheduler.state_slots.in_use == snapshots
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -151,18 +155,19 @@ async def test_n_choices_fork_the_state(checkpoint):
         await engine.close()
 
 
-async def test_no_prefix_cache_and_sleep_cycles_keep_outputs(checkpoint):
+async def test_prefix_cache_hits_and_sleep_cycles_keep_outputs(checkpoint):
     path = checkpoint("lfm2")
-    engine = engine_of(path)  # prefix caching is asked for (the default) and turned off
-    prompt = prompts_of_different_lengths(8)[6]
+    engine = engine_of(path)
+    prompt = prompts_of_different_lengths(8)[6]  # 33 tokens: its state is kept after 32 (2 blocks of 16)
     try:
         before = await collect(engine.generate(prompt, GREEDY))
         again = await collect(engine.generate(prompt, GREEDY))
         assert again.token_ids == before.token_ids == reference(path, prompt)
-        assert again.cached_tokens == 0 and engine.stats().prefix_cache_hits == 0
+        assert again.cached_tokens == 32 and engine.stats().prefix_cache_hits == 32
         for cycle in range(3):
             await engine.sleep(1 + cycle % 2)
             assert engine.backend.loop.runner.recurrent_states == []
+            assert len(engine.backend.loop.scheduler.state_cache) == 0
             await engine.wakeup(["weights"])
             await engine.wakeup(["kv_cache"])
             assert (await collect(engine.generate(prompt, GREEDY))).token_ids == before.token_ids
@@ -232,6 +237,47 @@ async def test_a_request_whose_sampling_fails_fails_alone(checkpoint):
         for prompt, first, response in zip(prompts, firsts, responses, strict=True):
             assert response.finish_reason == "length"
             assert first.token_ids + response.token_ids == reference(path, prompt)
+        await idle_without_slots(engine)
+    finally:
+        await engine.close()
+
+
+def conversation_turns(index: int, turns: int) -> list[list[int]]:
+    """A chat's prompts without the replies: turn t is turn t-1's prompt, its reply, then a new message."""
+    first = [(13 * index + 5 * j + 1) % 250 for j in range(18 + 9 * index)]
+    return [first, *([(7 * index + 3 * t + j) % 250 for j in range(4 + t)] for t in range(1, turns))]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+async def test_multi_turn_conversations_start_from_a_state_snapshot_and_match_transformers(checkpoint, name):
+    path = checkpoint(name)
+    engine = engine_of(path, max_num_batched_tokens=24)  # chunked prefill too
+    chats = [conversation_turns(i, 3) for i in range(3)]
+    try:
+        histories = [chat[0] for chat in chats]
+        for turn in range(3):
+            if turn:
+                histories = [h + chat[turn] for h, chat in zip(histories, chats, strict=True)]
+            responses = await generate_all(engine, histories)
+            for history, response in zip(histories, responses, strict=True):
+                assert response.token_ids == reference(path, history)
+                if turn:  # the last turn's prompt, up to its last block boundary, came from the cache
+                    assert response.cached_tokens >= 16
+            histories = [h + r.token_ids for h, r in zip(histories, responses, strict=True)]
+        await idle_without_slots(engine)
+    finally:
+        await engine.close()
+
+
+async def test_prefix_caching_off_keeps_no_snapshots(checkpoint):
+    path = checkpoint("qwen3_5")
+    engine = engine_of(path, enable_prefix_caching=False)
+    prompt = prompts_of_different_lengths(8)[6]
+    try:
+        for _ in range(2):
+            response = await collect(engine.generate(prompt, GREEDY))
+            assert response.token_ids == reference(path, prompt) and response.cached_tokens == 0
+        assert engine.backend.loop.scheduler.state_cache is None
         await idle_without_slots(engine)
     finally:
         await engine.close()

@@ -1,0 +1,172 @@
+"""Prefix caching for recurrent state: snapshots kept at prompts' last block boundaries, restored into a new
+sequence's slot on a prefix-cache hit; a simulated state (the tokens a slot has seen) must always be exactly
+the sequence's computed tokens, whatever hits, evictions, preemptions, aborts and forks happen."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from core.scheduling import BlockManager, Scheduler, Sequence, StateCache, StateSlots
+from core.scheduling.state_cache import snapshot_position
+
+
+class FakeRecurrentModel:
+    """State per slot: the tokens it has consumed. Copies are made as the backend makes them: a batch's
+    sources all read before any destination is written, snapshot copies before state copies."""
+
+    def __init__(self) -> None:
+        self.state: dict[int, list[int]] = {}
+
+    def copy(self, copies) -> None:
+        values = [list(self.state[src]) for src, _ in copies]
+        for (_, dst), value in zip(copies, values, strict=True):
+            self.state[dst] = value
+
+    def run(self, out) -> None:
+        self.copy(out.snapshot_copies)
+        self.copy(out.state_copies)
+        for chunk in out.scheduled:
+            seq = chunk.seq
+            if chunk.start == 0:
+                self.state[seq.state_slot] = []
+            assert self.state[seq.state_slot] == seq.token_ids[: chunk.start], f"{seq.seq_id}: state out of step"
+            self.state[seq.state_slot].extend(chunk.token_ids)
+
+
+def scheduler(num_blocks=64, block_size=4, snapshots=8, **kwargs) -> Scheduler:
+    slots = StateSlots()
+    return Scheduler(BlockManager(num_blocks, block_size), state_slots=slots,
+                     state_cache=StateCache(slots, snapshots), **kwargs)
+
+
+def run_to_end(sched: Scheduler, model: FakeRecurrentModel, new_tokens: int = 3) -> None:
+    """Steps until every sequence has `new_tokens` outputs, then finishes them."""
+    while sched.running or sched.waiting:
+        out = sched.schedule()
+        model.run(out)
+        sched.update(out, {s.seq.seq_id: 900 + s.seq.num_output_tokens for s in out.scheduled if s.samples})
+        for seq in list(sched.running):
+            if seq.num_output_tokens >= new_tokens:
+                sched.finish(seq)
+
+
+def test_snapshot_position_is_the_last_block_boundary_before_the_final_token():
+    assert [snapshot_position(n, 4) for n in (1, 4, 5, 8, 9, 10)] == [0, 0, 4, 4, 8, 8]
+
+
+def test_lookup_takes_the_deepest_snapshot_and_eviction_is_lru():
+    slots = StateSlots()
+    cache = StateCache(slots, capacity=2)
+    assert cache.store(b"a", 7) == (7, 0) and cache.store(b"b", 7) == (7, 1)
+    assert cache.store(b"a", 9) is None  # kept already
+    assert cache.lookup([b"a", b"b", b"c"]) == (2, 1) and cache.lookup([b"x", b"a"]) == (2, 0)
+    assert cache.lookup([b"c"]) is None
+    assert cache.store(b"c", 7) == (7, 1)  # "b" was used least recently: its slot is reused
+    assert cache.lookup([b"b"]) is None and len(cache) == 2 and slots.in_use == 2
+    cache.clear()
+    assert len(cache) == 0 and slots.in_use == 0
+    assert StateCache(StateSlots(), capacity=0).store(b"a", 1) is None
+
+
+def test_a_prompt_is_cut_at_its_snapshot_and_the_next_turn_starts_there():
+    sched = scheduler(block_size=4, max_num_batched_tokens=64)
+    model = FakeRecurrentModel()
+    first = Sequence("a", range(10))  # snapshot at 8: chunks [0, 8) and [8, 10)
+    sched.add(first)
+    out = sched.schedule()
+    assert [(c.start, c.num_new_tokens) for c in out.scheduled] == [(0, 8)]
+    model.run(out)
+    sched.update(out, {})
+    out = sched.schedule()
+    assert out.snapshot_copies == [(first.state_slot, 1)] and [(c.start, c.num_new_tokens) for c in out.scheduled] == [
+        (8, 2)]
+    model.run(out)
+    sched.update(out, {"a": 50})
+    run_to_end(sched, model)
+    # the next turn: the conversation so far and a new message
+    second = Sequence("b", [*first.token_ids, 51, 52, 53, 54, 55, 56])
+    sched.add(second)
+    out = sched.schedule()
+    assert second.num_cached_tokens == 8 and out.state_copies == [(1, second.state_slot)]
+    assert [(c.start, c.num_new_tokens) for c in out.scheduled] == [(8, 8)]  # up to its own snapshot at 16
+    model.run(out)
+    sched.update(out, {})
+    run_to_end(sched, model)
+    assert sched.state_slots.in_use == len(sched.state_cache) == 2
+
+
+def test_a_hit_without_a_snapshot_starts_from_the_deepest_one_or_from_zero():
+    sched = scheduler(block_size=4, snapshots=1, max_num_batched_tokens=64)
+    model = FakeRecurrentModel()
+    for name, prompt in (("a", range(10)), ("b", range(14))):  # snapshots at 8 then 12 (capacity 1: 8 goes)
+        sched.add(Sequence(name, prompt))
+        run_to_end(sched, model)
+    c = Sequence("c", range(11))  # its KV blocks up to 8 are cached, but no snapshot there any more
+    sched.add(c)
+    out = sched.schedule()
+    assert c.num_cached_tokens == 0 and out.state_copies == [] and out.scheduled[0].start == 0
+    model.run(out)
+
+
+def test_prefix_caching_needs_a_state_cache_on_the_same_slots():
+    with pytest.raises(ValueError, match="state cache"):
+        Scheduler(BlockManager(8, 4), state_slots=StateSlots())
+    with pytest.raises(ValueError, match="state slots"):
+        Scheduler(BlockManager(8, 4), state_slots=StateSlots(), state_cache=StateCache(StateSlots(), 2))
+
+
+def test_forget_cached_gives_the_snapshots_back():
+    sched = scheduler()
+    model = FakeRecurrentModel()
+    sched.add(Sequence("a", range(10)))
+    run_to_end(sched, model)
+    assert len(sched.state_cache) == 1
+    sched.forget_cached()
+    assert len(sched.state_cache) == 0 and sched.state_slots.in_use == 0
+    assert sched.block_manager.num_cached_blocks == 0 and sched.schedule().snapshot_copies == []
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_randomised_loop_with_shared_prefixes_keeps_each_state_in_step(seed):
+    rng = random.Random(seed)
+    sched = scheduler(num_blocks=rng.randrange(16, 48), block_size=rng.choice([1, 2, 4, 8]),
+                      snapshots=rng.choice([1, 2, 8]), max_num_seqs=rng.choice([2, 4, 64]),
+                      max_num_batched_tokens=rng.choice([8, 32, 256]))
+    capacity = sched.block_manager.num_blocks * sched.block_manager.block_size
+    model = FakeRecurrentModel()
+    budget: dict[str, int] = {}
+    finished: list[list[int]] = []  # conversations so far: later prompts continue them
+    for step in range(400):
+        if step < 300 and rng.random() < 0.4:
+            tail = [rng.randrange(1000) for _ in range(rng.randrange(1, 12))]
+            start = list(rng.choice(finished)) if finished and rng.random() < 0.7 else []
+            tokens = (start + tail)[: min(60, capacity - 1)]
+            seq = Sequence(f"r{step}", tokens)
+            budget[seq.seq_id] = seq.num_tokens + rng.randrange(1, 12)
+            sched.add(seq)
+        out = sched.schedule()
+        model.run(out)
+        sched.update(out, {s.seq.seq_id: rng.randrange(1000) for s in out.scheduled if s.samples})
+        for seq in list(sched.running):
+            if seq.num_tokens >= budget.get(seq.seq_id, 0):
+                finished.append(list(seq.token_ids))
+                sched.finish(seq)
+        if sched.running and rng.random() < 0.05:
+            sched.abort(rng.choice(sched.running).seq_id)
+        parents = [s for s in sched.running if s.num_output_tokens]
+        if parents and rng.random() < 0.1:
+            parent = rng.choice(parents)
+            child = parent.fork(f"{parent.seq_id}.{step}")
+            budget[child.seq_id] = child.num_tokens + rng.randrange(1, 8)
+            sched.fork(parent, child)
+        slots = [s.state_slot for s in sched.running]
+        assert None not in slots and len(set(slots)) == len(slots)
+        assert sched.state_slots.in_use == len(slots) + len(sched.state_cache)
+        assert len(sched.state_cache) <= sched.state_cache.capacity
+    while sched.has_unfinished:
+        for seq in list(sched.running) + list(sched.waiting):
+            sched.finish(seq)
+    assert sched.state_slots.in_use == len(sched.state_cache)
+    assert sched.block_manager.prefix_cache_hits > 0 or sched.state_cache.capacity == 1  # (seed 0: none)
