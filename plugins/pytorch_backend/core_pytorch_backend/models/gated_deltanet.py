@@ -159,12 +159,18 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             memory: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's L tokens (q, k [L, H, Dk], v [L, H, Dv], g, beta [L, H]) from its memory [H, Dk, Dv]:
-    (outputs [L, H, Dv], the memory after them), in chunks of ``chunk`` tokens (zero-padded: a padded token
-    neither decays nor writes the memory) as transformers' ``torch_chunk_gated_delta_rule`` computes them."""
+    (outputs [L, H, Dv], the memory after them), in chunks of ``chunk`` tokens as transformers'
+    ``torch_chunk_gated_delta_rule`` computes them, the last one shorter where L is not a multiple (transformers
+    pads it with zeros, which neither decay nor write the memory: the same sums)."""
     length = q.shape[0]
-    pad = -length % chunk
-    q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))  # [H, L', D]
-    g, beta = (F.pad(x.transpose(0, 1), (0, pad)) for x in (g, beta))  # [H, L']
+    whole = length - length % chunk
+    if 0 < whole < length:  # whole chunks, then the rest as one short chunk: nothing is computed on padding
+        out, memory = chunked(q[:whole], k[:whole], v[:whole], g[:whole], beta[:whole], memory, chunk)
+        rest, memory = chunked(q[whole:], k[whole:], v[whole:], g[whole:], beta[whole:], memory, chunk)
+        return torch.cat([out, rest]), memory
+    chunk = min(chunk, length)  # now a whole number of chunks
+    q, k, v = (x.transpose(0, 1) for x in (q, k, v))  # [H, L, D]
+    g, beta = (x.transpose(0, 1) for x in (g, beta))  # [H, L]
     heads = q.shape[0]
     q, k, v = (x.reshape(heads, -1, chunk, x.shape[-1]) for x in (q, k, v))  # [H, N, C, D]
     g, beta = (x.reshape(heads, -1, chunk) for x in (g, beta))
@@ -185,7 +191,7 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         fresh = values[:, i] - keys[:, i] @ memory  # what the memory does not predict yet
         out[:, i] = q[:, i] @ memory + inner[:, i] @ fresh
         memory = memory * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ fresh
-    return out.reshape(heads, -1, out.shape[-1])[:, :length].transpose(0, 1), memory
+    return out.reshape(heads, -1, out.shape[-1]).transpose(0, 1), memory
 
 
 def hybrid_layer_types(config: Any, family: str) -> list[str]:

@@ -201,10 +201,15 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Ten
     heads, head_dim], dt [L, heads], b and c [L, groups, state], ``start`` its state [heads, head_dim, state].
     Returns (y [L, heads, head_dim] without D x, the state after the last token)."""
     length, heads, _ = x.shape
-    pad = -length % chunk
+    whole = length - length % chunk
+    if 0 < whole < length:  # whole chunks, then the rest as one short chunk: nothing is computed on padding
+        y, state = ssd_chunked(x[:whole], dt[:whole], a, b[:whole], c[:whole], start, chunk)
+        rest, state = ssd_chunked(x[whole:], dt[whole:], a, b[whole:], c[whole:], state, chunk)
+        return torch.cat([y, rest]), state
+    chunk = min(chunk, length)  # now a whole number of chunks
 
-    def chunks(t: torch.Tensor) -> torch.Tensor:  # [L, ...] -> [chunks, chunk, ...], zero-padded
-        return F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)).view(-1, chunk, *t.shape[1:])
+    def chunks(t: torch.Tensor) -> torch.Tensor:  # [L, ...] -> [chunks, chunk, ...]
+        return t.reshape(-1, chunk, *t.shape[1:])
 
     xs = chunks(x * dt[..., None])
     bs, cs = chunks(_per_head(b, heads)), chunks(_per_head(c, heads))
@@ -219,7 +224,7 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Ten
     across = torch.exp(_segment_sums(F.pad(decays[..., -1], (1, 0))))  # [heads, chunks + 1, chunks + 1]
     states = torch.einsum("hij,jhpn->ihpn", across, states)  # the state entering each chunk, then the final one
     y = y + torch.einsum("clhn,chpn,hcl->clhp", cs, states[:-1], torch.exp(decays))
-    return y.reshape(-1, heads, x.shape[-1])[:length], states[-1]
+    return y.reshape(-1, heads, x.shape[-1]), states[-1]
 
 
 def mamba_fields_spec(config: Any, inner: int | None = None, **overrides: Any) -> MixerSpec:
