@@ -334,9 +334,11 @@ class Scheduler:
 
     def _keep_state(self, chunk: ScheduledSequence) -> None:
         """A chunk that ended at its prompt's snapshot position: keep the state there (state_cache.py)."""
+        if self.state_cache is None:
+            return
         seq, bs = chunk.seq, self.block_manager.block_size
         at = snapshot_position(seq.num_prompt_tokens, bs)
-        if self.state_cache is None or at == 0 or seq.num_computed_tokens != at or chunk.start >= at:
+        if at == 0 or seq.num_computed_tokens != at or chunk.start >= at:
             return
         assert seq.state_slot is not None
         copy = self.state_cache.store(self.block_manager.block_hash(seq, at // bs - 1), seq.state_slot)

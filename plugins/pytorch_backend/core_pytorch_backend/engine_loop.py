@@ -322,8 +322,10 @@ class EngineLoop:
         for seq in out.too_long:
             self._close_sequence(seq, FinishReason.LENGTH)
         self.runner.copy_blocks(out.block_copies)
-        self.runner.copy_states(out.snapshot_copies)  # first: they may overwrite what state_copies read
-        self.runner.copy_states(out.state_copies)
+        if out.snapshot_copies:  # first: they may overwrite what state_copies read
+            self.runner.copy_states(out.snapshot_copies)
+        if out.state_copies:  # (only a model with recurrent state has any: a tensor-parallel runner has none)
+            self.runner.copy_states(out.state_copies)
         if not out.scheduled:
             return
         if not self.runner.has_kv_cache:
@@ -398,7 +400,7 @@ class EngineLoop:
                 by_request.setdefault(id(state), []).append(chunk)
         for group in by_request.values():
             state = self._owner(group[0])
-            if state is None:  # (ended by an earlier request of this loop? only its own chunks end it)
+            if state is None:  # (defensive: recording or failing a request ends none but its own sequences)
                 continue
             try:
                 outputs = self._outputs(*narrowed(inputs, step, {c.seq.seq_id for c in group}))
