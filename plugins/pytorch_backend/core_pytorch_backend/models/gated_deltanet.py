@@ -169,20 +169,21 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         rest, memory = chunked(q[whole:], k[whole:], v[whole:], g[whole:], beta[whole:], memory, chunk)
         return torch.cat([out, rest]), memory
     chunk = min(chunk, length)  # now a whole number of chunks
-    q, k, v = (x.transpose(0, 1) for x in (q, k, v))  # [H, L, D]
-    g, beta = (x.transpose(0, 1) for x in (g, beta))  # [H, L]
-    heads = q.shape[0]
-    q, k, v = (x.reshape(heads, -1, chunk, x.shape[-1]) for x in (q, k, v))  # [H, N, C, D]
-    g, beta = (x.reshape(heads, -1, chunk) for x in (g, beta))
+    heads = q.shape[1]
+    # [H, N, C, D], contiguous once: the products below then read k transposed in place, never a copy of it
+    q, k, v = (x.transpose(0, 1).reshape(heads, -1, chunk, x.shape[-1]).contiguous() for x in (q, k, v))
+    g, beta = (x.transpose(0, 1).reshape(heads, -1, chunk) for x in (g, beta))
     k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
     decay = g.cumsum(-1)  # log of the decay from the chunk's start through each token
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     pairwise = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
     system = (k_beta @ k.transpose(-1, -2)) * pairwise  # its strict lower triangle: the UT transform's
     inner = (q @ k.transpose(-1, -2)) * pairwise
-    both = torch.cat([v_beta, k_beta * decay.exp().unsqueeze(-1)], dim=-1)
-    values, keys = torch.linalg.solve_triangular(system, both, upper=False, unitriangular=True).split(
-        [v.shape[-1], k.shape[-1]], dim=-1)
+    # the UT transform's inverse (I + strict lower triangle of system)^-1 [H, N, C, C], as transformers builds it,
+    # then applied to both right-hand sides: a C x C solve, not one of C x (Dv + Dk), and no concatenation
+    eye = torch.eye(chunk, dtype=system.dtype, device=system.device).expand_as(system)
+    inverse = torch.linalg.solve_triangular(system, eye, upper=False, unitriangular=True)
+    values, keys = inverse @ v_beta, inverse @ (k_beta * decay.exp().unsqueeze(-1))
     q = q * decay.exp().unsqueeze(-1)
     k = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
     chunk_decay = decay[..., -1].exp()[..., None, None]
