@@ -26,9 +26,10 @@ from core_pytorch_backend.backend import PytorchBackend
 from core_pytorch_backend.kernels import select_ops
 from core_pytorch_backend.layers.recurrent import Segment
 from core_pytorch_backend.loader import load_checkpoint
-from core_pytorch_backend.models.gated_deltanet import delta_rule
+from core_pytorch_backend.models.gated_deltanet import delta_rule, recurrent_step
 from core_pytorch_backend.models.qwen3_5 import Qwen3_5ForCausalLM
 from core_pytorch_backend.models.qwen3_next import Qwen3NextForCausalLM
+from core_pytorch_backend.native.library import available as native_kernels
 from core_pytorch_backend.testing import (
     TINY_VOCAB,
     hf_greedy,
@@ -282,6 +283,27 @@ def test_delta_rule_runs_each_segment_from_its_slot():
         torch.testing.assert_close(out[seg.rows], expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(memory[seg.slot], final, rtol=1e-5, atol=1e-5)
     assert torch.equal(memory[4], before[4])  # a slot no segment names is untouched
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_decode_step_matches_the_token_by_token_rule(native):
+    """`recurrent_step` on the native kernel (csrc/delta_rule.c) and on torch's ops, for decode rows of
+    Qwen3.5's head sizes, against the rule written out token by token; the memory is updated in place."""
+    if native and native_kernels() is None:
+        pytest.skip("the native CPU kernels cannot be built here")
+    gen = torch.Generator().manual_seed(1)
+    batch, heads, dk, dv = 5, 4, 128, 128
+    q, k = (normalize(torch.randn(batch, heads, dk, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(batch, heads, dv, generator=gen)
+    g, beta = -torch.rand(batch, heads, generator=gen), torch.rand(batch, heads, generator=gen)
+    memory = torch.randn(batch, heads, dk, dv, generator=gen)
+    before = memory.clone()
+    out, updated = recurrent_step(q, k, v, g, beta, memory, native=native)
+    assert updated is memory
+    for b in range(batch):
+        expected, final = _reference_rule(*(x[b : b + 1] for x in (q, k, v, g, beta)), before[b])
+        torch.testing.assert_close(out[b], expected[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(memory[b], final, rtol=1e-5, atol=1e-5)
 
 
 def test_settings_it_does_not_run_are_refused():

@@ -55,6 +55,8 @@ SIGNATURES: dict[str, list] = {
     "core_decoder_layers": [_P, _P, _L, _L, _P, _P, _I, _P, _P, _P, _L, _P],
     # logits, dtype, rows, vocabulary, out int64 [rows] (csrc/argmax.c)
     "core_argmax_rows": [_P, _I, _L, _L, _P],
+    # q, k, v, g, beta, state, (sequence, head) pairs, Dk, Dv, out: float32 (csrc/delta_rule.c)
+    "core_delta_rule_step": [_P, _P, _P, _P, _P, _P, _L, _L, _L, _P],
 }
 
 
