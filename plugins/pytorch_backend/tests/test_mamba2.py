@@ -22,7 +22,8 @@ from core_pytorch_backend.layers.recurrent import (
     unbind_recurrent_states,
 )
 from core_pytorch_backend.loader import load_checkpoint
-from core_pytorch_backend.models.mamba2_mixer import Mamba2Mixer, MixerSpec
+from core_pytorch_backend.models.mamba2_mixer import Mamba2Mixer, MixerSpec, ssd_step
+from core_pytorch_backend.native.library import available as native_kernels
 from core_pytorch_backend.testing import (
     TINY_VOCAB,
     allocate_poisoned_states,
@@ -252,6 +253,29 @@ def test_mixer_steps_that_mix_prompts_chunks_and_decode_rows_match_the_recurrenc
     for seq, parts in got.items():
         torch.testing.assert_close(torch.cat(parts), _recurrence(mixer, tokens[seq][: done[seq]]),
                                    rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_decode_step_matches_the_recurrence_written_out(native):
+    """`ssd_step` on the native kernel (csrc/ssd_step.c) and on torch's ops: 3 sequences x 6 heads in 3 groups,
+    a state size that is no multiple of a vector, against h' = a h + dt x B^T, y = h' C head by head."""
+    if native and native_kernels() is None:
+        pytest.skip("the native CPU kernels cannot be built here")
+    gen = torch.Generator().manual_seed(2)
+    batch, heads, head_dim, groups, size = 3, 6, 8, 3, 130
+    x = torch.randn(batch, heads, head_dim, generator=gen)
+    dt = torch.rand(batch, heads, generator=gen)
+    a = -torch.rand(heads, generator=gen)
+    b, c = (torch.randn(batch, groups, size, generator=gen) for _ in range(2))
+    state = torch.randn(batch, heads, head_dim, size, generator=gen)
+    before = state.clone()
+    y = ssd_step(state, x, dt, a, b, c, native=native)
+    for s in range(batch):
+        for h in range(heads):
+            g = h // (heads // groups)
+            expected = torch.exp(dt[s, h] * a[h]) * before[s, h] + dt[s, h] * torch.outer(x[s, h], b[s, g])
+            torch.testing.assert_close(state[s, h], expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(y[s, h], expected @ c[s, g], rtol=1e-5, atol=1e-4)
 
 
 # ---------------------------------------------------------------- refused at load

@@ -35,11 +35,13 @@ from ..layers.recurrent import (
     segments,
     store_states,
 )
+from ..native.library import available as native_kernels
 
 # The chunked form's chunk: any size gives the same sums but for rounding; the work within a chunk grows with its
 # square. Configs say 256 (the GPU kernels'); on a 2-core Zen 4 EPYC a 1,024-token prompt of a Granite-4.0-H
 # layer (48 heads, one thread) took 232-290 ms at 256 and 58 ms at 64, both within 4e-7 of a float64 reference.
 PROMPT_CHUNK = 64
+MAX_NATIVE_STATE = 1024  # csrc/ssd_step.c MAX_STATE
 
 
 @dataclass(frozen=True)
@@ -180,11 +182,26 @@ def _per_head(bc: torch.Tensor, heads: int) -> torch.Tensor:
     return bc.repeat_interleave(heads // bc.shape[-2], dim=-2)
 
 
+def _native_step_fits(*tensors: torch.Tensor) -> bool:
+    """The native step takes CPU float32 tensors, the state contiguous (updated in place), the kernels built."""
+    state = tensors[0]
+    return (all(x.device.type == "cpu" and x.dtype == torch.float32 for x in tensors) and state.is_contiguous()
+            and state.shape[-1] <= MAX_NATIVE_STATE and native_kernels() is not None)
+
+
 def ssd_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             c: torch.Tensor) -> torch.Tensor:
+             c: torch.Tensor, native: bool = True) -> torch.Tensor:
     """One token of each of B sequences: updates ``state`` [B, heads, head_dim, state] in place and returns
-    y [B, heads, head_dim] (without D x); x [B, heads, head_dim], dt [B, heads], b and c [B, groups, state]."""
+    y [B, heads, head_dim] (without D x); x [B, heads, head_dim], dt [B, heads], b and c [B, groups, state].
+    On the CPU the native kernel does it in one pass over the state (csrc/ssd_step.c); ``native=False``:
+    torch's ops."""
     heads, head_dim, size = state.shape[1:]
+    if native and _native_step_fits(state, x, dt, a, b, c):
+        y = x.new_empty(x.shape)
+        inputs = [t.contiguous() for t in (x, dt, a, b, c)]
+        native_kernels().call("core_ssd_step", *(t.data_ptr() for t in inputs), state.data_ptr(), state.shape[0],
+                              heads, b.shape[-2], head_dim, size, y.data_ptr())
+        return y
     decay = torch.exp(dt * a)[..., None, None]
     inflow = dt[..., None] * _per_head(b, heads)  # [B, heads, state]
     # state = decay * state + x inflow^T, the outer product added in place (the state is a decode step's traffic)

@@ -57,6 +57,8 @@ SIGNATURES: dict[str, list] = {
     "core_argmax_rows": [_P, _I, _L, _L, _P],
     # q, k, v, g, beta, state, (sequence, head) pairs, Dk, Dv, out: float32 (csrc/delta_rule.c)
     "core_delta_rule_step": [_P, _P, _P, _P, _P, _P, _L, _L, _L, _P],
+    # x, dt, A, B, C, state, sequences, heads, groups, head dim, state size, y: float32 (csrc/ssd_step.c)
+    "core_ssd_step": [_P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _L, _P],
 }
 
 
