@@ -10,29 +10,7 @@ import pytest
 
 from core.scheduling import BlockManager, Scheduler, Sequence, StateCache, StateSlots
 from core.scheduling.state_cache import snapshot_position
-
-
-class FakeRecurrentModel:
-    """State per slot: the tokens it has consumed. Copies are made as the backend makes them: a batch's
-    sources all read before any destination is written, snapshot copies before state copies."""
-
-    def __init__(self) -> None:
-        self.state: dict[int, list[int]] = {}
-
-    def copy(self, copies) -> None:
-        values = [list(self.state[src]) for src, _ in copies]
-        for (_, dst), value in zip(copies, values, strict=True):
-            self.state[dst] = value
-
-    def run(self, out) -> None:
-        self.copy(out.snapshot_copies)
-        self.copy(out.state_copies)
-        for chunk in out.scheduled:
-            seq = chunk.seq
-            if chunk.start == 0:
-                self.state[seq.state_slot] = []
-            assert self.state[seq.state_slot] == seq.token_ids[: chunk.start], f"{seq.seq_id}: state out of step"
-            self.state[seq.state_slot].extend(chunk.token_ids)
+from core.testing.recurrent_state import SimulatedStates, drive_randomly
 
 
 def scheduler(num_blocks=64, block_size=4, snapshots=8, **kwargs) -> Scheduler:
@@ -41,7 +19,7 @@ def scheduler(num_blocks=64, block_size=4, snapshots=8, **kwargs) -> Scheduler:
                      state_cache=StateCache(slots, snapshots), **kwargs)
 
 
-def run_to_end(sched: Scheduler, model: FakeRecurrentModel, new_tokens: int = 3) -> None:
+def run_to_end(sched: Scheduler, model: SimulatedStates, new_tokens: int = 3) -> None:
     """Steps until every sequence has `new_tokens` outputs, then finishes them."""
     while sched.running or sched.waiting:
         out = sched.schedule()
@@ -72,7 +50,7 @@ def test_lookup_takes_the_deepest_snapshot_and_eviction_is_lru():
 
 def test_a_prompt_is_cut_at_its_snapshot_and_the_next_turn_starts_there():
     sched = scheduler(block_size=4, max_num_batched_tokens=64)
-    model = FakeRecurrentModel()
+    model = SimulatedStates()
     first = Sequence("a", range(10))  # snapshot at 8: chunks [0, 8) and [8, 10)
     sched.add(first)
     out = sched.schedule()
@@ -99,7 +77,7 @@ def test_a_prompt_is_cut_at_its_snapshot_and_the_next_turn_starts_there():
 
 def test_a_hit_without_a_snapshot_starts_from_the_deepest_one_or_from_zero():
     sched = scheduler(block_size=4, snapshots=1, max_num_batched_tokens=64)
-    model = FakeRecurrentModel()
+    model = SimulatedStates()
     for name, prompt in (("a", range(10)), ("b", range(14))):  # snapshots at 8 then 12 (capacity 1: 8 goes)
         sched.add(Sequence(name, prompt))
         run_to_end(sched, model)
@@ -119,7 +97,7 @@ def test_prefix_caching_needs_a_state_cache_on_the_same_slots():
 
 def test_forget_cached_gives_the_snapshots_back():
     sched = scheduler()
-    model = FakeRecurrentModel()
+    model = SimulatedStates()
     sched.add(Sequence("a", range(10)))
     run_to_end(sched, model)
     assert len(sched.state_cache) == 1
@@ -128,45 +106,28 @@ def test_forget_cached_gives_the_snapshots_back():
     assert sched.block_manager.num_cached_blocks == 0 and sched.schedule().snapshot_copies == []
 
 
-@pytest.mark.parametrize("seed", range(16))
-def test_randomised_loop_with_shared_prefixes_keeps_each_state_in_step(seed):
+def random_run(seed: int) -> Scheduler:
+    """A randomised loop where most prompts continue a finished conversation (so prefixes are shared)."""
     rng = random.Random(seed)
     sched = scheduler(num_blocks=rng.randrange(16, 48), block_size=rng.choice([1, 2, 4, 8]),
                       snapshots=rng.choice([1, 2, 8]), max_num_seqs=rng.choice([2, 4, 64]),
                       max_num_batched_tokens=rng.choice([8, 32, 256]))
     capacity = sched.block_manager.num_blocks * sched.block_manager.block_size
-    model = FakeRecurrentModel()
-    budget: dict[str, int] = {}
-    finished: list[list[int]] = []  # conversations so far: later prompts continue them
-    for step in range(400):
-        if step < 300 and rng.random() < 0.4:
-            tail = [rng.randrange(1000) for _ in range(rng.randrange(1, 12))]
-            start = list(rng.choice(finished)) if finished and rng.random() < 0.7 else []
-            tokens = (start + tail)[: min(60, capacity - 1)]
-            seq = Sequence(f"r{step}", tokens)
-            budget[seq.seq_id] = seq.num_tokens + rng.randrange(1, 12)
-            sched.add(seq)
-        out = sched.schedule()
-        model.run(out)
-        sched.update(out, {s.seq.seq_id: rng.randrange(1000) for s in out.scheduled if s.samples})
-        for seq in list(sched.running):
-            if seq.num_tokens >= budget.get(seq.seq_id, 0):
-                finished.append(list(seq.token_ids))
-                sched.finish(seq)
-        if sched.running and rng.random() < 0.05:
-            sched.abort(rng.choice(sched.running).seq_id)
-        parents = [s for s in sched.running if s.num_output_tokens]
-        if parents and rng.random() < 0.1:
-            parent = rng.choice(parents)
-            child = parent.fork(f"{parent.seq_id}.{step}")
-            budget[child.seq_id] = child.num_tokens + rng.randrange(1, 8)
-            sched.fork(parent, child)
-        slots = [s.state_slot for s in sched.running]
-        assert None not in slots and len(set(slots)) == len(slots)
-        assert sched.state_slots.in_use == len(slots) + len(sched.state_cache)
-        assert len(sched.state_cache) <= sched.state_cache.capacity
-    while sched.has_unfinished:
-        for seq in list(sched.running) + list(sched.waiting):
-            sched.finish(seq)
+
+    def new_prompt(finished: list[list[int]]) -> list[int]:
+        start = list(rng.choice(finished)) if finished and rng.random() < 0.7 else []
+        return (start + [rng.randrange(1000) for _ in range(rng.randrange(1, 12))])[: min(60, capacity - 1)]
+
+    drive_randomly(sched, rng, new_prompt)
+    return sched
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_randomised_loop_with_shared_prefixes_keeps_each_state_in_step(seed):
+    sched = random_run(seed)
+    assert len(sched.state_cache) <= sched.state_cache.capacity
     assert sched.state_slots.in_use == len(sched.state_cache)
-    assert sched.block_manager.prefix_cache_hits > 0 or sched.state_cache.capacity == 1  # (seed 0: none)
+
+
+def test_randomised_loops_start_sequences_from_snapshots():
+    assert sum(random_run(seed).block_manager.prefix_cache_hits > 0 for seed in range(16)) >= 8

@@ -8,37 +8,13 @@ import random
 
 import pytest
 
-from core.scheduling import BlockManager, Scheduler, Sequence, SequenceStatus, StateSlots
-
-
-class FakeRecurrentModel:
-    """State per slot: the tokens it has consumed. A chunk at position 0 starts from an empty state (as the
-    recurrent layers start from zero), any other must find its sequence's computed tokens in its slot."""
-
-    def __init__(self) -> None:
-        self.state: dict[int, list[int]] = {}
-
-    def run(self, out) -> None:
-        for src, dst in out.state_copies:
-            self.state[dst] = list(self.state[src])
-        for chunk in out.scheduled:
-            seq = chunk.seq
-            if chunk.start == 0:
-                self.state[seq.state_slot] = []
-            assert self.state[seq.state_slot] == seq.token_ids[: chunk.start], f"{seq.seq_id}: state out of step"
-            self.state[seq.state_slot].extend(chunk.token_ids)
+from core.scheduling import BlockManager, Scheduler, Sequence, StateSlots
+from core.testing.recurrent_state import SimulatedStates, check_slots, drive_randomly
 
 
 def scheduler(num_blocks=64, block_size=4, **kwargs) -> Scheduler:
     return Scheduler(BlockManager(num_blocks, block_size, enable_prefix_caching=False), state_slots=StateSlots(),
                      **kwargs)
-
-
-def check_slots(sched: Scheduler) -> None:
-    slots = [s.state_slot for s in sched.running]
-    assert None not in slots and len(slots) == len(set(slots)), slots
-    assert all(s.state_slot is None for s in sched.waiting)
-    assert sched.state_slots.in_use == len(slots)
 
 
 def test_lowest_free_slot_first_and_release_is_idempotent():
@@ -57,7 +33,7 @@ def test_lowest_free_slot_first_and_release_is_idempotent():
 
 def test_finish_abort_and_preemption_give_the_slot_back():
     sched = scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
-    model = FakeRecurrentModel()
+    model = SimulatedStates()
     first, second = Sequence("a", range(10)), Sequence("b", range(10))
     sched.add(first)
     sched.add(second)
@@ -84,7 +60,7 @@ def test_finish_abort_and_preemption_give_the_slot_back():
 
 def test_a_fork_gets_its_own_slot_and_a_copy_of_its_parents_state():
     sched = scheduler()
-    model = FakeRecurrentModel()
+    model = SimulatedStates()
     parent = Sequence("p", range(9))
     sched.add(parent)
     out = sched.schedule()
@@ -104,31 +80,6 @@ def test_randomised_loop_keeps_each_state_in_step(seed):
     sched = scheduler(num_blocks=rng.randrange(12, 40), block_size=rng.choice([1, 4, 16]),
                       max_num_seqs=rng.choice([2, 4, 64]), max_num_batched_tokens=rng.choice([8, 32, 256]))
     capacity = sched.block_manager.num_blocks * sched.block_manager.block_size
-    model = FakeRecurrentModel()
-    budget: dict[str, int] = {}
-    for step in range(400):
-        if step < 300 and rng.random() < 0.4:
-            seq = Sequence(f"r{step}", [rng.randrange(1000) for _ in range(rng.randrange(1, min(40, capacity)))])
-            budget[seq.seq_id] = seq.num_tokens + rng.randrange(1, 20)
-            sched.add(seq)
-        out = sched.schedule()
-        model.run(out)
-        sched.update(out, {s.seq.seq_id: rng.randrange(1000) for s in out.scheduled if s.samples})
-        for seq in list(sched.running):
-            if seq.num_tokens >= budget.get(seq.seq_id, 0):
-                sched.finish(seq)
-        if sched.running and rng.random() < 0.05:
-            sched.abort(rng.choice(sched.running).seq_id)
-        parents = [s for s in sched.running if s.num_output_tokens]
-        if parents and rng.random() < 0.1:
-            parent = rng.choice(parents)
-            child = parent.fork(f"{parent.seq_id}.{step}")
-            budget[child.seq_id] = child.num_tokens + rng.randrange(1, 8)
-            sched.fork(parent, child)
-        check_slots(sched)
-        assert all(s.status is SequenceStatus.RUNNING for s in sched.running)
-    while sched.has_unfinished:
-        for seq in list(sched.running) + list(sched.waiting):
-            sched.finish(seq)
+    drive_randomly(sched, rng, lambda _: [rng.randrange(1000) for _ in range(rng.randrange(1, min(40, capacity)))])
     assert sched.state_slots.in_use == 0
     assert sched.state_slots.peak <= sched.max_num_seqs + 40  # forks may run beyond max_num_seqs
