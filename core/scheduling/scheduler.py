@@ -78,10 +78,10 @@ class SchedulerOutput:
     ``too_long`` sequences outgrew the whole KV cache: the scheduler finished
     them and freed their blocks; the engine reports them as length-stopped.
     ``state_copies`` are ``(src, dst)`` recurrent-state slot copies (forks of
-    a model with recurrent layers, and prefix-cache hits: a snapshot into the
-    sequence's slot), also done before the forward, after ``snapshot_copies``:
-    states kept by the state cache (the sequence's slot into a snapshot's),
-    which may overwrite a snapshot that ``state_copies`` then read.
+    a model with recurrent layers), also done before the forward. With a state
+    cache, ``snapshot_copies`` (a sequence's slot -> a snapshot slot: states
+    kept) come first, then ``snapshot_restores`` (a snapshot slot -> a
+    sequence's slot: prefix-cache hits), which may read a snapshot just kept.
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
@@ -90,6 +90,7 @@ class SchedulerOutput:
     too_long: list[Sequence] = field(default_factory=list)
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     snapshot_copies: list[tuple[int, int]] = field(default_factory=list)
+    snapshot_restores: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -124,9 +125,8 @@ class Scheduler:
         if state_slots is not None and block_manager.enable_prefix_caching and state_cache is None:
             raise ValueError("a model with recurrent state cannot start a sequence from cached KV blocks alone: "
                              "give a state cache or turn prefix caching off")
-        if state_cache is not None and (state_cache.slots is not state_slots
-                                        or not block_manager.enable_prefix_caching):
-            raise ValueError("a state cache takes the scheduler's state slots, with prefix caching on")
+        if state_cache is not None and (state_slots is None or not block_manager.enable_prefix_caching):
+            raise ValueError("a state cache keeps recurrent states (state slots) with prefix caching on")
         self.block_manager = block_manager
         self.state_slots = state_slots  # a model with recurrent layers: one slot per running sequence
         self.state_cache = state_cache  # and its prefix cache: state snapshots at block boundaries
@@ -304,7 +304,7 @@ class Scheduler:
             if self.state_slots is not None:
                 self.state_slots.take(seq)
                 if snapshot is not None:
-                    out.state_copies.append((snapshot, seq.state_slot))
+                    out.snapshot_restores.append((snapshot, seq.state_slot))
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)
             out.scheduled.append(ScheduledSequence(seq, n))

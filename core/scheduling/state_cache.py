@@ -9,9 +9,10 @@ those blocks (the next turn of a chat: the conversation so far, then a new messa
 to the deepest boundary with a snapshot and a copy of that snapshot into its own slot, and computes only
 the rest.
 
-The cache holds at most ``capacity`` snapshots, least recently used evicted first; its slots come from the
-same ``StateSlots`` as the sequences' (they live in the same state tensors), and ``clear`` gives them all
-back. It holds numbers only: the copies it asks for are made by the backend (``SchedulerOutput``).
+The cache holds at most ``capacity`` snapshots, least recently used evicted first, in slots of its own (the
+backend keeps them apart from the running sequences' states, whose slots thus stay dense: a decode step's
+states are then one run of slots, not a gather), and ``clear`` gives them all back. It holds numbers only: the
+copies it asks for are made by the backend (``SchedulerOutput.snapshot_copies``, ``snapshot_restores``).
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ def snapshot_position(num_prompt_tokens: int, block_size: int) -> int:
 
 
 class StateCache:
-    """Recurrent-state snapshots by block hash, LRU, in slots of ``slots``."""
+    """Recurrent-state snapshots by block hash, LRU, in snapshot slots of their own."""
 
-    def __init__(self, slots: StateSlots, capacity: int) -> None:
+    def __init__(self, capacity: int) -> None:
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
-        self.slots = slots
+        self.slots = StateSlots()
         self.capacity = capacity
         self._by_hash: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
 

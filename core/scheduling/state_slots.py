@@ -5,7 +5,8 @@ slot ``seq.state_slot`` of its state tensors. A sequence takes a slot when it st
 back when it finishes, is aborted or is preempted (its recompute starts from a zero state at position 0);
 a fork takes a slot of its own, which the backend fills with a copy of its parent's state before the next
 step (``SchedulerOutput.state_copies``). The lowest free slot is handed out first, so the state tensors grow
-only to the most sequences that ran at once (and the prefix cache's snapshots: ``take_slot``, state_cache.py).
+only to the most sequences that ran at once. The prefix cache numbers its snapshots with a ``StateSlots`` of
+its own (``take_slot``, state_cache.py).
 """
 
 from __future__ import annotations

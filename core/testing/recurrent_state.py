@@ -1,8 +1,9 @@
 """A scheduler driver for models with recurrent state: it plays the backend's part with a simulated state (the
 tokens each slot has seen) and checks that every chunk finds its sequence's computed tokens in its slot.
 
-`SimulatedStates.run(out)` makes a step's copies as a backend makes them (``snapshot_copies``, then
-``state_copies``, each batch's sources read before any destination is written) and runs its chunks: a chunk
+`SimulatedStates.run(out)` makes a step's copies as a backend makes them (``snapshot_copies`` into the
+snapshots, ``snapshot_restores`` out of them, then ``state_copies``, each batch's sources read before any
+destination is written) and runs its chunks: a chunk
 at position 0 starts from an empty state, any other must find exactly the tokens before it. `drive_randomly`
 runs a scheduler for a few hundred steps of arrivals, finishes, aborts and forks, checking the slots after
 each; a backend's scheduler settings (or a third party's scheduler) can be put through it.
@@ -17,19 +18,22 @@ from core.scheduling import Scheduler, Sequence, SequenceStatus
 
 
 class SimulatedStates:
-    """State per slot: the tokens it has consumed."""
+    """State per slot: the tokens it has consumed; the prefix cache's snapshots apart."""
 
     def __init__(self) -> None:
         self.state: dict[int, list[int]] = {}
+        self.snapshots: dict[int, list[int]] = {}
 
-    def copy(self, copies: list[tuple[int, int]]) -> None:
-        values = [list(self.state[src]) for src, _ in copies]
+    @staticmethod
+    def copy(sources: dict[int, list[int]], targets: dict[int, list[int]], copies: list[tuple[int, int]]) -> None:
+        values = [list(sources[src]) for src, _ in copies]
         for (_, dst), value in zip(copies, values, strict=True):
-            self.state[dst] = value
+            targets[dst] = value
 
     def run(self, out) -> None:
-        self.copy(out.snapshot_copies)
-        self.copy(out.state_copies)
+        self.copy(self.state, self.snapshots, out.snapshot_copies)
+        self.copy(self.snapshots, self.state, out.snapshot_restores)
+        self.copy(self.state, self.state, out.state_copies)
         for chunk in out.scheduled:
             seq = chunk.seq
             if chunk.start == 0:
@@ -39,13 +43,14 @@ class SimulatedStates:
 
 
 def check_slots(sched: Scheduler) -> None:
-    """Each running sequence holds a slot of its own, a waiting one none, and the slots in use are theirs and
-    the state cache's snapshots."""
+    """Each running sequence holds a slot of its own, a waiting one none, and only they hold slots (the state
+    cache's snapshots have slots of their own, one a snapshot)."""
     slots = [s.state_slot for s in sched.running]
     assert None not in slots and len(slots) == len(set(slots)), slots
     assert all(s.state_slot is None for s in sched.waiting)
-    snapshots = len(sched.state_cache) if sched.state_cache is not None else 0
-    assert sched.state_slots is not None and sched.state_slots.in_use == len(slots) + snapshots
+    assert sched.state_slots is not None and sched.state_slots.in_use == len(slots)
+    if sched.state_cache is not None:
+        assert sched.state_cache.slots.in_use == len(sched.state_cache) <= sched.state_cache.capacity
     assert all(s.status is SequenceStatus.RUNNING for s in sched.running)
 
 

@@ -14,9 +14,8 @@ from core.testing.recurrent_state import SimulatedStates, drive_randomly
 
 
 def scheduler(num_blocks=64, block_size=4, snapshots=8, **kwargs) -> Scheduler:
-    slots = StateSlots()
-    return Scheduler(BlockManager(num_blocks, block_size), state_slots=slots,
-                     state_cache=StateCache(slots, snapshots), **kwargs)
+    return Scheduler(BlockManager(num_blocks, block_size), state_slots=StateSlots(),
+                     state_cache=StateCache(snapshots), **kwargs)
 
 
 def run_to_end(sched: Scheduler, model: SimulatedStates, new_tokens: int = 3) -> None:
@@ -35,8 +34,8 @@ def test_snapshot_position_is_the_last_block_boundary_before_the_final_token():
 
 
 def test_lookup_takes_the_deepest_snapshot_and_eviction_is_lru():
-    slots = StateSlots()
-    cache = StateCache(slots, capacity=2)
+    cache = StateCache(capacity=2)
+    slots = cache.slots  # its own: the sequences' slots stay dense
     assert cache.store(b"a", 7) == (7, 0) and cache.store(b"b", 7) == (7, 1)
     assert cache.store(b"a", 9) is None  # kept already
     assert cache.lookup([b"a", b"b", b"c"]) == (2, 1) and cache.lookup([b"x", b"a"]) == (2, 0)
@@ -45,7 +44,7 @@ def test_lookup_takes_the_deepest_snapshot_and_eviction_is_lru():
     assert cache.lookup([b"b"]) is None and len(cache) == 2 and slots.in_use == 2
     cache.clear()
     assert len(cache) == 0 and slots.in_use == 0
-    assert StateCache(StateSlots(), capacity=0).store(b"a", 1) is None
+    assert StateCache(capacity=0).store(b"a", 1) is None
 
 
 def test_a_prompt_is_cut_at_its_snapshot_and_the_next_turn_starts_there():
@@ -58,8 +57,8 @@ def test_a_prompt_is_cut_at_its_snapshot_and_the_next_turn_starts_there():
     model.run(out)
     sched.update(out, {})
     out = sched.schedule()
-    assert out.snapshot_copies == [(first.state_slot, 1)] and [(c.start, c.num_new_tokens) for c in out.scheduled] == [
-        (8, 2)]
+    assert out.snapshot_copies == [(first.state_slot, 0)]  # into snapshot slot 0
+    assert [(c.start, c.num_new_tokens) for c in out.scheduled] == [(8, 2)]
     model.run(out)
     sched.update(out, {"a": 50})
     run_to_end(sched, model)
@@ -67,12 +66,12 @@ def test_a_prompt_is_cut_at_its_snapshot_and_the_next_turn_starts_there():
     second = Sequence("b", [*first.token_ids, 51, 52, 53, 54, 55, 56])
     sched.add(second)
     out = sched.schedule()
-    assert second.num_cached_tokens == 8 and out.state_copies == [(1, second.state_slot)]
+    assert second.num_cached_tokens == 8 and out.snapshot_restores == [(0, second.state_slot)]
     assert [(c.start, c.num_new_tokens) for c in out.scheduled] == [(8, 8)]  # up to its own snapshot at 16
     model.run(out)
     sched.update(out, {})
     run_to_end(sched, model)
-    assert sched.state_slots.in_use == len(sched.state_cache) == 2
+    assert sched.state_slots.in_use == 0 and sched.state_cache.slots.in_use == len(sched.state_cache) == 2
 
 
 def test_a_hit_without_a_snapshot_starts_from_the_deepest_one_or_from_zero():
@@ -84,15 +83,15 @@ def test_a_hit_without_a_snapshot_starts_from_the_deepest_one_or_from_zero():
     c = Sequence("c", range(11))  # its KV blocks up to 8 are cached, but no snapshot there any more
     sched.add(c)
     out = sched.schedule()
-    assert c.num_cached_tokens == 0 and out.state_copies == [] and out.scheduled[0].start == 0
+    assert c.num_cached_tokens == 0 and out.snapshot_restores == [] and out.scheduled[0].start == 0
     model.run(out)
 
 
-def test_prefix_caching_needs_a_state_cache_on_the_same_slots():
+def test_prefix_caching_needs_a_state_cache_and_a_state_cache_needs_state_slots():
     with pytest.raises(ValueError, match="state cache"):
         Scheduler(BlockManager(8, 4), state_slots=StateSlots())
     with pytest.raises(ValueError, match="state slots"):
-        Scheduler(BlockManager(8, 4), state_slots=StateSlots(), state_cache=StateCache(StateSlots(), 2))
+        Scheduler(BlockManager(8, 4), state_cache=StateCache(2))
 
 
 def test_forget_cached_gives_the_snapshots_back():
@@ -102,7 +101,7 @@ def test_forget_cached_gives_the_snapshots_back():
     run_to_end(sched, model)
     assert len(sched.state_cache) == 1
     sched.forget_cached()
-    assert len(sched.state_cache) == 0 and sched.state_slots.in_use == 0
+    assert len(sched.state_cache) == 0 and sched.state_cache.slots.in_use == 0
     assert sched.block_manager.num_cached_blocks == 0 and sched.schedule().snapshot_copies == []
 
 
@@ -126,7 +125,7 @@ def random_run(seed: int) -> Scheduler:
 def test_randomised_loop_with_shared_prefixes_keeps_each_state_in_step(seed):
     sched = random_run(seed)
     assert len(sched.state_cache) <= sched.state_cache.capacity
-    assert sched.state_slots.in_use == len(sched.state_cache)
+    assert sched.state_slots.in_use == 0 and sched.state_cache.slots.in_use == len(sched.state_cache)
 
 
 def test_randomised_loops_start_sequences_from_snapshots():

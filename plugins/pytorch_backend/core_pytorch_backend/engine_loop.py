@@ -77,7 +77,7 @@ class EngineLoop:
         slots = StateSlots() if recurrent else None
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max(max_num_batched_tokens, 1), state_slots=slots,
-                                   state_cache=StateCache(slots, state_snapshots) if slots and caching else None)
+                                   state_cache=StateCache(state_snapshots) if slots and caching else None)
         self.requests: dict[str, RequestState] = {}  # in flight
         self.known: set[str] = set()  # generated for and not yet ended
         self._by_seq: dict[str, tuple[RequestState, int]] = {}
@@ -322,8 +322,10 @@ class EngineLoop:
         for seq in out.too_long:
             self._close_sequence(seq, FinishReason.LENGTH)
         self.runner.copy_blocks(out.block_copies)
-        if out.snapshot_copies:  # first: they may overwrite what state_copies read
-            self.runner.copy_states(out.snapshot_copies)
+        if out.snapshot_copies:  # first: they may overwrite a snapshot that a restore then reads
+            self.runner.keep_states(out.snapshot_copies)
+        if out.snapshot_restores:
+            self.runner.restore_states(out.snapshot_restores)
         if out.state_copies:  # (only a model with recurrent state has any: a tensor-parallel runner has none)
             self.runner.copy_states(out.state_copies)
         if not out.scheduled:

@@ -30,6 +30,7 @@ from core_pytorch_backend.layers.attention import (
 )
 from core_pytorch_backend.layers.recurrent import (
     allocate_recurrent_states,
+    copy_slots_between,
     copy_state_slots,
     recurrent_layers,
     unbind_recurrent_states,
@@ -129,6 +130,9 @@ class ModelRunner:
         # of what sleep's "kv_cache" releases
         self.has_recurrent_state = bool(recurrent_layers(model))
         self.recurrent_states: list[tuple[torch.Tensor, ...]] = []
+        # the prefix cache's snapshots of them (core/scheduling/state_cache.py), slots of their own: the running
+        # sequences' slots stay dense, so a decode step's states are a view, not a gather
+        self.snapshot_states: list[tuple[torch.Tensor, ...]] = []
         self.zeroed_blocks = 0  # blocks [0, zeroed_blocks) of the cache are zeroed (see _zero_blocks_up_to)
         self.asleep: set[str] = set()  # the parts sleep released: "kv_cache", "weights"
         self._weights_dropped = False  # level 2: the weights must be loaded again on wakeup
@@ -153,14 +157,20 @@ class ModelRunner:
                                             self.device, zeroed=not lazy)
         self.zeroed_blocks = 0 if lazy else self.num_blocks
         self.recurrent_states = []  # slots are allocated as sequences take them (_hold_state_slots)
+        self.snapshot_states = []
 
     def _hold_state_slots(self, slots: Iterable[int | None]) -> None:
         """Grow the recurrent states (doubling, keeping what they hold) to cover every slot in ``slots``."""
+        self.recurrent_states = self._grown(self.recurrent_states, slots, bind=True)
+
+    def _grown(self, states: list[tuple[torch.Tensor, ...]], slots: Iterable[int | None],
+               bind: bool) -> list[tuple[torch.Tensor, ...]]:
         needed = max((slot for slot in slots if slot is not None), default=-1) + 1
-        held = len(self.recurrent_states[0][0]) if self.recurrent_states else 0
-        if needed > held:
-            self.recurrent_states = allocate_recurrent_states(
-                self.model, max(needed, 2 * held, 4), self.dtype, self.device, keep=self.recurrent_states or None)
+        held = len(states[0][0]) if states else 0
+        if needed <= held:
+            return states
+        return allocate_recurrent_states(self.model, max(needed, 2 * held, 4), self.dtype, self.device,
+                                         keep=states or None, bind=bind)
 
     def _zero_blocks_up_to(self, block_ids: Iterable[int]) -> None:
         """Zero every block below the highest of ``block_ids`` that is not zeroed yet, before a step
@@ -187,6 +197,7 @@ class ModelRunner:
         unbind_recurrent_states(self.model)
         self.kv_caches = None
         self.recurrent_states = []
+        self.snapshot_states = []
         if self.decode_path is not None:
             self.decode_path.release()  # it baked in the freed cache
         _empty_device_cache(self.device)
@@ -240,10 +251,23 @@ class ModelRunner:
 
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy recurrent-state slots (src -> dst) in every recurrent layer, all read before any is written: a
-        forked sequence's, a state snapshot kept or restored (core/scheduling/state_cache.py)."""
+        forked sequence's."""
         if copies:
             self._hold_state_slots(slot for copy in copies for slot in copy)
             copy_state_slots(self.model, list(copies))
+
+    def keep_states(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy sequences' state slots (src) into snapshot slots (dst): the prefix cache keeps them."""
+        if copies:
+            self._hold_state_slots(src for src, _ in copies)
+            self.snapshot_states = self._grown(self.snapshot_states, (dst for _, dst in copies), bind=False)
+            copy_slots_between(self.recurrent_states, self.snapshot_states, list(copies))
+
+    def restore_states(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy snapshot slots (src) into sequences' state slots (dst): they start from a prefix-cache hit."""
+        if copies:
+            self._hold_state_slots(dst for _, dst in copies)
+            copy_slots_between(self.snapshot_states, self.recurrent_states, list(copies))
 
     def prepare(self, scheduled: Sequence[ScheduledSequence], scores_prompt: Set[str] = frozenset(),
                 pools: Mapping[str, range] | None = None, adapter_slots: Sequence[int] | None = None) -> StepInputs:

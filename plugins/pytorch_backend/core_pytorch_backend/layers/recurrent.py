@@ -188,9 +188,11 @@ def state_bytes_per_sequence(model: nn.Module, dtype: torch.dtype) -> int:
 
 def allocate_recurrent_states(model: nn.Module, slots: int, dtype: torch.dtype | None = None,
                               device: torch.device | str | None = None,
-                              keep: list[tuple[torch.Tensor, ...]] | None = None) -> list[tuple[torch.Tensor, ...]]:
+                              keep: list[tuple[torch.Tensor, ...]] | None = None,
+                              bind: bool = True) -> list[tuple[torch.Tensor, ...]]:
     """Allocate ``slots`` slots of every recurrent layer's states (unzeroed: a fresh sequence never reads its
-    slot) and bind them; ``keep``, the states bound before, are copied into the first slots (growing)."""
+    slot) and bind them (``bind=False``: a store of the same shapes, e.g. the prefix cache's snapshots); ``keep``,
+    the states allocated before, are copied into the first slots (growing)."""
     param = next(model.parameters())
     dtype = dtype or param.dtype
     device = device or param.device
@@ -201,7 +203,8 @@ def allocate_recurrent_states(model: nn.Module, slots: int, dtype: torch.dtype |
         if keep is not None:
             for new, old in zip(states, keep[index], strict=True):
                 new[: min(len(old), slots)] = old[:slots]
-        layer.states = states
+        if bind:
+            layer.states = states
         allocated.append(states)
     return allocated
 
@@ -213,9 +216,17 @@ def unbind_recurrent_states(model: nn.Module) -> None:
 
 def copy_state_slots(model: nn.Module, copies: list[tuple[int, int]]) -> None:
     """Copy slot ``src`` to ``dst`` in every recurrent layer's states (a forked sequence's)."""
+    bound = [layer.bound_states() for layer in recurrent_layers(model)]
+    copy_slots_between(bound, bound, copies)
+
+
+def copy_slots_between(sources: list[tuple[torch.Tensor, ...]], targets: list[tuple[torch.Tensor, ...]],
+                       copies: list[tuple[int, int]]) -> None:
+    """Slot ``src`` of each of ``sources``' states to slot ``dst`` of the same state in ``targets`` (per layer,
+    per state), every source read before any target is written."""
     if not copies:
         return
     src, dst = (list(slots) for slots in zip(*copies, strict=True))
-    for layer in recurrent_layers(model):
-        for state in layer.bound_states():
-            state[dst] = state[src]
+    for from_layer, to_layer in zip(sources, targets, strict=True):
+        for source, target in zip(from_layer, to_layer, strict=True):
+            target[dst] = source[src]
