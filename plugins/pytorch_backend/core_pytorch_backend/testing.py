@@ -154,6 +154,17 @@ def random_prompts(lengths, seed=1):
     return [[rng.randrange(0, 256) for _ in range(n)] for n in lengths]
 
 
+def assert_greedy_matches(pair, lengths, seed=1, block_size=4, prefill_chunks=1) -> None:
+    """Greedy outputs of random prompts of ``lengths`` (``random_prompts``) through our paged engine step
+    (``paged_greedy``) equal transformers' ``generate`` (``hf_greedy``); ``pair`` is (ours, transformers')."""
+    ours, hf = pair
+    prompts = random_prompts(lengths, seed=seed)
+    got = paged_greedy(ours, prompts, block_size=block_size, prefill_chunks=prefill_chunks)
+    expected = [hf_greedy(hf, p) for p in prompts]
+    if got != expected:
+        raise AssertionError(f"greedy outputs differ from transformers':\n ours   {got}\n theirs {expected}")
+
+
 def reinit_with_layer_norms_(model: torch.nn.Module, std: float = 0.15, seed: int = 0) -> None:
     """``reinit_`` for models with LayerNorms: LayerNorm weights 1 + noise and their biases noise (``reinit_``
     finds norms by name and sets their biases near 1, which makes such models repeat one token), Bloom's

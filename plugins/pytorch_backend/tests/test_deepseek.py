@@ -25,6 +25,7 @@ from core_pytorch_backend.layers import allocate_kv_caches, unbind_kv_caches
 from core_pytorch_backend.loader import load_checkpoint
 from core_pytorch_backend.testing import (
     TINY_VOCAB,
+    assert_greedy_matches,
     built_once,
     hf_greedy,
     ours_and_transformers,
@@ -176,15 +177,11 @@ def pair(request, checkpoint):
 
 
 def test_single_sequence_matches_transformers(pair):
-    ours, hf = pair
-    (prompt,) = random_prompts([9])
-    assert paged_greedy(ours, [prompt], block_size=16)[0] == hf_greedy(hf, prompt)
+    assert_greedy_matches(pair, [9], block_size=16)
 
 
 def test_batched_varlen_prefill_then_decode(pair):
-    ours, hf = pair
-    prompts = random_prompts([3, 13, 1, 8], seed=2)
-    assert paged_greedy(ours, prompts, block_size=4) == [hf_greedy(hf, p) for p in prompts]
+    assert_greedy_matches(pair, [3, 13, 1, 8], seed=2)
 
 
 def test_chunked_prefill_with_cached_prefix(pair):

@@ -14,6 +14,7 @@ import torch
 from core_pytorch_backend.loader import load_checkpoint
 from core_pytorch_backend.testing import (
     TINY_VOCAB,
+    assert_greedy_matches,
     assert_logits_close,
     built_once,
     hf_greedy,
@@ -103,28 +104,20 @@ def pair(request, checkpoint):
 
 
 def test_single_sequence_matches_transformers(pair):
-    ours, hf = pair
-    (prompt,) = random_prompts([9])
-    assert paged_greedy(ours, [prompt], block_size=16)[0] == hf_greedy(hf, prompt)
+    assert_greedy_matches(pair, [9], block_size=16)
 
 
 def test_batched_varlen_prefill_then_decode(pair):
-    ours, hf = pair
-    prompts = random_prompts([3, 13, 1, 8], seed=2)
-    assert paged_greedy(ours, prompts, block_size=4) == [hf_greedy(hf, p) for p in prompts]
+    assert_greedy_matches(pair, [3, 13, 1, 8], seed=2)
 
 
 def test_chunked_prefill_continues_the_state(pair):
-    ours, hf = pair
-    prompts = random_prompts([14, 7], seed=3)
-    assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=3) == [hf_greedy(hf, p) for p in prompts]
+    assert_greedy_matches(pair, [14, 7], seed=3, prefill_chunks=3)
 
 
 def test_prefill_chunks_shorter_than_the_convolution(pair):
     """Chunks of 1-2 tokens: each continues from inputs kept in the state over several earlier chunks."""
-    ours, hf = pair
-    prompts = random_prompts([11, 17], seed=4)
-    assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=9) == [hf_greedy(hf, p) for p in prompts]
+    assert_greedy_matches(pair, [11, 17], seed=4, prefill_chunks=9)
 
 
 @torch.inference_mode()

@@ -27,6 +27,7 @@ from core_pytorch_backend.native.library import available as native_kernels
 from core_pytorch_backend.testing import (
     TINY_VOCAB,
     allocate_poisoned_states,
+    assert_greedy_matches,
     assert_logits_close,
     built_once,
     hf_greedy,
@@ -136,27 +137,19 @@ def pair(request, checkpoint):
 
 
 def test_single_sequence_matches_transformers(pair):
-    ours, hf = pair
-    (prompt,) = random_prompts([21])
-    assert paged_greedy(ours, [prompt], block_size=16)[0] == hf_greedy(hf, prompt)
+    assert_greedy_matches(pair, [21], block_size=16)
 
 
 def test_batched_varlen_prefill_then_decode(pair):
-    ours, hf = pair
-    prompts = random_prompts([3, 13, 1, 8, 30], seed=2)
-    assert paged_greedy(ours, prompts, block_size=4) == [hf_greedy(hf, p) for p in prompts]
+    assert_greedy_matches(pair, [3, 13, 1, 8, 30], seed=2)
 
 
 def test_chunked_prefill_continues_the_states(pair):
-    ours, hf = pair
-    prompts = random_prompts([14, 27], seed=3)
-    assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=3) == [hf_greedy(hf, p) for p in prompts]
+    assert_greedy_matches(pair, [14, 27], seed=3, prefill_chunks=3)
 
 
 def test_prefill_in_chunks_shorter_than_the_convolution(pair):
-    ours, hf = pair
-    prompts = random_prompts([17, 11], seed=4)  # 8 chunks: 1 to 3 tokens each, the kernel 4 wide
-    assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=8) == [hf_greedy(hf, p) for p in prompts]
+    assert_greedy_matches(pair, [17, 11], seed=4, prefill_chunks=8)  # 8 chunks: 1 to 3 tokens each, the kernel 4 wide
 
 
 def test_logits_match_transformers(pair):

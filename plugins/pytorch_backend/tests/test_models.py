@@ -11,7 +11,13 @@ import torch
 from core_pytorch_backend.attention_metadata import AttentionMetadata
 from core_pytorch_backend.layers import allocate_kv_caches, unbind_kv_caches
 from core_pytorch_backend.loader import load_checkpoint
-from core_pytorch_backend.testing import NEW_TOKENS, hf_greedy, paged_greedy, random_prompts
+from core_pytorch_backend.testing import (
+    NEW_TOKENS,
+    assert_greedy_matches,
+    hf_greedy,
+    paged_greedy,
+    random_prompts,
+)
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
          "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe",
@@ -29,29 +35,19 @@ def pair(request, tiny_checkpoint_factory):
 
 
 def test_single_sequence_matches_transformers(pair):
-    ours, hf = pair
-    (prompt,) = random_prompts([9])
-    assert paged_greedy(ours, [prompt], block_size=16)[0] == hf_greedy(hf, prompt)
+    assert_greedy_matches(pair, [9], block_size=16)
 
 
 def test_batched_varlen_prefill_then_decode(pair):
-    ours, hf = pair
-    prompts = random_prompts([3, 13, 1, 8], seed=2)
-    got = paged_greedy(ours, prompts, block_size=4)
-    assert got == [hf_greedy(hf, p) for p in prompts]
+    assert_greedy_matches(pair, [3, 13, 1, 8], seed=2)
 
 
 def test_prompts_shorter_than_the_chunks_prefill_in_their_last_ones(pair):
-    ours, hf = pair
-    prompts = random_prompts([9, 2, 1], seed=4)  # the short ones' first chunks are empty rows
-    assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=4) == [hf_greedy(hf, p) for p in prompts]
+    assert_greedy_matches(pair, [9, 2, 1], seed=4, prefill_chunks=4)  # the short ones' first chunks are empty rows
 
 
 def test_chunked_prefill_with_cached_prefix(pair):
-    ours, hf = pair
-    prompts = random_prompts([14, 7], seed=3)
-    got = paged_greedy(ours, prompts, block_size=4, prefill_chunks=3)
-    assert got == [hf_greedy(hf, p) for p in prompts]
+    assert_greedy_matches(pair, [14, 7], seed=3, prefill_chunks=3)
 
 
 @pytest.mark.parametrize(
