@@ -396,14 +396,11 @@ class EngineLoop:
         request that fails alone ends with the error; the others are recorded as if nothing happened (the
         forward ran once, so a recurrent model's states are right for every one of them)."""
         log.warning("a step's outputs failed (%r): computing them request by request", exc)
-        by_request: dict[int, list[ScheduledSequence]] = {}
+        by_request: dict[int, tuple[RequestState, list[ScheduledSequence]]] = {}
         for chunk in chunks:
             if (state := self._owner(chunk)) is not None:
-                by_request.setdefault(id(state), []).append(chunk)
-        for group in by_request.values():
-            state = self._owner(group[0])
-            if state is None:  # (defensive: recording or failing a request ends none but its own sequences)
-                continue
+                by_request.setdefault(id(state), (state, []))[1].append(chunk)
+        for state, group in by_request.values():  # (recording or failing one ends no other request)
             try:
                 outputs = self._outputs(*narrowed(inputs, step, {c.seq.seq_id for c in group}))
             except Exception as alone:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention_metadata import AttentionMetadata
+from ..native.library import CpuKernels, available
 
 
 @dataclass(frozen=True)
@@ -230,3 +231,12 @@ def copy_slots_between(sources: list[tuple[torch.Tensor, ...]], targets: list[tu
     for from_layer, to_layer in zip(sources, targets, strict=True):
         for source, target in zip(from_layer, to_layer, strict=True):
             target[dst] = source[src]
+
+
+def native_step_kernels(state: torch.Tensor, inputs: tuple[torch.Tensor, ...], widest: int) -> CpuKernels | None:
+    """The native CPU kernels where a mixer's decode step can run on them (csrc/delta_rule.c, ssd_step.c): CPU
+    float32 tensors, ``state`` contiguous (updated in place) and its last dimension at most ``widest``; else None
+    (torch's ops run)."""
+    fits = (all(x.device.type == "cpu" and x.dtype == torch.float32 for x in (state, *inputs))
+            and state.is_contiguous() and state.shape[-1] <= widest)
+    return available() if fits else None

@@ -40,10 +40,10 @@ from ..layers.recurrent import (
     Segment,
     StateSpec,
     initial_states,
+    native_step_kernels,
     segments,
     store_states,
 )
-from ..native.library import available as native_kernels
 from .llama import DecoderSpec, LlamaDecoderLayer
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -143,13 +143,6 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     return out
 
 
-def _native_step_fits(*tensors: torch.Tensor) -> bool:
-    """The native step takes CPU float32 tensors, the memory contiguous (updated in place), the kernels built."""
-    memory = tensors[-1]
-    return (all(x.device.type == "cpu" and x.dtype == torch.float32 for x in tensors) and memory.is_contiguous()
-            and memory.shape[-1] <= MAX_NATIVE_VALUE_DIM and native_kernels() is not None)
-
-
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    memory: torch.Tensor, native: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of B sequences (q, k [B, H, Dk], v [B, H, Dv], g, beta [B, H]) from its memory
@@ -157,11 +150,12 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     memory's traffic, so it is read once for both k S and q S, before it decays: with a = exp(g),
     delta = beta (v - a k S) and S' = a S + k delta^T, the output q S' is a q S + (q . k) delta. On the CPU the
     native kernel does it in one pass over the memory (csrc/delta_rule.c); ``native=False``: torch's ops."""
-    if native and _native_step_fits(q, k, v, g, beta, memory):
+    kernels = native_step_kernels(memory, (q, k, v, g, beta), MAX_NATIVE_VALUE_DIM) if native else None
+    if kernels is not None:
         out = v.new_empty(v.shape)
         contiguous = [x.contiguous() for x in (q, k, v, g, beta)]
         dk, dv = memory.shape[-2:]
-        native_kernels().call("core_delta_rule_step", *(x.data_ptr() for x in contiguous), memory.data_ptr(),
+        kernels.call("core_delta_rule_step", *(x.data_ptr() for x in contiguous), memory.data_ptr(),
                        memory.numel() // (dk * dv), dk, dv, out.data_ptr())
         return out, memory
     decay = g.exp().unsqueeze(-1)  # [B, H, 1]

@@ -32,10 +32,10 @@ from ..layers.recurrent import (
     Segment,
     StateSpec,
     initial_states,
+    native_step_kernels,
     segments,
     store_states,
 )
-from ..native.library import available as native_kernels
 
 # The chunked form's chunk: any size gives the same sums but for rounding; the work within a chunk grows with its
 # square. Configs say 256 (the GPU kernels'); on a 2-core Zen 4 EPYC a 1,024-token prompt of a Granite-4.0-H
@@ -182,13 +182,6 @@ def _per_head(bc: torch.Tensor, heads: int) -> torch.Tensor:
     return bc.repeat_interleave(heads // bc.shape[-2], dim=-2)
 
 
-def _native_step_fits(*tensors: torch.Tensor) -> bool:
-    """The native step takes CPU float32 tensors, the state contiguous (updated in place), the kernels built."""
-    state = tensors[0]
-    return (all(x.device.type == "cpu" and x.dtype == torch.float32 for x in tensors) and state.is_contiguous()
-            and state.shape[-1] <= MAX_NATIVE_STATE and native_kernels() is not None)
-
-
 def ssd_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              c: torch.Tensor, native: bool = True) -> torch.Tensor:
     """One token of each of B sequences: updates ``state`` [B, heads, head_dim, state] in place and returns
@@ -196,10 +189,11 @@ def ssd_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, a: torch.Te
     On the CPU the native kernel does it in one pass over the state (csrc/ssd_step.c); ``native=False``:
     torch's ops."""
     heads, head_dim, size = state.shape[1:]
-    if native and _native_step_fits(state, x, dt, a, b, c):
+    kernels = native_step_kernels(state, (x, dt, a, b, c), MAX_NATIVE_STATE) if native else None
+    if kernels is not None:
         y = x.new_empty(x.shape)
         inputs = [t.contiguous() for t in (x, dt, a, b, c)]
-        native_kernels().call("core_ssd_step", *(t.data_ptr() for t in inputs), state.data_ptr(), state.shape[0],
+        kernels.call("core_ssd_step", *(t.data_ptr() for t in inputs), state.data_ptr(), state.shape[0],
                               heads, b.shape[-2], head_dim, size, y.data_ptr())
         return y
     decay = torch.exp(dt * a)[..., None, None]
