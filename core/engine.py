@@ -274,7 +274,7 @@ class AsyncEngine:
         return await self._pooled(prompts)
 
     async def _pooled(self, prompts: list[list[int]]) -> list[Embedding]:
-        check_embedding_inputs(prompts, self.model_info.max_model_len)
+        check_embedding_inputs(prompts, self.model_info.max_model_len, self.model_info.vocab_size)
         vectors = await self.backend.embed(prompts)
         return [Embedding(vector, len(prompt)) for vector, prompt in zip(vectors, prompts, strict=True)]
 

@@ -115,12 +115,16 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     return dot / norms if norms else 0.0
 
 
-def check_embedding_inputs(prompts: Sequence[Sequence[int]], max_model_len: int) -> None:
-    """An InvalidRequestError naming `input` for an empty prompt, a ContextTooLongError for one past the
-    context window."""
+def check_embedding_inputs(prompts: Sequence[Sequence[int]], max_model_len: int, vocab_size: int = 0) -> None:
+    """An InvalidRequestError naming `input` for an empty prompt or a token id outside the vocabulary (when
+    `vocab_size` is known), a ContextTooLongError for one past the context window."""
     for i, prompt in enumerate(prompts):
         if len(prompt) > max_model_len:
             raise ContextTooLongError(f"input {i} has {len(prompt)} tokens; this model takes at most {max_model_len}",
                                       param="input")
         if not prompt:
             raise InvalidRequestError(f"input {i} is empty", param="input")
+        outside = [t for t in prompt if t < 0 or (vocab_size and t >= vocab_size)]
+        if outside:
+            raise InvalidRequestError(f"input {i}: token id {outside[0]} is outside the vocabulary [0, {vocab_size})",
+                                      param="input")

@@ -121,7 +121,8 @@ def test_dimensions_needs_a_matryoshka_model(http: httpx.Client):
 
 
 @pytest.mark.parametrize(("body", "param"), [({"input": []}, "input"), ({"input": 5}, "input"),
-                                             ({"input": "word " * 300}, "input")])
+                                             ({"input": "word " * 300}, "input"), ({"input": [-1]}, "input"),
+                                             ({"input": [[101, 10**9]]}, "input")])
 def test_bad_inputs_are_400s(http: httpx.Client, body: dict[str, Any], param: str):
     assert_openai_error(http.post("/v1/embeddings", json=body), 400, param)
 
