@@ -78,6 +78,7 @@ def chat_param_names(req: ChatCompletionRequest) -> dict[str, str]:
     return {"max_new_tokens": chat_max_tokens_field(req), "min_new_tokens": "min_tokens"}
 
 
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 COMPLETION_PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
 
 
@@ -112,8 +113,10 @@ def completion_generation_config(req: CompletionRequest) -> GenerationConfig:
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise UnsupportedError("best_of is not supported (use n)", param="best_of")
     fields = _sent_fields(req)
-    if req.max_tokens is not None:  # echo alone: one token is generated and dropped, as vLLM does
-        fields["max_new_tokens"] = max(req.max_tokens, 1)
+    # Unsent, the legacy API's 16 (OpenAI's and vLLM's default), not the rest of the context window; echo
+    # alone (0): one token is generated and dropped, as vLLM does.
+    limit = req.max_tokens if req.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
+    fields["max_new_tokens"] = max(limit, 1)
     if req.logprobs is not None:
         fields["logprobs"], fields["top_logprobs"] = True, req.logprobs
     wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]

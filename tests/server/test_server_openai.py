@@ -81,6 +81,17 @@ def test_chat_logprobs_shapes(client: openai.OpenAI, model: str):
     assert [t.token for t in streamed] == [t.token for t in content]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_without_max_tokens_stops_at_the_apis_default_of_16(client: openai.OpenAI, model: str,
+                                                                       stream: bool):
+    # OpenAI's legacy completions (and vLLM) default max_tokens to 16, not to the rest of the context window.
+    options = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+    response = client.completions.create(model=model, prompt="Once upon a time", extra_body={"ignore_eos": True},
+                                         **options)
+    usage = [c for c in response if c.usage][-1].usage if stream else response.usage
+    assert usage.completion_tokens == 16
+
+
 def test_completion_logprobs_shapes(client: openai.OpenAI, model: str):
     response = client.completions.create(model=model, prompt="abc", max_tokens=3, logprobs=2)
     lp = response.choices[0].logprobs
