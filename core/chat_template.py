@@ -10,9 +10,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from core.errors import InvalidRequestError
+from core.errors import InvalidRequestError, UnsupportedError
 
 Message = Mapping[str, Any]
+# Content parts read as text (the key that holds it), and image parts (OpenAI's, Anthropic's and Hugging Face's).
+TEXT_KEYS = {"text": "text", "input_text": "text", "refusal": "refusal"}
+IMAGE_PART_TYPES = frozenset({"image_url", "image"})
 
 
 class ChatTemplate(ABC):
@@ -58,24 +61,36 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
                 f"messages[{i}].role must be system, user, assistant or tool, got {role!r}",
                 param=f"messages[{i}].role",
             )
-        _check_content(message.get("content"), f"messages[{i}].content")
-        checked.append(dict(message))
+        content = _checked_content(message.get("content"), f"messages[{i}].content")
+        checked.append({**message, "content": content} if "content" in message else dict(message))
     return checked
 
 
-def _check_content(content: Any, where: str) -> None:
+def _checked_content(content: Any, where: str) -> Any:
     """Content is a string, null (an assistant turn of tool calls) or a list of parts, each an object with
-    a string `type` (a text part with a string `text`); what a part of another type holds is checked by
-    whoever reads it (images: core.media)."""
+    a string `type` (a text part with a string `text`); what an image part holds is checked by whoever
+    reads it (core.media). As vLLM does, `refusal` (an assistant turn sent back as the API returned it) and
+    `input_text` parts are read as text parts; parts of other types (audio, files) are a 400."""
     if content is None or isinstance(content, str):
-        return
+        return content
     if not isinstance(content, (list, tuple)):
         raise InvalidRequestError(f"{where} must be a string or a list of content parts", param=where)
-    for j, part in enumerate(content):
-        if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
-            raise InvalidRequestError(f'{where}[{j}] must be an object with a string "type"', param=f"{where}[{j}]")
-        if part["type"] == "text" and not isinstance(part.get("text"), str):
-            raise InvalidRequestError(f"{where}[{j}].text must be a string", param=f"{where}[{j}].text")
+    return [_checked_part(part, f"{where}[{j}]") for j, part in enumerate(content)]
+
+
+def _checked_part(part: Any, where: str) -> Any:
+    if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
+        raise InvalidRequestError(f'{where} must be an object with a string "type"', param=where)
+    kind = part["type"]
+    if kind in IMAGE_PART_TYPES:
+        return part
+    if kind not in TEXT_KEYS:
+        raise UnsupportedError(f"{where}: content parts of type {kind!r} are not supported (only text and images)",
+                               param=f"{where}.type")
+    text = part.get(TEXT_KEYS[kind])
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"{where}.{TEXT_KEYS[kind]} must be a string", param=f"{where}.{TEXT_KEYS[kind]}")
+    return part if kind == "text" else {"type": "text", "text": text}
 
 
 def validate_tools(tools: Any) -> list[dict[str, Any]] | None:

@@ -42,6 +42,31 @@ def test_content_parts_stream(client: openai.OpenAI):
     assert all(c.model == NAMES[0] for c in chunks)
 
 
+def test_refusal_and_input_text_parts_are_text(client: openai.OpenAI, http: httpx.Client):
+    """An assistant turn sent back with the API's refusal part, and input_text parts, read as text (as vLLM
+    does); they were handed to the string template as a list, a 400 "the chat template rejected the messages"."""
+    sent = [{"role": "user", "content": [{"type": "input_text", "text": "Hello"}]},
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]},
+            {"role": "user", "content": "Bye"}]
+    as_text = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "I can't."},
+               {"role": "user", "content": "Bye"}]
+    reply = client.chat.completions.create(model=NAMES[0], messages=sent, **GREEDY)
+    assert reply.usage.prompt_tokens == client.chat.completions.create(model=NAMES[0], messages=as_text,
+                                                                       **GREEDY).usage.prompt_tokens
+    ids = [http.post("/tokenize", json={"messages": m}).json()["tokens"] for m in (sent, as_text)]
+    assert ids[0] == ids[1]
+
+
+@pytest.mark.parametrize("part", [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+                                  {"type": "file", "file": {"file_id": "file-1"}}])
+def test_a_part_of_a_type_not_served_is_a_400_naming_it(client: openai.OpenAI, http: httpx.Client, part: dict):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Listen:"}, part]}]
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=NAMES[0], messages=messages, **GREEDY)
+    error = assert_openai_error(raised.value.response, 400, "messages[0].content[1].type")
+    assert part["type"] in error["message"] and "template" not in error["message"]
+
+
 def test_models_lists_every_name_with_the_context_window(client: openai.OpenAI, http: httpx.Client):
     cards = http.get("/v1/models").json()["data"]
     assert [c["id"] for c in cards] == list(NAMES)
