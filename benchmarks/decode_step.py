@@ -1,7 +1,8 @@
 """Where one decode step of the pytorch backend goes: its phases timed, and its torch ops counted.
 
     python benchmarks/decode_step.py [--batch 1 64] [--dtype auto] [--steps 40] [--profile] [--eager]
-        [--amx-rows prompt all] [--kv-cache-dtype auto int8] [--repeats 1]
+        [--amx-rows prompt all] [--kv-cache-dtype auto int8] [--repeats 1] [--paths stack modules]
+        [--model PATH --quantization int4]
 
 Runs the engine loop's step by hand (scheduler -> ModelRunner.prepare -> execute -> SamplingBatch +
 sample -> scheduler.update) on the default model, greedy, after a 128-token prompt per sequence, on the
@@ -28,7 +29,8 @@ import core_pytorch_backend  # noqa: F401  (before torch: large tensors on huge 
 PROMPT_LEN = 128
 
 
-def build(dtype: str, max_seqs: int, eager: bool = False, amx_rows: str = "prompt", kv_cache_dtype: str = "auto"):
+def build(dtype: str, max_seqs: int, eager: bool = False, amx_rows: str = "prompt", kv_cache_dtype: str = "auto",
+          model: str | None = None, quantization: str = "auto"):
     from core.scheduling import BlockManager, Scheduler
     from core_pytorch_backend.kernels import kv_int8, select_ops
     from core_pytorch_backend.loader import default_model_path, load_checkpoint
@@ -36,7 +38,7 @@ def build(dtype: str, max_seqs: int, eager: bool = False, amx_rows: str = "promp
     from core_pytorch_backend.native_decode import make_native_decode
 
     ops = select_ops("cpu")
-    loaded = load_checkpoint(default_model_path(), dtype=dtype, ops=ops)
+    loaded = load_checkpoint(model or default_model_path(), dtype=dtype, ops=ops, quantization=quantization)
     block_size = 16
     kv_dtype = kv_int8.DTYPE if kv_cache_dtype == "int8" else loaded.kv_cache_dtype  # as the backend's option
     blocks = kv_cache_blocks(loaded.model, block_size, kv_dtype, torch.device("cpu"), 1.0, 0.9)
@@ -155,17 +157,24 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "int8"],
                         help="the KV caches to run side by side (the backend option kv_cache_dtype)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of every variant per batch size")
+    parser.add_argument("--paths", nargs="+", default=None, choices=["stack", "modules"],
+                        help="decode paths to run side by side: the native stack, the modules (--eager: modules)")
+    parser.add_argument("--model", help="a checkpoint folder or GGUF file instead of the default model")
+    parser.add_argument("--quantization", default="auto", help="load_checkpoint's (int8, int4: packed weights)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    built = {(rule, kv): build(args.dtype, max(args.batch), args.eager, rule, kv)
-             for rule in args.amx_rows for kv in args.kv_cache_dtype}
+    paths = args.paths or (["modules"] if args.eager else ["stack"])
+    built = {(rule, kv, path): build(args.dtype, max(args.batch), path == "modules", rule, kv, args.model,
+                                     args.quantization)
+             for rule in args.amx_rows for kv in args.kv_cache_dtype for path in paths}
     for runner, _ in built.values():
         if args.stub_matmuls:
             stub_matmuls(runner.model)
     runner = next(iter(built.values()))[0]
     vocab = runner.model.config.vocab_size
-    path = "modules" if runner.decode_path is None else type(runner.decode_path).__name__
+    path = ", ".join(dict.fromkeys("modules" if r.decode_path is None else type(r.decode_path).__name__
+                                   for r, _ in built.values()))
     tiles = f"AMX tiles for rows: {', '.join(args.amx_rows)}" if runner.marks_tile_rows else "no AMX tiles"
     caches = ", ".join(str(r.kv_cache_dtype) for r, _ in built.values()) if len(args.kv_cache_dtype) > 1 else None
     print(f"# decode step, {runner.dtype} (KV cache {caches or runner.kv_cache_dtype}), {path}"
@@ -173,10 +182,11 @@ def main() -> None:
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {tiles}")
     for batch in args.batch:
         for _ in range(args.repeats):
-            for (rule, kv), (runner, scheduler) in built.items():
+            for (rule, kv, path), (runner, scheduler) in built.items():
                 measure(runner, scheduler, batch, vocab, args, label=f"B={batch:<3}" + (
                     f" amx-rows {rule:<6}" if len(args.amx_rows) > 1 else "") + (
-                    f" kv {kv:<4}" if len(args.kv_cache_dtype) > 1 else ""))
+                    f" kv {kv:<4}" if len(args.kv_cache_dtype) > 1 else "") + (
+                    f" {path:<7}" if len(paths) > 1 else ""))
 
 
 def measure(runner, scheduler, batch: int, vocab: int, args, label: str) -> None:

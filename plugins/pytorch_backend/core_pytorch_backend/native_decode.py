@@ -12,7 +12,9 @@ It is what CUDA graphs are on a GPU (cuda_graphs.py), with the same interface to
 ``run`` after a re-allocation describes the layers again.
 
 It takes a model whose decoder is exactly ``models.llama``'s (Llama, Qwen2, Qwen3, Mistral and the VL
-models over them) built on the native op set, with every projection a ``NativeWeight`` (GGUF quants,
+models over them) or one of Gemma's (``models.gemma``, ``gemma2``, ``gemma3``: float32 norms of 1 + w, GELU-tanh,
+Gemma 2 and 3's norms of the attention's and the MLP's outputs, Gemma 3's rotary table per layer type; Gemma 2's
+soft-capped attention scores are not taken) built on the native op set, with every projection a ``NativeWeight`` (GGUF quants,
 ``--quantization int8|int4``), float32 or bfloat16 activations, a float32, bfloat16 or int8 KV cache, and no hooks (tensor
 parallel ranks all-reduce in hooks). Steps with a prefill chunk, M-RoPE positions or bidirectional image
 spans, and steps whose rows carry LoRA adapters (the runner routes those elsewhere), run through the
@@ -30,11 +32,20 @@ import torch
 from torch import nn
 
 from core_pytorch_backend.kernels.native import CACHE_CODES
-from core_pytorch_backend.layers.activation import SiluAndMul
+from core_pytorch_backend.layers.activation import GeluTanhAndMul, SiluAndMul
 from core_pytorch_backend.layers.attention import attention_layers
 from core_pytorch_backend.layers.norm import RMSNorm
 from core_pytorch_backend.layers.quantized import packed_linear
 from core_pytorch_backend.layers.rotary import RotaryEmbedding
+from core_pytorch_backend.models.gemma import GemmaDecoderLayer, GemmaModel
+from core_pytorch_backend.models.gemma2 import Gemma2Model
+from core_pytorch_backend.models.gemma3 import (
+    Gemma3Attention,
+    Gemma3DecoderLayer,
+    Gemma3MLP,
+    Gemma3Model,
+    GemmaRMSNorm,
+)
 from core_pytorch_backend.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 from core_pytorch_backend.native import tile_rows
 from core_pytorch_backend.native.library import CpuKernels, available
@@ -59,16 +70,35 @@ class _Packed(ctypes.Structure):  # csrc/decoder_stack.c core_packed
 
 
 class _Layer(ctypes.Structure):  # core_layer
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _Packed),
-                ("o", _Packed), ("gate_up", _Packed), ("down", _Packed), ("k_cache", _P), ("v_cache", _P),
-                ("window", _L), ("scale", _F), ("rope", _I)]
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("attn_out_norm", _P),
+                ("mlp_out_norm", _P), ("cos", _P), ("sin", _P), ("qkv", _Packed), ("o", _Packed), ("gate_up", _Packed),
+                ("down", _Packed), ("k_cache", _P), ("v_cache", _P), ("window", _L), ("scale", _F), ("rope", _I)]
 
 
 class _Decoder(ctypes.Structure):  # core_decoder
     _fields_ = [("hidden", _L), ("heads", _L), ("kv_heads", _L), ("head_dim", _L), ("inter", _L),
-                ("dtype", _I), ("cache_dtype", _I), ("table_dtype", _I), ("eps", _F),
-                ("block_size", _L), ("num_slots", _L), ("max_position", _L), ("cos", _P), ("sin", _P), ("tiles", _I),
+                ("dtype", _I), ("cache_dtype", _I), ("table_dtype", _I), ("norm_float", _I), ("act", _I), ("eps", _F),
+                ("block_size", _L), ("num_slots", _L), ("max_position", _L), ("tiles", _I),
                 ("group_rows", _I), ("group_from", _I)]
+
+
+@dataclass(frozen=True)
+class _Family:
+    """The module classes of one decoder family the stack takes, and how its layers differ from Llama's."""
+
+    layer: type
+    attention: type
+    mlp: type
+    norm: type  # RMSNorm (weights of the activations' dtype) or GemmaRMSNorm (float32 1 + w: norm_float)
+    sandwich: bool  # norms of the attention's and the MLP's outputs (Gemma 2, 3): post_attention_layernorm is then
+    # the attention output's, pre_feedforward_layernorm the MLP input's
+
+
+_FAMILIES = {LlamaModel: _Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, False),
+             GemmaModel: _Family(GemmaDecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, False),
+             Gemma2Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, True),
+             Gemma3Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, True)}
+_ACTIVATIONS = {SiluAndMul: 0, GeluTanhAndMul: 1}  # csrc/common.h ACT_SILU, ACT_GELU_TANH
 
 
 class DoesNotFit(ValueError):
@@ -174,16 +204,17 @@ def make_native_decode(model: nn.Module, *, device: torch.device, enabled: bool)
 def describe(model: nn.Module) -> _Plan:
     """Point the C structs at ``model``'s weights and KV caches; DoesNotFit says why they cannot be."""
     decoder = getattr(model, "model", None)
-    if type(decoder) is not LlamaModel:
-        raise DoesNotFit(f"{type(model).__name__}'s decoder is not models.llama's")
+    family = _FAMILIES.get(type(decoder))
+    if family is None:
+        raise DoesNotFit(f"{type(model).__name__}'s decoder is neither models.llama's nor Gemma's")
     if getattr(getattr(model, "ops", None), "name", None) != "native":
         raise DoesNotFit("the model is not built on the native op set")
     _no_hooks(model)
     layers = list(decoder.layers)
     first = layers[0]
     attention, mlp = first.self_attn, first.mlp
-    rotary = next((layer.self_attn.rotary_emb for layer in layers if layer.self_attn.rotary_emb is not None), None)
-    dtype = first.input_layernorm.weight.dtype
+    rotary = _rotary_of(layers)
+    dtype = first.input_layernorm.weight.dtype  # the activations' (a step whose embeddings differ takes the modules)
     cache = attention.attn.k_cache
     if cache is None:
         raise DoesNotFit("no KV cache is bound")
@@ -192,26 +223,42 @@ def describe(model: nn.Module) -> _Plan:
     heads, kv_heads, head_dim = attention.attn.num_heads, attention.attn.num_kv_heads, attention.head_dim
     if head_dim > MAX_HEAD_DIM or heads // kv_heads > MAX_GROUP:
         raise DoesNotFit(f"{head_dim}-wide heads in groups of {heads // kv_heads}")
-    if not isinstance(rotary, RotaryEmbedding) or rotary.cos_cache.dtype not in _STEP_DTYPES:
-        raise DoesNotFit("an unsupported rotary embedding")
-    if rotary.rotary_dim != rotary.head_dim:
-        raise DoesNotFit("rotary on part of each head (partial_rotary_factor)")
+    act = _ACTIVATIONS.get(type(mlp.act_fn))
+    if act is None:
+        raise DoesNotFit(f"the MLP's {type(mlp.act_fn).__name__} (silu or GELU-tanh)")
     qkv = attention.qkv_proj.weight
     if not isinstance(qkv, NativeWeight):
         raise DoesNotFit("layer 0's qkv_proj is not a native packed weight")
     group_rows = row_group_rows(qkv.kernels)
-    keep: list[torch.Tensor] = [rotary.cos_cache, rotary.sin_cache]
+    keep: list[torch.Tensor] = []
     spec = _Decoder(hidden=first.input_layernorm.weight.shape[0], heads=heads, kv_heads=kv_heads,
                     head_dim=head_dim, inter=mlp.down_proj.input_size, dtype=DTYPE_CODES[dtype],
-                    cache_dtype=CACHE_CODES[cache.dtype],
-                    table_dtype=DTYPE_CODES[rotary.cos_cache.dtype], eps=first.input_layernorm.eps,
+                    cache_dtype=CACHE_CODES[cache.dtype], table_dtype=DTYPE_CODES[rotary.cos_cache.dtype],
+                    norm_float=int(family.norm is GemmaRMSNorm), act=act, eps=first.input_layernorm.eps,
                     block_size=cache.shape[1], num_slots=cache.shape[0] * cache.shape[1],
-                    max_position=rotary.cos_cache.shape[0], cos=_ptr(rotary.cos_cache, keep),
-                    sin=_ptr(rotary.sin_cache, keep), group_rows=group_rows, group_from=row_group_from(group_rows))
+                    max_position=rotary.cos_cache.shape[0], group_rows=group_rows,
+                    group_from=row_group_from(group_rows))
     described = (_Layer * len(layers))()
     for index, layer in enumerate(layers):
-        described[index] = _describe_layer(layer, index, spec, rotary, cache, keep)
+        described[index] = _describe_layer(layer, index, family, spec, rotary, cache, keep)
     return _Plan(model, attention.attn, cache.data_ptr(), dtype, spec, described, keep, group_rows)
+
+
+def _rotary_of(layers: list[nn.Module]) -> RotaryEmbedding:
+    """The first layer's rotary table, after checking that every layer's (Gemma 3: one per layer type; None: a
+    layer without rotary) has its dtype, length and width."""
+    tables = [layer.self_attn.rotary_emb for layer in layers if layer.self_attn.rotary_emb is not None]
+    if not tables:
+        raise DoesNotFit("no layer has a rotary embedding")
+    first = tables[0]
+    for rotary in tables:
+        if not isinstance(rotary, RotaryEmbedding) or rotary.cos_cache.dtype not in _STEP_DTYPES:
+            raise DoesNotFit("an unsupported rotary embedding")
+        if rotary.rotary_dim != rotary.head_dim:
+            raise DoesNotFit("rotary on part of each head (partial_rotary_factor)")
+        if rotary.cos_cache.dtype != first.cos_cache.dtype or rotary.cos_cache.shape != first.cos_cache.shape:
+            raise DoesNotFit("rotary tables of different lengths or dtypes")
+    return first
 
 
 def row_group_rows(kernels: CpuKernels) -> int:
@@ -229,12 +276,12 @@ def row_group_from(group_rows: int) -> int:
     return max(2 * GROUP_ROWS, group_rows) * torch.get_num_threads()
 
 
-def _describe_layer(layer: nn.Module, index: int, spec: _Decoder, rotary: RotaryEmbedding, cache: torch.Tensor,
-                    keep: list[torch.Tensor]) -> _Layer:
+def _describe_layer(layer: nn.Module, index: int, family: _Family, spec: _Decoder, first_rotary: RotaryEmbedding,
+                    cache: torch.Tensor, keep: list[torch.Tensor]) -> _Layer:
     attention, mlp = layer.self_attn, layer.mlp
-    if (type(layer) is not LlamaDecoderLayer or type(attention) is not LlamaAttention or type(mlp) is not LlamaMLP
-            or type(mlp.act_fn) is not SiluAndMul or attention.rotary_emb not in (rotary, None)):
-        raise DoesNotFit(f"layer {index} is not models.llama's decoder layer with silu")
+    if (type(layer) is not family.layer or type(attention) is not family.attention or type(mlp) is not family.mlp
+            or _ACTIVATIONS.get(type(mlp.act_fn)) != spec.act):
+        raise DoesNotFit(f"layer {index} is not its family's decoder layer with layer 0's activation")
     attn = attention.attn
     if attn.has_score_terms or attn.v_head_dim != attn.head_dim:
         raise DoesNotFit(f"layer {index}'s attention adds score terms or has narrower values")
@@ -242,21 +289,37 @@ def _describe_layer(layer: nn.Module, index: int, spec: _Decoder, rotary: Rotary
             or attn.k_cache.shape != cache.shape or not (attn.k_cache.is_contiguous() and attn.v_cache.is_contiguous())
             or attn.v_cache.dtype != cache.dtype or attn.num_heads != spec.heads or attn.num_kv_heads != spec.kv_heads):
         raise DoesNotFit(f"layer {index}'s KV cache or heads differ from layer 0's")
-    norms = [layer.input_layernorm, layer.post_attention_layernorm]
-    if attention.q_norm is not None:
-        norms += [attention.q_norm, attention.k_norm]
-    for norm in norms:
-        if type(norm) is not RMSNorm or _F(norm.eps).value != spec.eps or DTYPE_CODES.get(norm.weight.dtype) != spec.dtype:
-            raise DoesNotFit(f"layer {index}'s norms differ (type, eps or dtype)")
-    q_norm = k_norm = None
-    if attention.q_norm is not None:
-        q_norm, k_norm = _ptr(attention.q_norm.weight, keep), _ptr(attention.k_norm.weight, keep)
-    return _Layer(input_norm=_ptr(layer.input_layernorm.weight, keep),
-                  post_norm=_ptr(layer.post_attention_layernorm.weight, keep), q_norm=q_norm, k_norm=k_norm,
+    if family.sandwich:
+        before_mlp, attn_out, mlp_out = (layer.pre_feedforward_layernorm, layer.post_attention_layernorm,
+                                         layer.post_feedforward_layernorm)
+    else:
+        before_mlp, attn_out, mlp_out = layer.post_attention_layernorm, None, None
+    norms = {"input": layer.input_layernorm, "before_mlp": before_mlp, "attn_out": attn_out, "mlp_out": mlp_out,
+             "q": attention.q_norm, "k": attention.k_norm}
+    weights = {name: _norm_weight(norm, family, spec, index, keep) for name, norm in norms.items()}
+    rotary = attention.rotary_emb or first_rotary  # a layer without rotary (rope 0) never reads the table
+    return _Layer(input_norm=weights["input"], post_norm=weights["before_mlp"], q_norm=weights["q"],
+                  k_norm=weights["k"], attn_out_norm=weights["attn_out"], mlp_out_norm=weights["mlp_out"],
+                  cos=_ptr(rotary.cos_cache, keep), sin=_ptr(rotary.sin_cache, keep),
                   qkv=_packed(attention.qkv_proj, index, keep), o=_packed(attention.o_proj, index, keep),
                   gate_up=_packed(mlp.gate_up_proj, index, keep), down=_packed(mlp.down_proj, index, keep),
                   k_cache=_ptr(attn.k_cache, keep), v_cache=_ptr(attn.v_cache, keep), window=attn.sliding_window or 0,
                   scale=attn.scale, rope=int(attention.rotary_emb is not None))
+
+
+def _norm_weight(norm: nn.Module | None, family: _Family, spec: _Decoder, index: int,
+                 keep: list[torch.Tensor]) -> int | None:
+    """The pointer the C layer reads for ``norm`` (None: no such norm): an RMSNorm's weight as it is; a
+    GemmaRMSNorm's 1 + weight in float32, computed as its forward computes it on every call."""
+    if norm is None:
+        return None
+    if type(norm) is not family.norm or _F(norm.eps).value != spec.eps:
+        raise DoesNotFit(f"layer {index}'s norms differ (type or eps)")
+    if family.norm is GemmaRMSNorm:
+        return _ptr((1.0 + norm.weight.float()).contiguous(), keep)
+    if DTYPE_CODES.get(norm.weight.dtype) != spec.dtype:
+        raise DoesNotFit(f"layer {index}'s norm weights are not of the activations' dtype")
+    return _ptr(norm.weight, keep)
 
 
 def _packed(linear: nn.Module, index: int, keep: list[torch.Tensor]) -> _Packed:

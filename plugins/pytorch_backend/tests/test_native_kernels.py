@@ -565,6 +565,45 @@ def test_silu_and_mul_matches_the_reference(ops, dtype):
     torch.testing.assert_close(ops.silu_and_mul(x), reference.silu_and_mul(x), **tol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul_matches_the_reference(ops, dtype):
+    """Gemma's MLP. float32: within a few ulps of the exact function (float64) for gates above -3, where torch's
+    own form, 1 + tanh(z) for tanh near -1, loses digits to cancellation that the kernel's x / (1 + e^(-2z)) keeps;
+    bfloat16: within one rounding step of torch's."""
+    x = (torch.randn(7, 2 * 80, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    mine = ops.gelu_tanh_and_mul(x)
+    if dtype == torch.float32:
+        gate, up = x.double().chunk(2, dim=-1)
+        exact = torch.nn.functional.gelu(gate, approximate="tanh") * up
+        kept = gate > -3
+        torch.testing.assert_close(mine.double()[kept], exact[kept], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(mine, reference.gelu_tanh_and_mul(x), rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(mine, reference.gelu_tanh_and_mul(x), rtol=0.008, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemmas_float_norm_is_its_modules_bit_for_bit(ops, dtype, with_residual):
+    """core_rms_norm_float (the decode stack's Gemma norm) gives GemmaRMSNorm's bits: x (+ residual, rounded),
+    upcast, normalised times the float32 1 + w, rounded once."""
+    from core_pytorch_backend.models.gemma3 import GemmaRMSNorm
+
+    generator = torch.Generator().manual_seed(5)
+    x, residual = (torch.randn(6, 96, generator=generator).to(dtype) for _ in range(2))
+    norm = GemmaRMSNorm(96, 1e-6, ops)  # the module over the same variant's kernels
+    norm.weight.copy_(torch.randn(96, generator=generator) * 0.3)
+    expected = norm(x, residual) if with_residual else (norm(x), None)
+    weight = (1.0 + norm.weight.float()).contiguous()
+    out, summed = torch.empty_like(x), torch.empty_like(x)
+    code = native.DTYPE_CODES[dtype]
+    ops.kernels().call("core_rms_norm_float", x.data_ptr(), code, 6, 96, residual.data_ptr() if with_residual else None,
+                 weight.data_ptr(), 1e-6, out.data_ptr(), summed.data_ptr() if with_residual else None)
+    assert torch.equal(out, expected[0])
+    if with_residual:
+        assert torch.equal(summed, expected[1])
+
+
 def _argmax_cases() -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(7)
     ties = torch.randn(6, 4097, generator=generator)

@@ -24,7 +24,6 @@ from . import kv_int8, reference
 NAME = "native"
 MAX_HEAD_DIM, MAX_GROUP = 512, 64  # csrc/cpu_ops.c
 MAX_CHUNK_HEAD_DIM = 256  # csrc/chunk_attention.c
-gelu_tanh_and_mul = reference.gelu_tanh_and_mul
 CACHE_CODES = {torch.float32: 0, torch.bfloat16: 1, kv_int8.DTYPE: 3}  # the KV caches the kernels take: csrc DT_*
 
 
@@ -156,14 +155,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out if residual is None else (out, summed)
 
 
+ACT_SILU, ACT_GELU_TANH = 0, 1  # csrc/common.h
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """As ``reference.silu_and_mul``, in one ``core_silu_and_mul`` call."""
+    """As ``reference.silu_and_mul``, in one ``core_act_and_mul`` call."""
     if _code(x) is None or x.device.type != "cpu":
         return reference.silu_and_mul(x)
+    return _act_and_mul(x, ACT_SILU)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """As ``reference.gelu_tanh_and_mul`` (Gemma's MLP) within a few float32 ulps, in one ``core_act_and_mul``
+    call: the decode stack calls the same kernel, so that its hidden states are the modules' bit for bit."""
+    if _code(x) is None or x.device.type != "cpu":
+        return reference.gelu_tanh_and_mul(x)
+    return _act_and_mul(x, ACT_GELU_TANH)
+
+
+def _act_and_mul(x: torch.Tensor, act: int) -> torch.Tensor:
     x = x.contiguous()
     inner = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], inner, dtype=x.dtype)
-    kernels().call("core_silu_and_mul", x.data_ptr(), _code(x), x.numel() // (2 * inner), inner, out.data_ptr())
+    kernels().call("core_act_and_mul", x.data_ptr(), _code(x), x.numel() // (2 * inner), inner, act, out.data_ptr())
     return out
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from .build import CpuBuildError, build_library, chosen_variant
 
 log = logging.getLogger(__name__)
-ABI_VERSION = 17  # csrc/packed_linear.c CORE_PACKED_ABI
+ABI_VERSION = 18  # csrc/packed_linear.c CORE_PACKED_ABI
 STATUS = {1: "bad arguments", 2: "out of memory", 3: "no prompt loop (a build without AVX512-BF16)"}
 
 # csrc/packed_linear.c core_packed_prompt_loop: the packed matmuls' loop for prompt tokens' rows
@@ -36,8 +36,12 @@ SIGNATURES: dict[str, list] = {
     "core_decode_attention": [_P, _I, _L, _L, _L, _P, _P, _I, _L, _L, _P, _L, _P, _L, _F, _P],
     # x, dtype, T, H, residual, weight, weight dtype, eps, out, residual out
     "core_rms_norm": [_P, _I, _L, _L, _P, _P, _I, _F, _P, _P],
+    # x, dtype, T, H, residual, weight (float32), eps, out, residual out: Gemma's norm (weights 1 + w, in float32)
+    "core_rms_norm_float": [_P, _I, _L, _L, _P, _P, _F, _P, _P],
     # x, dtype, T, I, out
     "core_silu_and_mul": [_P, _I, _L, _L, _P],
+    # x, dtype, T, I, activation (0 silu, 1 GELU-tanh: csrc/common.h ACT_*), out
+    "core_act_and_mul": [_P, _I, _L, _L, _I, _P],
     # q, k, dtype, T, Hq, Hkv, D, q row stride, k row stride, positions, cos, sin, their dtype,
     # max position, q out, k out
     "core_rotary": [_P, _P, _I, _L, _L, _L, _L, _L, _L, _P, _P, _P, _I, _L, _P, _P],

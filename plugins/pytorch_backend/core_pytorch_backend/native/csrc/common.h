@@ -201,6 +201,22 @@ static inline void silu_times(float *gate, const float *up, int64_t n, int dtype
     }
 }
 
+/* gate[i] <- gelu_tanh(gate[i]) * up[i], rounded as silu_times rounds (Gemma's MLP). gelu_tanh(x) = x/2 (1 + tanh(z))
+ * with z = sqrt(2/pi) (x + 0.044715 x^3), written as x / (1 + e^(-2z)) (the same function: (1 + tanh z) / 2 is the
+ * logistic of 2z), so that it vectorizes with fast_exp; within a few float32 ulps of torch's tanh form. */
+static inline void gelu_tanh_times(float *gate, const float *up, int64_t n, int dtype) {
+    const float two_k = 2.f * 0.7978845608028654f;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+        const float x = gate[i], g = x / (1.f + fast_exp(-two_k * (x + 0.044715f * x * x * x)));
+        gate[i] = dtype == DT_BF16 ? bf16_to_f32(f32_to_bf16(bf16_to_f32(f32_to_bf16(g)) * up[i])) : g * up[i];
+    }
+}
+
+/* the gated activations of core_act_and_mul and the decoder stack */
+#define ACT_SILU 0
+#define ACT_GELU_TANH 1
+
 /* The cache slot of context position pos (32-bit division: positions and blocks fit, and 64-bit
  * division costs tens of cycles) */
 static inline int64_t slot_of(const int32_t *table, int64_t pos, int64_t block_size) {
@@ -234,6 +250,9 @@ int core_decode_attention(const void *q, int q_dtype, int64_t rows, int64_t hq, 
 int core_rms_norm(const void *x, int x_dtype, int64_t tokens, int64_t hidden, const void *residual,
                   const void *weight, int w_dtype, float eps, void *out, void *residual_out);
 int core_silu_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, void *out);
+int core_act_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, int act, void *out);
+int core_rms_norm_float(const void *x, int x_dtype, int64_t tokens, int64_t hidden, const void *residual,
+                        const float *weight, float eps, void *out, void *residual_out);
 int core_rotary(const void *q, const void *k, int dtype, int64_t tokens, int64_t hq, int64_t hkv, int64_t d,
                 int64_t q_row_stride, int64_t k_row_stride, const int64_t *positions, const void *cos_table,
                 const void *sin_table, int table_dtype, int64_t max_position, void *q_out, void *k_out);

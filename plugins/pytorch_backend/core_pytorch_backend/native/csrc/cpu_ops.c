@@ -872,16 +872,30 @@ int core_rms_norm(const void *x, int x_dtype, int64_t tokens, int64_t hidden, co
     return status;
 }
 
+/* Gemma's RMSNorm: out = s * rsqrt(mean(s^2) + eps) * weight all in float32 (weight float32: the model's 1 + w),
+ * rounded once to x_dtype, as models/gemma3.py's GemmaRMSNorm computes it (x upcast, core_rms_norm's float32
+ * product, then rounded); s as core_rms_norm's (x + residual rounded to the dtype, written to residual_out). */
+int core_rms_norm_float(const void *x, int x_dtype, int64_t tokens, int64_t hidden, const void *residual,
+                        const float *weight, float eps, void *out, void *residual_out) {
+    if ((tokens > 0 && (!x || !out)) || !weight || tokens < 0 || hidden <= 0 || (residual && !residual_out) ||
+        (x_dtype != DT_F32 && x_dtype != DT_BF16))
+        return ERR_ARGS;
+    rms_team ctx = {x, x_dtype, tokens, hidden, residual, weight, 1, eps, out, residual_out, OK};
+    run_team(tokens * hidden > PARALLEL_MIN_WORK, rms_work, &ctx);
+    return ctx.status;
+}
+
 typedef struct {
     const void *x;
     int dtype;
     int64_t tokens, inner;
+    int act; /* ACT_SILU or ACT_GELU_TANH */
     void *out;
     int status;
-} silu_team;
+} act_team;
 
-static void silu_work(void *context, int64_t thread, int64_t threads) {
-    silu_team *c = context;
+static void act_work(void *context, int64_t thread, int64_t threads) {
+    act_team *c = context;
     const int64_t inner = c->inner;
     const int dtype = c->dtype;
     float *gate = malloc((size_t)inner * sizeof(float)), *up = malloc((size_t)inner * sizeof(float));
@@ -892,7 +906,10 @@ static void silu_work(void *context, int64_t thread, int64_t threads) {
         for (team_share(c->tokens, thread, threads, &t, &end); t < end; ++t) {
             load_row(c->x, dtype, t * 2 * inner, inner, gate);
             load_row(c->x, dtype, t * 2 * inner + inner, inner, up);
-            silu_times(gate, up, inner, dtype);
+            if (c->act == ACT_GELU_TANH)
+                gelu_tanh_times(gate, up, inner, dtype);
+            else
+                silu_times(gate, up, inner, dtype);
             store_row(c->out, dtype, t * inner, inner, gate);
         }
     }
@@ -900,12 +917,20 @@ static void silu_work(void *context, int64_t thread, int64_t threads) {
     free(up);
 }
 
-/* out[T, I] = silu(gate) * up for x[T, 2I] = [gate | up], rounding after the silu as torch does. */
-int core_silu_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, void *out) {
-    if ((tokens > 0 && (!x || !out)) || tokens < 0 || inner <= 0 || (dtype != DT_F32 && dtype != DT_BF16)) return ERR_ARGS;
-    silu_team ctx = {x, dtype, tokens, inner, out, OK};
-    run_team(tokens * inner > PARALLEL_MIN_WORK, silu_work, &ctx);
+/* out[T, I] = act(gate) * up for x[T, 2I] = [gate | up] (act: ACT_SILU, or ACT_GELU_TANH for Gemma), rounding
+ * after the activation as torch does. */
+int core_act_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, int act, void *out) {
+    if ((tokens > 0 && (!x || !out)) || tokens < 0 || inner <= 0 || (dtype != DT_F32 && dtype != DT_BF16) ||
+        (act != ACT_SILU && act != ACT_GELU_TANH))
+        return ERR_ARGS;
+    act_team ctx = {x, dtype, tokens, inner, act, out, OK};
+    run_team(tokens * inner > PARALLEL_MIN_WORK, act_work, &ctx);
     return ctx.status;
+}
+
+/* out[T, I] = silu(gate) * up for x[T, 2I] = [gate | up] */
+int core_silu_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, void *out) {
+    return core_act_and_mul(x, dtype, tokens, inner, ACT_SILU, out);
 }
 
 typedef struct {

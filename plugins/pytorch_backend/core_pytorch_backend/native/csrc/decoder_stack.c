@@ -6,6 +6,12 @@
  * (models/llama.py over kernels/native.py); what goes is ~100 us a layer of Python, dispatch and
  * allocation (a third of a one-row decode step of SmolLM2-135M on a 2-core EPYC).
  *
+ * Gemma's decoders (models/gemma.py, gemma2.py, gemma3.py) take the same layer with their differences as data:
+ * norms of float32 weights (1 + w) multiplied in float32 (norm_float: core_rms_norm_float), GELU-tanh * up
+ * (act), norms of the attention's and the MLP's outputs before each joins the residual (Gemma 2 and 3's
+ * sandwich norms: attn_out_norm, mlp_out_norm), and a rotary table per layer (Gemma 3's sliding layers have
+ * their own base).
+ *
  * The model and its layers are described once (core_decoder, core_layer: pointers into the weights and
  * KV caches, which decoder_stack.py keeps alive and rebuilds when they move); a step passes its rows.
  * Every row is a decode row (one new token attending to its paged context). hidden [T, H] holds the
@@ -30,8 +36,10 @@ typedef struct { /* one weight in packed_linear.c's layout */
 } core_packed;
 
 typedef struct {
-    const void *input_norm, *post_norm; /* [H] of the activations' dtype */
-    const void *q_norm, *k_norm;        /* [D] (Qwen3), or NULL */
+    const void *input_norm, *post_norm;       /* [H] before the attention and before the MLP (see norm_float) */
+    const void *q_norm, *k_norm;              /* [D] (Qwen3, Gemma 3), or NULL */
+    const void *attn_out_norm, *mlp_out_norm; /* [H] of the attention's and the MLP's outputs (Gemma 2, 3), or NULL */
+    const void *cos, *sin;                    /* this layer's rotary table, [max_position, D / 2] of table_dtype */
     core_packed qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* [slots, Hkv, D] of the cache dtype */
     int64_t window;          /* sliding window, 0: none */
@@ -41,10 +49,11 @@ typedef struct {
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
-    int32_t dtype, cache_dtype, table_dtype; /* dtype: the activations' and the norm weights' */
+    int32_t dtype, cache_dtype, table_dtype; /* dtype: the activations' (and the norm weights', but norm_float) */
+    int32_t norm_float; /* 1: norm weights float32, multiplied in float32 and rounded once (Gemma: 1 + w) */
+    int32_t act;        /* ACT_SILU or ACT_GELU_TANH (common.h) */
     float eps;
     int64_t block_size, num_slots, max_position;
-    const void *cos, *sin; /* [max_position, D / 2] of table_dtype */
     int32_t tiles;         /* 1: the packed weights multiply on the AMX tiles (core_packed_linear_tiles) */
     int32_t group_rows;    /* the fewest rows of a unit of the row-group path (0: never that path) */
     int32_t group_from;    /* steps of at least this many rows take it */
@@ -69,6 +78,15 @@ static inline int gated_on_tiles(const core_packed *w) { return w->group == 32 &
 /* rows [T, width] `stride` elements apart from src into contiguous dst */
 static void copy_rows(const char *src, int64_t stride, int64_t rows, int64_t width, int64_t size, char *dst) {
     for (int64_t t = 0; t < rows; ++t) memcpy(dst + t * width * size, src + t * stride * size, (size_t)(width * size));
+}
+
+/* RMSNorm of `rows` rows of `width` (with `residual`: of x + residual, the sum written to residual_out), with the
+ * model's kind of norm weight */
+static int norm(const core_decoder *m, const void *x, int64_t rows, int64_t width, const void *residual,
+                const void *weight, void *out, void *residual_out) {
+    if (m->norm_float)
+        return core_rms_norm_float(x, m->dtype, rows, width, residual, weight, m->eps, out, residual_out);
+    return core_rms_norm(x, m->dtype, rows, width, residual, weight, m->dtype, m->eps, out, residual_out);
 }
 
 #define CHECK(call)                  \
@@ -128,10 +146,9 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
     int status = OK;
     if (start) {
         memcpy(r->residual, r->hidden, (size_t)(tokens * h * size));
-        CHECK(core_rms_norm(r->hidden, m->dtype, tokens, h, NULL, L->input_norm, m->dtype, m->eps, b->normed, NULL));
+        CHECK(norm(m, r->hidden, tokens, h, NULL, L->input_norm, b->normed, NULL));
     } else {
-        CHECK(core_rms_norm(r->hidden, m->dtype, tokens, h, r->residual, L->input_norm, m->dtype, m->eps, b->normed,
-                            r->residual));
+        CHECK(norm(m, r->hidden, tokens, h, r->residual, L->input_norm, b->normed, r->residual));
     }
     CHECK(linear(m, &L->qkv, b->normed, tokens, h, b->qkv));
     const char *q = b->qkv, *k = b->qkv + q_width * size, *v = b->qkv + (q_width + kv_width) * size;
@@ -140,12 +157,12 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
         char *qn = b->heads, *kn = b->heads + tokens * q_width * size;
         copy_rows(q, qkv_width, tokens, q_width, size, qn);
         copy_rows(k, qkv_width, tokens, kv_width, size, kn);
-        CHECK(core_rms_norm(qn, m->dtype, tokens * hq, d, NULL, L->q_norm, m->dtype, m->eps, qn, NULL));
-        CHECK(core_rms_norm(kn, m->dtype, tokens * hkv, d, NULL, L->k_norm, m->dtype, m->eps, kn, NULL));
+        CHECK(norm(m, qn, tokens * hq, d, NULL, L->q_norm, qn, NULL));
+        CHECK(norm(m, kn, tokens * hkv, d, NULL, L->k_norm, kn, NULL));
         q = qn, k = kn, q_stride = q_width, k_stride = kv_width;
     }
     if (L->rope) {
-        CHECK(core_rotary(q, k, m->dtype, tokens, hq, hkv, d, q_stride, k_stride, r->positions, m->cos, m->sin,
+        CHECK(core_rotary(q, k, m->dtype, tokens, hq, hkv, d, q_stride, k_stride, r->positions, L->cos, L->sin,
                           m->table_dtype, m->max_position, q_rot, k_rot));
     } else { /* the same values the modules hand on unrotated, in the buffers the next kernels read */
         copy_rows(q, q_stride, tokens, q_width, size, q_rot);
@@ -156,17 +173,19 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
     CHECK(core_decode_attention(q_rot, m->dtype, tokens, hq, d, L->k_cache, L->v_cache, m->cache_dtype, m->block_size,
                                 hkv, r->tables, table_width, r->lengths, L->window, L->scale, b->attn));
     CHECK(linear(m, &L->o, b->attn, tokens, q_width, r->hidden));
-    CHECK(core_rms_norm(r->hidden, m->dtype, tokens, h, r->residual, L->post_norm, m->dtype, m->eps, b->normed,
-                        r->residual));
+    if (L->attn_out_norm) CHECK(norm(m, r->hidden, tokens, h, NULL, L->attn_out_norm, r->hidden, NULL));
+    CHECK(norm(m, r->hidden, tokens, h, r->residual, L->post_norm, b->normed, r->residual));
     const core_packed *w = &L->gate_up;
-    if (m->tiles && gated_on_tiles(w)) { /* silu * up in the tile loop's epilogue: the same bits, no [T, 2I] product */
+    /* silu * up in the tile loop's epilogue (the same bits, no [T, 2I] product); GELU-tanh after the product */
+    if (m->tiles && m->act == ACT_SILU && gated_on_tiles(w)) {
         CHECK(core_packed_linear_tiles_silu(b->normed, m->dtype, tokens, h, w->codes, w->bits, w->group, w->n, w->kp,
                                             w->scale, w->offset, w->scale_dtype, w->bias, b->act, m->dtype));
     } else {
         CHECK(linear(m, &L->gate_up, b->normed, tokens, h, b->gate_up));
-        CHECK(core_silu_and_mul(b->gate_up, m->dtype, tokens, m->inter, b->act));
+        CHECK(core_act_and_mul(b->gate_up, m->dtype, tokens, m->inter, m->act, b->act));
     }
     CHECK(linear(m, &L->down, b->act, tokens, m->inter, r->hidden));
+    if (L->mlp_out_norm) CHECK(norm(m, r->hidden, tokens, h, NULL, L->mlp_out_norm, r->hidden, NULL));
     return OK;
 }
 
@@ -254,7 +273,7 @@ int core_decoder_layers(const core_decoder *m, const core_layer *layers, int64_t
     if (!m || (num_layers > 0 && !layers) || num_layers < 0 || tokens < 0 || (tokens > 0 && (!hidden ||
         !residual || !positions || !slots || !tables || !lengths)) || (m->dtype != DT_F32 && m->dtype != DT_BF16) ||
         m->hidden <= 0 || m->heads <= 0 || m->kv_heads <= 0 || m->head_dim <= 0 || m->inter <= 0 ||
-        m->group_rows < 0)
+        m->group_rows < 0 || (m->act != ACT_SILU && m->act != ACT_GELU_TANH))
         return ERR_ARGS;
     if (tokens == 0 || num_layers == 0) return OK;
     const int64_t threads = omp_get_max_threads();

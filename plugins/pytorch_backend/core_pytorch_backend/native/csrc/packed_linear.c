@@ -54,7 +54,7 @@
 #include <immintrin.h>
 #endif
 
-#define CORE_PACKED_ABI 17
+#define CORE_PACKED_ABI 18
 #define ERR_NO_TILES 3
 #define GROUP 32
 #define PAIR 64
