@@ -12,7 +12,8 @@ It is what CUDA graphs are on a GPU (cuda_graphs.py), with the same interface to
 ``run`` after a re-allocation describes the layers again.
 
 It takes a model whose decoder is exactly ``models.llama``'s (Llama, Qwen2, Qwen3, Mistral and the VL
-models over them) or one of Gemma's (``models.gemma``, ``gemma2``, ``gemma3``: float32 norms of 1 + w, GELU-tanh,
+models over them), Granite's (what the attention and the MLP add to the residual times its multiplier) or one of
+Gemma's (``models.gemma``, ``gemma2``, ``gemma3``: float32 norms of 1 + w, GELU-tanh,
 Gemma 2 and 3's norms of the attention's and the MLP's outputs, Gemma 3's rotary table per layer type; Gemma 2's
 soft-capped attention scores are not taken) built on the native op set, with every projection a ``NativeWeight`` (GGUF quants,
 ``--quantization int8|int4``), float32 or bfloat16 activations, a float32, bfloat16 or int8 KV cache, and no hooks (tensor
@@ -46,6 +47,7 @@ from core_pytorch_backend.models.gemma3 import (
     Gemma3Model,
     GemmaRMSNorm,
 )
+from core_pytorch_backend.models.granite import GraniteDecoderLayer, GraniteModel
 from core_pytorch_backend.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 from core_pytorch_backend.native import tile_rows
 from core_pytorch_backend.native.library import CpuKernels, available
@@ -77,7 +79,8 @@ class _Layer(ctypes.Structure):  # core_layer
 
 class _Decoder(ctypes.Structure):  # core_decoder
     _fields_ = [("hidden", _L), ("heads", _L), ("kv_heads", _L), ("head_dim", _L), ("inter", _L),
-                ("dtype", _I), ("cache_dtype", _I), ("table_dtype", _I), ("norm_float", _I), ("act", _I), ("eps", _F),
+                ("dtype", _I), ("cache_dtype", _I), ("table_dtype", _I), ("norm_float", _I), ("act", _I),
+                ("branch_scale", _F), ("eps", _F),
                 ("block_size", _L), ("num_slots", _L), ("max_position", _L), ("tiles", _I),
                 ("group_rows", _I), ("group_from", _I)]
 
@@ -92,9 +95,11 @@ class _Family:
     norm: type  # RMSNorm (weights of the activations' dtype) or GemmaRMSNorm (float32 1 + w: norm_float)
     sandwich: bool  # norms of the attention's and the MLP's outputs (Gemma 2, 3): post_attention_layernorm is then
     # the attention output's, pre_feedforward_layernorm the MLP input's
+    scaled: bool = False  # the attention's and the MLP's outputs times the layer's residual_multiplier (Granite)
 
 
 _FAMILIES = {LlamaModel: _Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, False),
+             GraniteModel: _Family(GraniteDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, False, scaled=True),
              GemmaModel: _Family(GemmaDecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, False),
              Gemma2Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, True),
              Gemma3Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, True)}
@@ -206,7 +211,7 @@ def describe(model: nn.Module) -> _Plan:
     decoder = getattr(model, "model", None)
     family = _FAMILIES.get(type(decoder))
     if family is None:
-        raise DoesNotFit(f"{type(model).__name__}'s decoder is neither models.llama's nor Gemma's")
+        raise DoesNotFit(f"{type(model).__name__}'s decoder is not Llama's, Granite's or Gemma's")
     if getattr(getattr(model, "ops", None), "name", None) != "native":
         raise DoesNotFit("the model is not built on the native op set")
     _no_hooks(model)
@@ -234,7 +239,8 @@ def describe(model: nn.Module) -> _Plan:
     spec = _Decoder(hidden=first.input_layernorm.weight.shape[0], heads=heads, kv_heads=kv_heads,
                     head_dim=head_dim, inter=mlp.down_proj.input_size, dtype=DTYPE_CODES[dtype],
                     cache_dtype=CACHE_CODES[cache.dtype], table_dtype=DTYPE_CODES[rotary.cos_cache.dtype],
-                    norm_float=int(family.norm is GemmaRMSNorm), act=act, eps=first.input_layernorm.eps,
+                    norm_float=int(family.norm is GemmaRMSNorm), act=act,
+                    branch_scale=first.residual_multiplier if family.scaled else 1.0, eps=first.input_layernorm.eps,
                     block_size=cache.shape[1], num_slots=cache.shape[0] * cache.shape[1],
                     max_position=rotary.cos_cache.shape[0], group_rows=group_rows,
                     group_from=row_group_from(group_rows))
@@ -282,6 +288,8 @@ def _describe_layer(layer: nn.Module, index: int, family: _Family, spec: _Decode
     if (type(layer) is not family.layer or type(attention) is not family.attention or type(mlp) is not family.mlp
             or _ACTIVATIONS.get(type(mlp.act_fn)) != spec.act):
         raise DoesNotFit(f"layer {index} is not its family's decoder layer with layer 0's activation")
+    if family.scaled and _F(layer.residual_multiplier).value != spec.branch_scale:
+        raise DoesNotFit(f"layer {index}'s residual_multiplier differs from layer 0's")
     attn = attention.attn
     if attn.has_score_terms or attn.v_head_dim != attn.head_dim:
         raise DoesNotFit(f"layer {index}'s attention adds score terms or has narrower values")

@@ -10,7 +10,8 @@
  * norms of float32 weights (1 + w) multiplied in float32 (norm_float: core_rms_norm_float), GELU-tanh * up
  * (act), norms of the attention's and the MLP's outputs before each joins the residual (Gemma 2 and 3's
  * sandwich norms: attn_out_norm, mlp_out_norm), and a rotary table per layer (Gemma 3's sliding layers have
- * their own base).
+ * their own base). Granite's (models/granite.py) multiplies what the attention and the MLP add to the residual
+ * by residual_multiplier (branch_scale).
  *
  * The model and its layers are described once (core_decoder, core_layer: pointers into the weights and
  * KV caches, which decoder_stack.py keeps alive and rebuilds when they move); a step passes its rows.
@@ -52,6 +53,7 @@ typedef struct {
     int32_t dtype, cache_dtype, table_dtype; /* dtype: the activations' (and the norm weights', but norm_float) */
     int32_t norm_float; /* 1: norm weights float32, multiplied in float32 and rounded once (Gemma: 1 + w) */
     int32_t act;        /* ACT_SILU or ACT_GELU_TANH (common.h) */
+    float branch_scale; /* what the attention and the MLP add to the residual is first multiplied by (Granite), 1: none */
     float eps;
     int64_t block_size, num_slots, max_position;
     int32_t tiles;         /* 1: the packed weights multiply on the AMX tiles (core_packed_linear_tiles) */
@@ -87,6 +89,18 @@ static int norm(const core_decoder *m, const void *x, int64_t rows, int64_t widt
     if (m->norm_float)
         return core_rms_norm_float(x, m->dtype, rows, width, residual, weight, m->eps, out, residual_out);
     return core_rms_norm(x, m->dtype, rows, width, residual, weight, m->dtype, m->eps, out, residual_out);
+}
+
+/* x [rows, width] times `scale`, rounded to the dtype (as torch multiplies a tensor by a Python float) */
+static void scale_rows(const core_decoder *m, char *x, int64_t rows, int64_t width) {
+    const int64_t n = rows * width;
+    if (m->dtype == DT_BF16) {
+        uint16_t *v = (uint16_t *)x;
+        for (int64_t i = 0; i < n; ++i) v[i] = f32_to_bf16(bf16_to_f32(v[i]) * m->branch_scale);
+    } else {
+        float *v = (float *)x;
+        for (int64_t i = 0; i < n; ++i) v[i] *= m->branch_scale;
+    }
 }
 
 #define CHECK(call)                  \
@@ -174,6 +188,7 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
                                 hkv, r->tables, table_width, r->lengths, L->window, L->scale, b->attn));
     CHECK(linear(m, &L->o, b->attn, tokens, q_width, r->hidden));
     if (L->attn_out_norm) CHECK(norm(m, r->hidden, tokens, h, NULL, L->attn_out_norm, r->hidden, NULL));
+    if (m->branch_scale != 1.f) scale_rows(m, r->hidden, tokens, h);
     CHECK(norm(m, r->hidden, tokens, h, r->residual, L->post_norm, b->normed, r->residual));
     const core_packed *w = &L->gate_up;
     /* silu * up in the tile loop's epilogue (the same bits, no [T, 2I] product); GELU-tanh after the product */
@@ -186,6 +201,7 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
     }
     CHECK(linear(m, &L->down, b->act, tokens, m->inter, r->hidden));
     if (L->mlp_out_norm) CHECK(norm(m, r->hidden, tokens, h, NULL, L->mlp_out_norm, r->hidden, NULL));
+    if (m->branch_scale != 1.f) scale_rows(m, r->hidden, tokens, h);
     return OK;
 }
 
