@@ -12,7 +12,7 @@ from core.errors import InvalidRequestError, UnsupportedError
 from core.parsers import ToolCall, ToolCallFormat
 from core.response import Response
 from core.server.postprocess import ChatMessageParts
-from core.server.structured_fields import tool_call_constraint
+from core.server.structured_fields import one_constraint, output_format_constraint, tool_call_constraint
 from core.structured_output import StructuredOutput
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
@@ -71,6 +71,7 @@ class MessagesRequest(BaseModel):
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # format: structured output (structured_fields)
 
 
 class CountTokensRequest(BaseModel):
@@ -226,8 +227,9 @@ def forced_tool_call(req: MessagesRequest, tools: list[dict[str, Any]] | None,
 
 def generation_config(req: MessagesRequest, forced_call: StructuredOutput | None = None) -> GenerationConfig:
     """GenerationConfig from the sent fields (unsent sampling fields take the model's defaults); a forced
-    tool call's constraint as its structured output."""
-    fields: dict[str, Any] = {"max_new_tokens": req.max_tokens, "structured_output": forced_call}
+    tool call's constraint or output_config.format as its structured output."""
+    constraint = one_constraint(forced_call, output_format_constraint(req.output_config))
+    fields: dict[str, Any] = {"max_new_tokens": req.max_tokens, "structured_output": constraint}
     for name in ("temperature", "top_p", "top_k"):
         if getattr(req, name) is not None:
             fields[name] = getattr(req, name)

@@ -3,6 +3,7 @@
 OpenAI: ``response_format`` ``{"type": "json_object"}`` and ``{"type": "json_schema", "json_schema":
 {"name", "schema", "strict"}}``; vLLM's extras ``structured_outputs: {json, regex, choice, grammar,
 json_object}`` and the older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``.
+Anthropic: ``output_config.format`` ``{"type": "json_schema", "schema"}``.
 A forced tool call (OpenAI ``tool_choice: "required"`` or a named function, Anthropic ``{"type": "any"}``
 or ``{"type": "tool"}``) becomes a JSON constraint in the tool-call parser's own format (its
 ``call_format``; a bare JSON object where the server has no parser that writes JSON:
@@ -42,6 +43,19 @@ def response_format_constraint(response_format: Mapping[str, Any] | None) -> Str
                                   param="response_format.json_schema")
     schema = spec.get("schema", {"type": "object"})
     return StructuredOutput(json=schema, param="response_format.json_schema.schema")
+
+
+def output_format_constraint(output_config: Mapping[str, Any] | None) -> StructuredOutput | None:
+    """Anthropic's ``output_config.format``, ``{"type": "json_schema", "schema": {...}}`` (what the anthropic
+    client's ``messages.parse(output_format=...)`` sends); ``output_config.effort`` changes nothing here."""
+    spec = (output_config or {}).get("format")
+    if spec is None:
+        return None
+    schema = spec.get("schema") if isinstance(spec, Mapping) and spec.get("type") == "json_schema" else None
+    if not isinstance(schema, Mapping):
+        raise InvalidRequestError('output_config.format must be {"type": "json_schema", "schema": {...}}',
+                                  param="output_config.format")
+    return StructuredOutput(json=schema, param="output_config.format.schema")
 
 
 def vllm_constraint(fields: Mapping[str, Any]) -> StructuredOutput | None:

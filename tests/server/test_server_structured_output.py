@@ -8,6 +8,7 @@ import json
 import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import httpx
 import openai
@@ -175,6 +176,25 @@ def test_forced_tool_calls_validate(client, tool_choice, stream):
         assert name == "get_time"
     tool = {"get_weather": WEATHER, "get_time": TIME}[name]
     jsonschema.validate(json.loads(arguments), tool["function"]["parameters"])
+
+
+def test_anthropic_output_format_through_the_clients_parse(smollm2: RunningServer):
+    """The anthropic client's messages.parse(output_format=...) sends output_config.format: it was ignored
+    (free text, which parse() could not read). The client drops bounds (maxLength, maximum) from the schema
+    it sends, so the fields are ones a small model's greedy output ends."""
+    anthropic = pytest.importorskip("anthropic")
+
+    class City(pydantic.BaseModel):
+        country: Literal["France", "Italy", "Spain"]
+        is_capital: bool
+
+    with anthropic.Anthropic(base_url=smollm2.base_url, api_key="unused", max_retries=0, timeout=TIMEOUT_S) as c:
+        out = c.messages.parse(model=MODEL, max_tokens=200, output_format=City, extra_body={"temperature": 0.0},
+                               messages=prompt("the largest city of France"))
+        assert isinstance(out.parsed_output, City), out
+        with pytest.raises(anthropic.BadRequestError, match="output_config.format"):
+            c.messages.create(model=MODEL, max_tokens=5, messages=prompt("a city"),
+                              output_config={"format": {"type": "json_schema"}})
 
 
 def test_anthropic_tool_choice_any_gives_a_tool_use_block(smollm2: RunningServer):
