@@ -12,8 +12,9 @@ It is what CUDA graphs are on a GPU (cuda_graphs.py), with the same interface to
 ``run`` after a re-allocation describes the layers again.
 
 It takes a model whose decoder is exactly ``models.llama``'s (Llama, Qwen2, Qwen3, Mistral and the VL
-models over them), Granite's (what the attention and the MLP add to the residual times its multiplier) or one of
-Gemma's (``models.gemma``, ``gemma2``, ``gemma3``: float32 norms of 1 + w, GELU-tanh,
+models over them), Granite's (what the attention and the MLP add to the residual times its multiplier), OLMo 2's
+post-norm layers (and OLMo 3's and EXAONE 4's over them: only the attention's and the MLP's outputs normalised;
+OLMo's q and k norms over all heads at once) or one of Gemma's (``models.gemma``, ``gemma2``, ``gemma3``: float32 norms of 1 + w, GELU-tanh,
 Gemma 2 and 3's norms of the attention's and the MLP's outputs, Gemma 3's rotary table per layer type; Gemma 2's
 soft-capped attention scores are not taken) built on the native op set, with every projection a ``NativeWeight`` (GGUF quants,
 ``--quantization int8|int4``), float32 or bfloat16 activations, a float32, bfloat16 or int8 KV cache, and no hooks (tensor
@@ -38,6 +39,7 @@ from core_pytorch_backend.layers.attention import attention_layers
 from core_pytorch_backend.layers.norm import RMSNorm
 from core_pytorch_backend.layers.quantized import packed_linear
 from core_pytorch_backend.layers.rotary import RotaryEmbedding
+from core_pytorch_backend.models.exaone4 import Exaone4DecoderLayer, Exaone4Model
 from core_pytorch_backend.models.gemma import GemmaDecoderLayer, GemmaModel
 from core_pytorch_backend.models.gemma2 import Gemma2Model
 from core_pytorch_backend.models.gemma3 import (
@@ -49,6 +51,8 @@ from core_pytorch_backend.models.gemma3 import (
 )
 from core_pytorch_backend.models.granite import GraniteDecoderLayer, GraniteModel
 from core_pytorch_backend.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+from core_pytorch_backend.models.olmo2 import Olmo2Attention, Olmo2DecoderLayer, Olmo2Model
+from core_pytorch_backend.models.olmo3 import Olmo3Model
 from core_pytorch_backend.native import tile_rows
 from core_pytorch_backend.native.library import CpuKernels, available
 from core_pytorch_backend.native.packed_weight import DTYPE_CODES, NativeWeight
@@ -80,7 +84,7 @@ class _Layer(ctypes.Structure):  # core_layer
 class _Decoder(ctypes.Structure):  # core_decoder
     _fields_ = [("hidden", _L), ("heads", _L), ("kv_heads", _L), ("head_dim", _L), ("inter", _L),
                 ("dtype", _I), ("cache_dtype", _I), ("table_dtype", _I), ("norm_float", _I), ("act", _I),
-                ("branch_scale", _F), ("eps", _F),
+                ("branch_scale", _F), ("qk_norm_whole", _I), ("eps", _F),
                 ("block_size", _L), ("num_slots", _L), ("max_position", _L), ("tiles", _I),
                 ("group_rows", _I), ("group_from", _I)]
 
@@ -93,16 +97,33 @@ class _Family:
     attention: type
     mlp: type
     norm: type  # RMSNorm (weights of the activations' dtype) or GemmaRMSNorm (float32 1 + w: norm_float)
-    sandwich: bool  # norms of the attention's and the MLP's outputs (Gemma 2, 3): post_attention_layernorm is then
-    # the attention output's, pre_feedforward_layernorm the MLP input's
+    layout: str  # where the norms are: "pre" (Llama: input_layernorm, post_attention_layernorm before the MLP),
+    # "sandwich" (Gemma 2, 3: those and the norms of the attention's and the MLP's outputs, post_attention_layernorm
+    # the attention output's, pre_feedforward_layernorm the MLP input's) or "post" (OLMo 2: only the outputs')
     scaled: bool = False  # the attention's and the MLP's outputs times the layer's residual_multiplier (Granite)
 
+    def norms(self, layer: nn.Module) -> dict[str, nn.Module | None]:
+        """The layer's norms by the place the C layer has for each (None: none there)."""
+        if self.layout == "pre":
+            places = ("input_layernorm", "post_attention_layernorm", None, None)
+        elif self.layout == "sandwich":
+            places = ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
+                      "post_feedforward_layernorm")
+        else:
+            places = (None, None, "post_attention_layernorm", "post_feedforward_layernorm")
+        found = {name: getattr(layer, place) if place else None
+                 for name, place in zip(("input", "before_mlp", "attn_out", "mlp_out"), places, strict=True)}
+        return found | {"q": layer.self_attn.q_norm, "k": layer.self_attn.k_norm}
 
-_FAMILIES = {LlamaModel: _Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, False),
-             GraniteModel: _Family(GraniteDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, False, scaled=True),
-             GemmaModel: _Family(GemmaDecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, False),
-             Gemma2Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, True),
-             Gemma3Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, True)}
+
+_FAMILIES = {LlamaModel: _Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, "pre"),
+             GraniteModel: _Family(GraniteDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, "pre", scaled=True),
+             Olmo2Model: _Family(Olmo2DecoderLayer, Olmo2Attention, LlamaMLP, RMSNorm, "post"),
+             Olmo3Model: _Family(Olmo2DecoderLayer, Olmo2Attention, LlamaMLP, RMSNorm, "post"),
+             Exaone4Model: _Family(Exaone4DecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, "post"),
+             GemmaModel: _Family(GemmaDecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, "pre"),
+             Gemma2Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, "sandwich"),
+             Gemma3Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, "sandwich")}
 _ACTIVATIONS = {SiluAndMul: 0, GeluTanhAndMul: 1}  # csrc/common.h ACT_SILU, ACT_GELU_TANH
 
 
@@ -211,7 +232,7 @@ def describe(model: nn.Module) -> _Plan:
     decoder = getattr(model, "model", None)
     family = _FAMILIES.get(type(decoder))
     if family is None:
-        raise DoesNotFit(f"{type(model).__name__}'s decoder is not Llama's, Granite's or Gemma's")
+        raise DoesNotFit(f"{type(model).__name__}'s decoder is not Llama's, Granite's, OLMo's or Gemma's")
     if getattr(getattr(model, "ops", None), "name", None) != "native":
         raise DoesNotFit("the model is not built on the native op set")
     _no_hooks(model)
@@ -219,7 +240,8 @@ def describe(model: nn.Module) -> _Plan:
     first = layers[0]
     attention, mlp = first.self_attn, first.mlp
     rotary = _rotary_of(layers)
-    dtype = first.input_layernorm.weight.dtype  # the activations' (a step whose embeddings differ takes the modules)
+    width_norm = next(n for n in family.norms(first).values() if n is not None)  # one of the hidden width
+    dtype = width_norm.weight.dtype  # the activations' (a step whose embeddings differ takes the modules)
     cache = attention.attn.k_cache
     if cache is None:
         raise DoesNotFit("no KV cache is bound")
@@ -236,11 +258,12 @@ def describe(model: nn.Module) -> _Plan:
         raise DoesNotFit("layer 0's qkv_proj is not a native packed weight")
     group_rows = row_group_rows(qkv.kernels)
     keep: list[torch.Tensor] = []
-    spec = _Decoder(hidden=first.input_layernorm.weight.shape[0], heads=heads, kv_heads=kv_heads,
+    spec = _Decoder(hidden=width_norm.weight.shape[0], heads=heads, kv_heads=kv_heads,
                     head_dim=head_dim, inter=mlp.down_proj.input_size, dtype=DTYPE_CODES[dtype],
                     cache_dtype=CACHE_CODES[cache.dtype], table_dtype=DTYPE_CODES[rotary.cos_cache.dtype],
                     norm_float=int(family.norm is GemmaRMSNorm), act=act,
-                    branch_scale=first.residual_multiplier if family.scaled else 1.0, eps=first.input_layernorm.eps,
+                    branch_scale=first.residual_multiplier if family.scaled else 1.0,
+                    qk_norm_whole=int(type(attention) is Olmo2Attention), eps=width_norm.eps,
                     block_size=cache.shape[1], num_slots=cache.shape[0] * cache.shape[1],
                     max_position=rotary.cos_cache.shape[0], group_rows=group_rows,
                     group_from=row_group_from(group_rows))
@@ -297,14 +320,7 @@ def _describe_layer(layer: nn.Module, index: int, family: _Family, spec: _Decode
             or attn.k_cache.shape != cache.shape or not (attn.k_cache.is_contiguous() and attn.v_cache.is_contiguous())
             or attn.v_cache.dtype != cache.dtype or attn.num_heads != spec.heads or attn.num_kv_heads != spec.kv_heads):
         raise DoesNotFit(f"layer {index}'s KV cache or heads differ from layer 0's")
-    if family.sandwich:
-        before_mlp, attn_out, mlp_out = (layer.pre_feedforward_layernorm, layer.post_attention_layernorm,
-                                         layer.post_feedforward_layernorm)
-    else:
-        before_mlp, attn_out, mlp_out = layer.post_attention_layernorm, None, None
-    norms = {"input": layer.input_layernorm, "before_mlp": before_mlp, "attn_out": attn_out, "mlp_out": mlp_out,
-             "q": attention.q_norm, "k": attention.k_norm}
-    weights = {name: _norm_weight(norm, family, spec, index, keep) for name, norm in norms.items()}
+    weights = {name: _norm_weight(norm, family, spec, index, keep) for name, norm in family.norms(layer).items()}
     rotary = attention.rotary_emb or first_rotary  # a layer without rotary (rope 0) never reads the table
     return _Layer(input_norm=weights["input"], post_norm=weights["before_mlp"], q_norm=weights["q"],
                   k_norm=weights["k"], attn_out_norm=weights["attn_out"], mlp_out_norm=weights["mlp_out"],

@@ -78,13 +78,13 @@ def _decode_both_ways(runner: ModelRunner, steps: int = 12) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3", "granite", "gemma",
-                                  "gemma3_text", "gemma2-no-softcap"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3", "granite", "olmo2", "olmo3",
+                                  "exaone4", "gemma", "gemma3_text", "gemma2-no-softcap"])
 def test_the_stack_gives_the_modules_hidden_states_bit_for_bit(tiny_checkpoint_factory, native_packed, arch,
                                                                  quantization, dtype):
-    """Granite's multipliers and Gemma's decoders too: float32 norms of 1 + w (core_rms_norm_float), GELU-tanh * up,
-    Gemma 2 and 3's norms of the attention's and the MLP's outputs, Gemma 3's sliding layers with their own rotary
-    table."""
+    """Granite's multipliers, OLMo 2 / 3's and EXAONE 4's post-norm layers (OLMo's q / k norms over all heads) and
+    Gemma's decoders too: float32 norms of 1 + w (core_rms_norm_float), GELU-tanh * up, Gemma 2 and 3's norms of
+    the attention's and the MLP's outputs, Gemma 3's sliding layers with their own rotary table."""
     overrides = {}
     if arch == "gemma2-no-softcap":  # Gemma 2's layers without its soft-capped scores (which take the modules)
         arch, overrides = "gemma2", dict(attn_logit_softcapping=None)
@@ -329,8 +329,6 @@ def test_models_it_does_not_take_are_refused_at_start_with_the_reason(tiny_check
     assert reference.decode_path is None and "native op set" in caplog.text
     gemma2 = _runner(_load(tiny_checkpoint_factory("gemma2"), "int8"))  # soft-capped attention scores: the modules
     assert gemma2.decode_path is None
-    olmo2 = _runner(_load(tiny_checkpoint_factory("olmo2"), "int8"))  # post-norm layers: the modules
-    assert olmo2.decode_path is None
     for moe in ("qwen3_moe", "qwen2_moe", "mixtral"):  # sparse experts: the modules
         assert _runner(_load(tiny_checkpoint_factory(moe), "int8")).decode_path is None
     partial = tiny_checkpoint_factory("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,

@@ -11,7 +11,9 @@
  * (act), norms of the attention's and the MLP's outputs before each joins the residual (Gemma 2 and 3's
  * sandwich norms: attn_out_norm, mlp_out_norm), and a rotary table per layer (Gemma 3's sliding layers have
  * their own base). Granite's (models/granite.py) multiplies what the attention and the MLP add to the residual
- * by residual_multiplier (branch_scale).
+ * by residual_multiplier (branch_scale). OLMo 2 and 3's and EXAONE 4's post-norm layers (models/olmo2.py) have
+ * only the output norms: no input_norm and no post_norm (the attention and the MLP read the residual stream as it
+ * is), and OLMo's q and k norms span all heads at once (qk_norm_whole).
  *
  * The model and its layers are described once (core_decoder, core_layer: pointers into the weights and
  * KV caches, which decoder_stack.py keeps alive and rebuilds when they move); a step passes its rows.
@@ -37,8 +39,9 @@ typedef struct { /* one weight in packed_linear.c's layout */
 } core_packed;
 
 typedef struct {
-    const void *input_norm, *post_norm;       /* [H] before the attention and before the MLP (see norm_float) */
-    const void *q_norm, *k_norm;              /* [D] (Qwen3, Gemma 3), or NULL */
+    const void *input_norm, *post_norm;       /* [H] before the attention and before the MLP (see norm_float), or
+                                                 NULL (post-norm layers: the residual stream as it is) */
+    const void *q_norm, *k_norm;              /* [D] (Qwen3, Gemma 3) or [Hq D], [Hkv D] (qk_norm_whole), or NULL */
     const void *attn_out_norm, *mlp_out_norm; /* [H] of the attention's and the MLP's outputs (Gemma 2, 3), or NULL */
     const void *cos, *sin;                    /* this layer's rotary table, [max_position, D / 2] of table_dtype */
     core_packed qkv, o, gate_up, down;
@@ -54,6 +57,7 @@ typedef struct {
     int32_t norm_float; /* 1: norm weights float32, multiplied in float32 and rounded once (Gemma: 1 + w) */
     int32_t act;        /* ACT_SILU or ACT_GELU_TANH (common.h) */
     float branch_scale; /* what the attention and the MLP add to the residual is first multiplied by (Granite), 1: none */
+    int32_t qk_norm_whole; /* 1: q and k normalised over all their heads at once (OLMo 2, 3), 0: head by head */
     float eps;
     int64_t block_size, num_slots, max_position;
     int32_t tiles;         /* 1: the packed weights multiply on the AMX tiles (core_packed_linear_tiles) */
@@ -103,6 +107,19 @@ static void scale_rows(const core_decoder *m, char *x, int64_t rows, int64_t wid
     }
 }
 
+/* residual = hidden + residual, rounded to the dtype (a post-norm layer's input: no norm) */
+static void add_rows(const core_decoder *m, const char *hidden, char *residual, int64_t n) {
+    if (m->dtype == DT_BF16) {
+        const uint16_t *a = (const uint16_t *)hidden;
+        uint16_t *r = (uint16_t *)residual;
+        for (int64_t i = 0; i < n; ++i) r[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(r[i]));
+    } else {
+        const float *a = (const float *)hidden;
+        float *r = (float *)residual;
+        for (int64_t i = 0; i < n; ++i) r[i] += a[i];
+    }
+}
+
 #define CHECK(call)                  \
     do {                             \
         status = (call);             \
@@ -148,6 +165,18 @@ static row_span span_of(const core_decoder *m, int64_t first, int64_t count, voi
     return span;
 }
 
+/* What the attention (or the MLP) reads: `norm` of hidden + residual, the sum left in residual (layer 0's
+ * `start`: hidden itself), or with no norm the sum itself */
+static int branch_input(const core_decoder *m, const void *weight, int start, const row_span *r, char *normed,
+                        const char **input) {
+    const int64_t h = m->hidden, tokens = r->count;
+    if (start) memcpy(r->residual, r->hidden, (size_t)(tokens * h * elem_size(m->dtype)));
+    else if (!weight) add_rows(m, r->hidden, r->residual, tokens * h);
+    *input = weight ? normed : r->residual;
+    if (!weight) return OK;
+    return norm(m, r->hidden, tokens, h, start ? NULL : r->residual, weight, normed, start ? NULL : r->residual);
+}
+
 /* One decoder layer of the rows in `r` (start: layer 0 without a given residual, which it starts from the
  * embeddings). Each kernel runs with the OpenMP team it finds: its own when called outside a parallel
  * region, the calling thread alone inside one (the row-group path). */
@@ -158,21 +187,18 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
     const int64_t q_width = hq * d, kv_width = hkv * d, qkv_width = q_width + 2 * kv_width;
     char *q_rot = b->rotated, *k_rot = b->rotated + tokens * q_width * size;
     int status = OK;
-    if (start) {
-        memcpy(r->residual, r->hidden, (size_t)(tokens * h * size));
-        CHECK(norm(m, r->hidden, tokens, h, NULL, L->input_norm, b->normed, NULL));
-    } else {
-        CHECK(norm(m, r->hidden, tokens, h, r->residual, L->input_norm, b->normed, r->residual));
-    }
-    CHECK(linear(m, &L->qkv, b->normed, tokens, h, b->qkv));
+    const char *input;
+    CHECK(branch_input(m, L->input_norm, start, r, b->normed, &input));
+    CHECK(linear(m, &L->qkv, input, tokens, h, b->qkv));
     const char *q = b->qkv, *k = b->qkv + q_width * size, *v = b->qkv + (q_width + kv_width) * size;
     int64_t q_stride = qkv_width, k_stride = qkv_width;
     if (L->q_norm) { /* per-head RMSNorm of contiguous copies of q and k */
         char *qn = b->heads, *kn = b->heads + tokens * q_width * size;
         copy_rows(q, qkv_width, tokens, q_width, size, qn);
         copy_rows(k, qkv_width, tokens, kv_width, size, kn);
-        CHECK(norm(m, qn, tokens * hq, d, NULL, L->q_norm, qn, NULL));
-        CHECK(norm(m, kn, tokens * hkv, d, NULL, L->k_norm, kn, NULL));
+        const int64_t whole = m->qk_norm_whole; /* rows of all heads, or of one head */
+        CHECK(norm(m, qn, whole ? tokens : tokens * hq, whole ? q_width : d, NULL, L->q_norm, qn, NULL));
+        CHECK(norm(m, kn, whole ? tokens : tokens * hkv, whole ? kv_width : d, NULL, L->k_norm, kn, NULL));
         q = qn, k = kn, q_stride = q_width, k_stride = kv_width;
     }
     if (L->rope) {
@@ -189,14 +215,14 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
     CHECK(linear(m, &L->o, b->attn, tokens, q_width, r->hidden));
     if (L->attn_out_norm) CHECK(norm(m, r->hidden, tokens, h, NULL, L->attn_out_norm, r->hidden, NULL));
     if (m->branch_scale != 1.f) scale_rows(m, r->hidden, tokens, h);
-    CHECK(norm(m, r->hidden, tokens, h, r->residual, L->post_norm, b->normed, r->residual));
+    CHECK(branch_input(m, L->post_norm, 0, r, b->normed, &input));
     const core_packed *w = &L->gate_up;
     /* silu * up in the tile loop's epilogue (the same bits, no [T, 2I] product); GELU-tanh after the product */
     if (m->tiles && m->act == ACT_SILU && gated_on_tiles(w)) {
-        CHECK(core_packed_linear_tiles_silu(b->normed, m->dtype, tokens, h, w->codes, w->bits, w->group, w->n, w->kp,
+        CHECK(core_packed_linear_tiles_silu(input, m->dtype, tokens, h, w->codes, w->bits, w->group, w->n, w->kp,
                                             w->scale, w->offset, w->scale_dtype, w->bias, b->act, m->dtype));
     } else {
-        CHECK(linear(m, &L->gate_up, b->normed, tokens, h, b->gate_up));
+        CHECK(linear(m, &L->gate_up, input, tokens, h, b->gate_up));
         CHECK(core_act_and_mul(b->gate_up, m->dtype, tokens, m->inter, m->act, b->act));
     }
     CHECK(linear(m, &L->down, b->act, tokens, m->inter, r->hidden));
