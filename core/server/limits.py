@@ -68,7 +68,12 @@ class ServerLimits:
         return b"".join(kept)
 
     def admit(self, held: int, count: int) -> None:
-        """Raise OverloadedError when `count` more requests would pass the limit (`held` are in)."""
+        """Raise OverloadedError when `count` more requests would pass the limit (`held` are in), or
+        InvalidRequestError (naming `prompt`, a completions list) when they never could: a retry cannot help."""
+        if count > self.max_queued_requests:
+            raise InvalidRequestError(
+                f"the request holds {count} prompts, more than this server's limit of {self.max_queued_requests} "
+                "requests held at once (--max-queued-requests); send them in smaller requests", param="prompt")
         if held + count > self.max_queued_requests:
             raise OverloadedError(
                 f"the server is at its limit of {self.max_queued_requests} queued requests "

@@ -83,6 +83,15 @@ def test_past_max_queued_requests_new_requests_get_503_with_retry_after(http: ht
     assert http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}).status_code == 200
 
 
+def test_a_prompt_list_longer_than_the_limit_is_a_400_not_a_503(http: httpx.Client):
+    """It can never be admitted: a 503 "retry in 1 s" had clients (the openai client retries 503s) retry in vain."""
+    wait_idle(http)
+    body = {"prompt": ["a"] * (MAX_QUEUED + 1), "max_tokens": 2}
+    assert "--max-queued-requests" in assert_openai_error(http.post("/v1/completions", json=body), 400,
+                                                          "prompt")["message"]
+    assert http.post("/v1/completions", json={**body, "prompt": ["a"] * MAX_QUEUED}).status_code == 200
+
+
 def test_defaults_are_documented_in_help():
     from core.cli import build_parser
 
