@@ -62,8 +62,30 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
                 param=f"messages[{i}].role",
             )
         content = _checked_content(message.get("content"), f"messages[{i}].content")
+        _check_tool_calls(message.get("tool_calls"), f"messages[{i}].tool_calls")
+        for key in ("name", "tool_call_id"):
+            if message.get(key) is not None and not isinstance(message[key], str):
+                raise InvalidRequestError(f"messages[{i}].{key} must be a string", param=f"messages[{i}].{key}")
         checked.append({**message, "content": content} if "content" in message else dict(message))
     return checked
+
+
+def _check_tool_calls(calls: Any, where: str) -> None:
+    """An assistant turn's tool calls: null, or a list of calls, each naming its function (OpenAI's
+    ``{"function": {"name", "arguments"}}``, or the flat ``{"name", "arguments"}`` that templates also read)
+    with arguments as JSON text or an object."""
+    if calls is None:
+        return
+    if not isinstance(calls, (list, tuple)):
+        raise InvalidRequestError(f"{where} must be a list of tool calls", param=where)
+    for j, call in enumerate(calls):
+        function = call.get("function", call) if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise InvalidRequestError(f'{where}[{j}] must be an object whose "function" has a string "name"',
+                                      param=f"{where}[{j}].function.name")
+        if not isinstance(function.get("arguments", ""), (str, Mapping)):
+            raise InvalidRequestError(f"{where}[{j}].function.arguments must be a string of JSON or an object",
+                                      param=f"{where}[{j}].function.arguments")
 
 
 def _checked_content(content: Any, where: str) -> Any:

@@ -71,6 +71,21 @@ def test_malformed_content_is_a_400_naming_it(http: httpx.Client, content, param
     assert_openai_error(http.post("/tokenize", json={"messages": body["messages"]}), 400, param=param)
 
 
+@pytest.mark.parametrize(("change", "param"), [
+    ({"tool_calls": "x"}, "messages[1].tool_calls"),
+    ({"tool_calls": [{"id": "1"}]}, "messages[1].tool_calls[0].function.name"),
+    ({"tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": 5}}]},
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"name": 5}, "messages[1].name"),
+])
+def test_malformed_assistant_fields_are_a_400_naming_them(http: httpx.Client, change: dict, param: str) -> None:
+    """tool_calls and name were not checked: whatever was sent reached the template (a 200 on templates
+    that do not render them)."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, **change},
+                {"role": "user", "content": "and?"}]
+    assert_openai_error(http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2}), 400, param)
+
+
 def test_a_nested_non_object_names_its_field(http: httpx.Client) -> None:
     """A message that is no object was reported as "the request body must be a JSON object"."""
     error = assert_anthropic_error(http.post("/v1/messages", json={"messages": [5], "max_tokens": 2}), 400)
