@@ -168,6 +168,12 @@ VARIANTS = {
     # Falcon-RW (falcon-rw-1b): ALiBi instead of rotary, sequential layers with biases
     "falcon-rw-alibi": ("falcon", dict(alibi=True, multi_query=False, parallel_attn=False, bias=True)),
     "falcon-alibi-multi-query": ("falcon", dict(alibi=True)),
+    # Found by a second fuzz: gpt-neox-20b's gelu_fast, and gated MLPs of activations without an op of their own
+    # (transformers' gated MLPs take any ACT2FN name), were refused at load
+    "gpt-neox-20b-gelu-fast": ("gpt_neox", dict(hidden_act="gelu_fast")),
+    "phi-quick-gelu": ("phi", dict(hidden_act="quick_gelu")),
+    "llama-gated-gelu": ("llama", dict(hidden_act="gelu")),
+    "qwen3-gated-relu": ("qwen3", dict(hidden_act="relu")),
 }
 
 
@@ -251,6 +257,8 @@ LOGIT_CASES["falcon-sequential-bias"] = ("falcon", dict(parallel_attn=False, bia
 LOGIT_CASES["falcon-rw-alibi"] = ("falcon", dict(alibi=True, multi_query=False, parallel_attn=False, bias=True))
 LOGIT_CASES["cohere-qk-norm-scaled"] = ("cohere", dict(use_qk_norm=True, logit_scale=0.25))
 LOGIT_CASES["gpt2-scaled-by-inverse-layer"] = ("gpt2", dict(scale_attn_by_inverse_layer_idx=True))
+LOGIT_CASES["gpt-neox-20b-gelu-fast"] = ("gpt_neox", dict(hidden_act="gelu_fast"))
+LOGIT_CASES["llama-gated-gelu-new"] = ("llama", dict(hidden_act="gelu_new"))
 
 
 @pytest.mark.parametrize("case", list(LOGIT_CASES))

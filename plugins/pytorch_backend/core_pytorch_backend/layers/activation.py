@@ -34,23 +34,14 @@ class GeluTanhAndMul(nn.Module):
         return self.ops.gelu_tanh_and_mul(x)
 
 
-# HF ``hidden_act`` / ``hidden_activation`` names (transformers' ACT2FN keys) -> layer class.
-ACT_AND_MUL = {"silu": SiluAndMul, "swish": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
-
-
-def get_act_and_mul(hidden_act: str, ops: Any) -> nn.Module:
-    """The gated activation for an HF activation name; NotImplementedError names the supported ones."""
-    layer = ACT_AND_MUL.get(hidden_act)
-    if layer is None:
-        raise NotImplementedError(
-            f"hidden_act {hidden_act!r} is not supported (supported: {', '.join(sorted(ACT_AND_MUL))})"
-        )
-    return layer(ops)
-
-
 def _gelu_new(x: torch.Tensor) -> torch.Tensor:
     """GPT-2's tanh GELU, written as transformers' ``NewGELUActivation`` writes it (the same values)."""
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def _gelu_fast(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``FastGELUActivation`` (gpt-neox-20b's ``gelu_fast``), written as it writes it."""
+    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
 
 
 def _bloom_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -61,8 +52,8 @@ def _bloom_gelu(x: torch.Tensor) -> torch.Tensor:
 # HF ``hidden_act`` names -> the ungated activation, the same torch calls as transformers' ACT2FN ("bloom_gelu":
 # Bloom's, which its config does not name).
 ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu, "gelu_new": _gelu_new,
-               "silu": F.silu, "swish": F.silu, "relu": F.relu, "relu2": lambda x: torch.square(F.relu(x)),
-               "bloom_gelu": _bloom_gelu}
+               "gelu_fast": _gelu_fast, "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x), "silu": F.silu,
+               "swish": F.silu, "relu": F.relu, "relu2": lambda x: torch.square(F.relu(x)), "bloom_gelu": _bloom_gelu}
 
 
 class Activation(nn.Module):
@@ -77,3 +68,27 @@ class Activation(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ACTIVATIONS[self.hidden_act](x)
+
+
+class ActAndMul(nn.Module):
+    """act(gate) * up of a merged [gate | up] projection for the activations without an op of their own (GELU,
+    ReLU, ...: ``ACTIVATIONS``), as transformers' gated MLPs take any ``ACT2FN`` name; the op set's fused calls
+    and the native decode stack take silu and GELU-tanh alone, so these run as the plain torch calls."""
+
+    def __init__(self, hidden_act: str):
+        super().__init__()
+        self.act = Activation(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return self.act(gate) * up
+
+
+# HF ``hidden_act`` / ``hidden_activation`` names (transformers' ACT2FN keys) -> the layer class of an op of its own.
+ACT_AND_MUL = {"silu": SiluAndMul, "swish": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul}
+
+
+def get_act_and_mul(hidden_act: str, ops: Any) -> nn.Module:
+    """The gated activation for an HF activation name; NotImplementedError names the supported ones."""
+    layer = ACT_AND_MUL.get(hidden_act)
+    return layer(ops) if layer is not None else ActAndMul(hidden_act)
