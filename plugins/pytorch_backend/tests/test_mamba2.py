@@ -93,6 +93,9 @@ CONFIGS = {
         routed_scaling_factor=2.5, use_bias=True, mlp_bias=True)),
     # Nemotron-H-8B's dense pattern
     "nemotron_h-dense": ("NemotronHConfig", dict(**NEMOTRON, hybrid_override_pattern="M-M*-")),
+    # a shared expert of size 0: transformers' of intermediate_size (found by fuzzing configs: a load error)
+    "nemotron_h-shared-expert-size-0": ("NemotronHConfig", dict(**{**NEMOTRON, "moe_shared_expert_intermediate_size": 0},
+                                                                 hybrid_override_pattern="ME*E")),
     # the gated norm, normed before the gate, of mamba_expand * hidden_size; biased out_proj
     "falcon_h1-norm-before-gate": ("FalconH1Config", dict(
         **MAMBA, **FALCON_MULTIPLIERS, num_hidden_layers=2, mamba_d_ssm=None, mamba_expand=1, mamba_rms_norm=True,

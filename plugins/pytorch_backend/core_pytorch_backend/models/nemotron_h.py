@@ -56,7 +56,9 @@ class NemotronHMoE(GroupedMoeBlock):
                                 rule.normalize)  # GroupedMoeBlock's shared MLP is gated
         self.rule = rule
         self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(config.n_routed_experts), requires_grad=False)
-        self.shared_experts = relu2_mlp(config, config.moe_shared_expert_intermediate_size)
+        # transformers' MLP takes a size of 0 (or None) for intermediate_size's, never for no shared MLP
+        shared = config.moe_shared_expert_intermediate_size or config.intermediate_size
+        self.shared_experts = relu2_mlp(config, shared)
         latent = config.moe_latent_size
         self.fc1_latent_proj = Linear(config.hidden_size, latent, bias=bool(config.mlp_bias)) if latent else None
         self.fc2_latent_proj = Linear(latent, config.hidden_size, bias=bool(config.mlp_bias)) if latent else None
