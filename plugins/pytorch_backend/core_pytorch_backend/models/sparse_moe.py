@@ -32,10 +32,29 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.normalize, self.softmax_of_top_k = top_k, normalize, softmax_of_top_k
         self.shared_expert = LlamaMLP(config, ops, shared_size, bias=shared_bias) if shared_size else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared_size and shared_gate else None
+        self._native_mix: tuple[tuple[int, int], Any] | None = None  # (_weight_ids(), ExpertMix or None)
 
     def make_expert(self, config: Any, ops: Any, size: int) -> nn.Module:
         """One routed expert: a SwiGLU ``LlamaMLP`` (gpt-oss's have biases and a clamped SwiGLU)."""
         return LlamaMLP(config, ops, size)
+
+    def native_mix(self, hidden: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor | None:
+        """mix_experts' result in one native call (native/expert_mix.py) where the experts are packed CPU weights,
+        else None. Described on the first call, and again whenever an expert's weight was replaced."""
+        described = self._native_mix
+        if described is None or described[0] != self._weight_ids():
+            from ..native.expert_mix import ExpertMix
+
+            described = self._native_mix = (self._weight_ids(),
+                                             ExpertMix.of(self.experts) if hidden.device.type == "cpu" else None)
+        return None if described[1] is None else described[1](hidden, weights, chosen)
+
+    def _weight_ids(self) -> tuple[int, int]:
+        """The first expert's weight and where its values are: a wakeup that reloads the model builds new modules,
+        a move to another device new tensors."""
+        weight = self.experts[0].gate_up_proj.weight
+        values = weight._buffers.get("codes") if isinstance(weight, nn.Module) else weight
+        return id(weight), 0 if values is None else values.data_ptr()
 
     def routing(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(each token's expert weights [T, top_k] in ``hidden``'s dtype, the experts they weigh [T, top_k])."""
@@ -50,7 +69,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.routing(hidden)
-        out = mix_experts(self.experts, hidden, weights, chosen)
+        out = self.native_mix(hidden, weights, chosen)
+        if out is None:
+            out = mix_experts(self.experts, hidden, weights, chosen)
         if self.shared_expert_gate is not None:
             gate = torch.sigmoid(nn.functional.linear(hidden, self.shared_expert_gate.weight))
             out = out + gate * self.shared_expert(hidden)
@@ -76,6 +97,14 @@ def is_sparse_layer(config: Any, index: int) -> bool:
     ``mlp_only_layers`` (the others a dense MLP of ``intermediate_size``)."""
     return (index not in (getattr(config, "mlp_only_layers", None) or ()) and config.num_experts > 0
             and (index + 1) % config.decoder_sparse_step == 0)
+
+
+def without_empty_shared_expert(weights: Iterable[tuple[str, Any]], config: Any) -> Iterable[tuple[str, Any]]:
+    """The Qwen MoE families' checkpoint tensors, a shared expert of size 0 skipped: transformers builds an empty
+    one (its 0-wide tensors and gate saved), which adds nothing; ``SparseMoeBlock`` builds none."""
+    if getattr(config, "shared_expert_intermediate_size", None):
+        return weights
+    return ((name, tensor) for name, tensor in weights if ".mlp.shared_expert" not in name)
 
 
 class QwenMoeDecoderLayer(LlamaDecoderLayer):

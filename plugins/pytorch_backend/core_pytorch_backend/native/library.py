@@ -57,6 +57,9 @@ SIGNATURES: dict[str, list] = {
     # decoder, layers, layer count, rows, hidden, residual, residual given, positions, slots, tables,
     # table width, lengths (csrc/decoder_stack.c)
     "core_decoder_layers": [_P, _P, _L, _L, _P, _P, _I, _P, _P, _P, _L, _P],
+    # x, dtype, T, H, top k, chosen int64 [T, k], weights [T, k] (x's dtype), tiled uint8 [T] (or NULL), experts,
+    # gate_up core_packed [experts], down core_packed [experts], inter, out [T, H] (csrc/moe_mix.c)
+    "core_moe_mix": [_P, _I, _L, _L, _L, _P, _P, _P, _L, _P, _P, _L, _P],
     # logits, dtype, rows, vocabulary, out int64 [rows] (csrc/argmax.c)
     "core_argmax_rows": [_P, _I, _L, _L, _P],
     # q, k, v, g, beta, state, (sequence, head) pairs, Dk, Dv, out: float32 (csrc/delta_rule.c)

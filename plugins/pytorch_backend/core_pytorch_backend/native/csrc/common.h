@@ -224,6 +224,14 @@ static inline int64_t slot_of(const int32_t *table, int64_t pos, int64_t block_s
     return (int64_t)table[p / b] * block_size + p % b;
 }
 
+typedef struct { /* one weight in packed_linear.c's layout (decoder_stack.c, moe_mix.c) */
+    const uint8_t *codes;
+    const void *scale, *offset;
+    const float *bias; /* [N] float32, or NULL */
+    int64_t n, kp;
+    int32_t bits, group, scale_dtype; /* group: the inputs a scale covers (packed_linear.c) */
+} core_packed;
+
 /* The exported kernels, for a file that composes them (decoder_stack.c, chunk_attention.c); library.py
  * documents them. */
 int core_packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,

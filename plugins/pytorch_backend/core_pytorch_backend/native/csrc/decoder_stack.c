@@ -30,14 +30,6 @@
 
 #include "common.h"
 
-typedef struct { /* one weight in packed_linear.c's layout */
-    const uint8_t *codes;
-    const void *scale, *offset;
-    const float *bias; /* [N] float32, or NULL */
-    int64_t n, kp;
-    int32_t bits, group, scale_dtype; /* group: the inputs a scale covers (packed_linear.c) */
-} core_packed;
-
 typedef struct {
     const void *input_norm, *post_norm;       /* [H] before the attention and before the MLP (see norm_float), or
                                                  NULL (post-norm layers: the residual stream as it is) */

@@ -1,0 +1,113 @@
+"""A sparse MoE block's experts in one native call (``csrc/moe_mix.c``): what ``models.sparse_moe.mix_experts`` does
+in Python, a dozen torch ops and three kernel calls an expert, with the same kernels in the same order, so the
+results are its bits (tested). The router stays in torch.
+
+It takes experts that are ``LlamaMLP``s with silu, every projection a ``NativeWeight`` multiplied by the packed
+kernel, on the CPU, in float32 or bfloat16, with no hooks. A token's rows take the loop its row of the step takes
+(``tile_rows.current()``: a prompt token's the prompt loop): in ``mix_experts`` an expert's gathered rows took the
+step's marks only when every token of the step chose it, and the VNNI loop otherwise, so that which loop multiplied
+a prompt token's row in an expert followed the batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..layers.activation import SiluAndMul
+from ..layers.quantized import packed_linear
+from . import tile_rows
+from .packed_weight import DTYPE_CODES, NativeWeight
+
+_P, _L, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+
+
+class Packed(ctypes.Structure):  # csrc/common.h core_packed
+    _fields_ = [("codes", _P), ("scale", _P), ("offset", _P), ("bias", _P), ("n", _L), ("kp", _L),
+                ("bits", _I), ("group", _I), ("scale_dtype", _I)]
+
+
+def packed_of(linear: nn.Module, keep: list[torch.Tensor]) -> Packed | None:
+    """``linear``'s weight as the C kernels read it (its tensors appended to ``keep``), or None where it is not a
+    NativeWeight that the packed kernel multiplies."""
+    weight = linear.weight
+    if not isinstance(weight, NativeWeight) or linear.matmul is not packed_linear:
+        return None
+    bias = None
+    if linear.bias is not None:
+        keep.append(linear.bias.detach().to(torch.float32).contiguous())
+        bias = keep[-1].data_ptr()
+    buffers = weight._buffers
+    keep.extend((buffers["codes"], buffers["scale"], buffers["offset"]))
+    return Packed(codes=buffers["codes"].data_ptr(), scale=buffers["scale"].data_ptr(),
+                  offset=buffers["offset"].data_ptr(), bias=bias, n=weight.shape[0], kp=weight.padded_k,
+                  bits=weight.bits, group=weight.group, scale_dtype=DTYPE_CODES[buffers["scale"].dtype])
+
+
+class ExpertMix:
+    """``mix_experts(experts, ...)`` for one block's experts in ``core_moe_mix``; ``of(experts)`` builds it, or None
+    where they do not fit (see the module docstring)."""
+
+    def __init__(self, experts: Sequence[nn.Module], gate_up: ctypes.Array, down: ctypes.Array, inter: int,
+                 keep: list[torch.Tensor]) -> None:
+        first = experts[0].gate_up_proj.weight
+        self.kernels = first.kernels
+        self.function = self.kernels.function("core_moe_mix")
+        self.prompt_loop = first.kernels.prompt_loop is not None
+        self.gate_up, self.down, self.inter, self.keep = gate_up, down, inter, keep
+        self.count = len(experts)
+
+    @classmethod
+    def of(cls, experts: Sequence[nn.Module]) -> ExpertMix | None:
+        from ..models.llama import LlamaMLP
+
+        if not experts or any(type(e) is not LlamaMLP or type(e.act_fn) is not SiluAndMul for e in experts):
+            return None
+        if any(m._forward_hooks or m._forward_pre_hooks for e in experts for m in e.modules()):
+            return None
+        keep: list[torch.Tensor] = []
+        gate_up = [packed_of(e.gate_up_proj, keep) for e in experts]
+        down = [packed_of(e.down_proj, keep) for e in experts]
+        if any(p is None for p in gate_up + down):
+            return None
+        inter = experts[0].down_proj.weight.shape[1]
+        if any(p.n != 2 * inter for p in gate_up) or any(e.down_proj.weight.shape[1] != inter for e in experts):
+            return None
+        return cls(experts, (Packed * len(gate_up))(*gate_up), (Packed * len(down))(*down), inter, keep)
+
+    def __call__(self, hidden: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor | None:
+        """The mixed experts' output [T, H], or None where this step's rows or dtypes are not the kernel's."""
+        code = DTYPE_CODES.get(hidden.dtype)
+        if code is None or hidden.device.type != "cpu" or hidden.dim() != 2 or weights.dtype != hidden.dtype:
+            return None
+        tiled = self._tiled(hidden.shape[0])
+        if tiled is False:
+            return None
+        hidden, weights = hidden.contiguous(), weights.contiguous()  # named: alive during the call
+        chosen = chosen.to(torch.int64).contiguous()
+        out = torch.empty_like(hidden)
+        status = self.function(hidden.data_ptr(), code, hidden.shape[0], hidden.shape[1], chosen.shape[1],
+                               chosen.data_ptr(), weights.data_ptr(), None if tiled is None else tiled.data_ptr(),
+                               self.count, self.gate_up, self.down, self.inter, out.data_ptr())
+        if status:
+            self.kernels.raise_for("core_moe_mix", status)
+        return out
+
+    def _tiled(self, tokens: int) -> torch.Tensor | None | bool:
+        """Each token's 1 where its rows take the prompt loop (uint8 [T]); None: none do; False: the step's marks
+        are not of these rows."""
+        rows = tile_rows.current() if self.prompt_loop else None
+        if rows is None:
+            return None
+        if rows.total != tokens:
+            return False
+        if rows.all_tiled:
+            return torch.ones(tokens, dtype=torch.uint8)
+        tiled = torch.zeros(tokens, dtype=torch.uint8)
+        for first, stop, kind in rows.runs:
+            if kind:
+                tiled[first:stop] = 1
+        return tiled

@@ -1,0 +1,113 @@
+"""A sparse MoE block's experts in one native call (native/expert_mix.py, csrc/moe_mix.c).
+
+Its oracle is models.sparse_moe.mix_experts over the same packed weights: equal bit for bit in a step without
+prompt rows; with prompt rows, each token's rows on the loop its own row takes (the prompt loop for a prompt
+token's), which the oracle here spells out expert by expert.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core_pytorch_backend.kernels import native, select_ops
+from core_pytorch_backend.loader import load_checkpoint
+from core_pytorch_backend.models.sparse_moe import SparseMoeBlock, mix_experts
+from core_pytorch_backend.native import tile_rows
+from core_pytorch_backend.native.expert_mix import ExpertMix
+from core_pytorch_backend.native.library import available
+from core_pytorch_backend.quant.kernel_choice import PackedKernel
+
+pytestmark = pytest.mark.skipif(available() is None, reason="the native kernels do not build here")
+ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe"]
+
+
+@pytest.fixture
+def native_packed(monkeypatch):
+    """Weights quantized at load go to the native kernels, whatever this CPU measures fastest."""
+    monkeypatch.setattr("core_pytorch_backend.loader.packed_kernel", lambda: PackedKernel(available(), torch.float32))
+
+
+def _blocks(path, quantization: str, dtype: str) -> list[SparseMoeBlock]:
+    model = load_checkpoint(path, dtype=dtype, quantization=quantization, ops=select_ops("cpu", kind="native")).model
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+def _inputs(block: SparseMoeBlock, tokens: int, dtype: torch.dtype, seed: int):
+    hidden = torch.randn(tokens, block.gate.weight.shape[1], generator=torch.Generator().manual_seed(seed)).to(dtype)
+    weights, chosen = block.routing(hidden)
+    return hidden, weights, chosen
+
+
+def _expert_by_expert(block: SparseMoeBlock, hidden, weights, chosen, tiled: torch.Tensor) -> torch.Tensor:
+    """mix_experts with each token's rows on its own loop (`tiled` [T] bool)."""
+    out = torch.zeros_like(hidden)
+    for expert in torch.unique(chosen).tolist():
+        tokens, slot = torch.where(chosen == expert)
+        mlp = block.experts[expert]
+        for on_tiles in (False, True):
+            pick = tiled[tokens] == on_tiles
+            if not pick.any():
+                continue
+            rows, slots = tokens[pick], slot[pick]
+            product = mlp.gate_up_proj.weight.linear(hidden[rows], None, tiles=on_tiles)
+            y = mlp.down_proj.weight.linear(native.silu_and_mul(product), None, tiles=on_tiles)
+            out.index_add_(0, rows, y * weights[rows, slots, None])
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_experts_in_one_call_are_mix_experts_bit_for_bit(tiny_checkpoint_factory, native_packed, arch,
+                                                              quantization, dtype):
+    blocks = _blocks(tiny_checkpoint_factory(arch), quantization, dtype)
+    assert blocks and all(ExpertMix.of(b.experts) is not None for b in blocks)
+    for tokens in (1, 3, 17):
+        for index, block in enumerate(blocks):
+            hidden, weights, chosen = _inputs(block, tokens, blocks[0].gate.weight.dtype, seed=tokens + index)
+            mixed = block.native_mix(hidden, weights, chosen)
+            assert torch.equal(mixed, mix_experts(block.experts, hidden, weights, chosen)), (tokens, index)
+            assert torch.equal(block(hidden), block.forward(hidden))  # the block's forward takes it
+
+
+@pytest.mark.skipif(available() is None or available().prompt_loop is None, reason="no prompt loop on this CPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("spans", [[(0, 9)], [(2, 4)], [(0, 3), (6, 3)]])
+def test_a_prompt_tokens_rows_take_the_prompt_loop_in_every_expert(tiny_checkpoint_factory, native_packed, spans,
+                                                                   dtype):
+    """Whatever else the step holds: in mix_experts an expert's rows took the step's marks only when every token
+    chose it (its gathered rows were then the step's), so a prompt row's loop followed its neighbours' choices."""
+    block = _blocks(tiny_checkpoint_factory("qwen3_moe"), "int4", dtype)[0]
+    hidden, weights, chosen = _inputs(block, 9, block.gate.weight.dtype, seed=3)
+    rows = tile_rows.rows_of(spans, 9)
+    tiled = torch.zeros(9, dtype=torch.bool)
+    for first, count in spans:
+        tiled[first:first + count] = True
+    with tile_rows.prompt_token_rows(rows):
+        mixed = block.native_mix(hidden, weights, chosen)
+    assert torch.equal(mixed, _expert_by_expert(block, hidden, weights, chosen, tiled))
+    assert not torch.equal(mixed, _expert_by_expert(block, hidden, weights, chosen, torch.zeros_like(tiled)))
+
+
+def test_experts_it_does_not_take_are_left_to_mix_experts(tiny_checkpoint_factory, native_packed):
+    path = tiny_checkpoint_factory("qwen3_moe")
+    dense = _blocks(path, "none", "float32")[0]  # float weights: F.linear
+    assert ExpertMix.of(dense.experts) is None
+    hidden, weights, chosen = _inputs(dense, 4, torch.float32, seed=1)
+    assert dense.native_mix(hidden, weights, chosen) is None
+    packed = _blocks(path, "int8", "float32")[0]
+    handle = packed.experts[1].down_proj.register_forward_hook(lambda *a: None)
+    assert ExpertMix.of(packed.experts) is None  # a hook (a LoRA or tensor-parallel one) needs the modules
+    handle.remove()
+    mix = ExpertMix.of(packed.experts)
+    with tile_rows.prompt_token_rows(tile_rows.rows_of([(0, 2)], 7)):  # marks of another step's rows
+        assert mix(hidden, weights, chosen) is None or available().prompt_loop is None
+
+
+def test_a_bad_expert_index_is_refused_by_name(tiny_checkpoint_factory, native_packed):
+    block = _blocks(tiny_checkpoint_factory("qwen3_moe"), "int8", "float32")[0]
+    hidden, weights, chosen = _inputs(block, 2, torch.float32, seed=2)
+    chosen[1, 0] = len(block.experts)
+    with pytest.raises(RuntimeError, match="core_moe_mix: bad arguments"):
+        block.native_mix(hidden, weights, chosen)
