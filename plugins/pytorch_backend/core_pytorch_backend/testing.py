@@ -66,10 +66,11 @@ def allocate_poisoned_states(model, slots: int) -> list[int]:
     return order
 
 
-def _step(model, chunks, computed, tables, block_size, slots):
-    """One forward over several sequences' new tokens; returns each sequence's greedy next token."""
+def _step(model, chunks, computed, tables, block_size, slots, prompt_lens):
+    """One forward over several sequences' new tokens; returns each sequence's greedy next token. ``prompt_lens``
+    tells a prompt token alone in its chunk from a generated one, as the engine's runner does."""
     meta = AttentionMetadata.build(computed, [len(c) for c in chunks], tables, block_size,
-                                   state_slots=slots[: len(chunks)])
+                                   prompt_lens=prompt_lens, state_slots=slots[: len(chunks)])
     ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64)
     hidden = model(ids, meta.positions(), meta)
     logits = model.compute_logits(hidden[meta.last_token_indices()])
@@ -96,14 +97,15 @@ def paged_greedy(model, prompts, max_new=NEW_TOKENS, block_size=4, prefill_chunk
     allocate_kv_caches(model, len(ids), block_size)
     slots = allocate_poisoned_states(model, len(prompts) + 2)
     computed = [0] * len(prompts)
+    prompt_lens = [len(p) for p in prompts]
     chunked = [_split(p, prefill_chunks) for p in prompts]
     for i in range(prefill_chunks):
         chunks = [c[i] for c in chunked]
-        nxt = _step(model, chunks, computed, tables, block_size, slots)
+        nxt = _step(model, chunks, computed, tables, block_size, slots, prompt_lens)
         computed = [n + len(c) for n, c in zip(computed, chunks, strict=True)]
     outs = [[t] for t in nxt]
     for _ in range(max_new - 1):
-        nxt = _step(model, [[o[-1]] for o in outs], computed, tables, block_size, slots)
+        nxt = _step(model, [[o[-1]] for o in outs], computed, tables, block_size, slots, prompt_lens)
         computed = [n + 1 for n in computed]
         for o, t in zip(outs, nxt, strict=True):
             o.append(t)

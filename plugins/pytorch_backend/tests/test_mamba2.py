@@ -170,6 +170,14 @@ def test_config_variants_match_transformers(variant, checkpoint):
     assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=2) == [hf_greedy(hf, p) for p in prompts]
 
 
+def test_time_step_limit_clamps_prompt_tokens_alone_in_their_chunks(checkpoint):
+    """transformers clamps the time steps of a whole prompt (its prefill), never a generated token's: a prompt token
+    alone in its chunk is clamped too (found by fuzzing configs: the scan took the step for it, and a 3-token prompt
+    prefilled a token at a time gave other text)."""
+    assert_greedy_matches(ours_and_transformers(checkpoint("mamba2-time-step-limit")), [14, 3, 1], seed=3,
+                          prefill_chunks=3)
+
+
 def test_mamba2_owns_no_kv_cache_only_states(checkpoint):
     model = load_checkpoint(checkpoint("mamba2"), dtype="float32").model
     assert attention_layers(model) == []

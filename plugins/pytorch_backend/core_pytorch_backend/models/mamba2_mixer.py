@@ -10,8 +10,9 @@ chunk as masked attention, across chunks through the states), decode rows one st
 or after it for Falcon-H1's ``mamba_norm_before_gate``) and projected back by ``out_proj``.
 
 ``time_step_limit`` clamps dt in the chunked form only: transformers' and mamba_ssm's step functions do not
-clamp (at its default, (0, inf), the clamp does nothing); so a prompt chunk of one token, which takes the step,
-is not clamped either. Checkpoint names are transformers': ``in_proj``, ``conv1d.weight`` [channels, 1, kernel]
+clamp (at its default, (0, inf), the clamp does nothing). transformers runs a whole prompt in the chunked form,
+so a prompt token alone in its chunk (``AttentionMetadata.prompt_singletons``) runs it too, clamped, never the
+step: a prompt's text must not depend on where the scheduler cut it. Checkpoint names are transformers': ``in_proj``, ``conv1d.weight`` [channels, 1, kernel]
 (and ``conv1d.bias``), ``dt_bias``, ``A_log``, ``D``, ``norm.weight``, ``out_proj``."""
 
 from __future__ import annotations
@@ -144,25 +145,27 @@ class Mamba2Mixer(RecurrentLayer):
         x, b, c = xbc.split([spec.inner, spec.groups * spec.state_size, spec.groups * spec.state_size], dim=-1)
         t = hidden.shape[0]
         y = self.scan(x.reshape(t, spec.heads, spec.head_dim).float(), b.reshape(t, spec.groups, -1).float(),
-                      c.reshape(t, spec.groups, -1).float(), dt.float(), ssm_state, segs).view(t, spec.inner)
+                      c.reshape(t, spec.groups, -1).float(), dt.float(), ssm_state, segs,
+                      prompt_rows(meta)).view(t, spec.inner)
         y = self.norm(y, z, hidden.dtype) if self.norm is not None else (y * F.silu(z.float())).to(hidden.dtype)
         return self.out_proj(y)
 
     def scan(self, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor, ssm_state: torch.Tensor,
-             segs: tuple[Segment, ...]) -> torch.Tensor:
+             segs: tuple[Segment, ...], prompts_at: frozenset[int] = frozenset()) -> torch.Tensor:
         """The SSM over every segment (x [T, heads, head_dim], b and c [T, groups, state], dt [T, heads], all
-        float32): the rows that continue a sequence by one token in one batched step, the others (prompts,
-        their chunks) one sequence at a time in the chunked form. Returns y [T, heads, head_dim] (D x added)."""
+        float32): the rows that continue a sequence by one generated token in one batched step, the others
+        (prompts, their chunks, a prompt token alone at a row of ``prompts_at``) one sequence at a time in the
+        chunked form. Returns y [T, heads, head_dim] (D x added)."""
         a = -torch.exp(self.A_log.float())
         dt = F.softplus(dt + self.dt_bias.float())
         y = torch.empty_like(x)
-        steps = tuple(s for s in segs if s.length == 1 and not s.fresh)
+        steps = tuple(s for s in segs if s.length == 1 and not s.fresh and s.start not in prompts_at)
         if steps:
             rows = torch.tensor([s.start for s in steps], device=x.device)
             state = initial_states(ssm_state, steps, torch.float32)
             y[rows] = ssd_step(state, x[rows], dt[rows], a, b[rows], c[rows])
             store_states(ssm_state, steps, state)
-        prompts = tuple(s for s in segs if s.length > 1 or s.fresh)
+        prompts = tuple(s for s in segs if s not in steps)
         if prompts:
             if self.spec.time_step_limit is not None:
                 dt = dt.clamp(*self.spec.time_step_limit)
@@ -175,6 +178,13 @@ class Mamba2Mixer(RecurrentLayer):
                 finals.append(final)
             store_states(ssm_state, prompts, torch.stack(finals))
         return y + x * self.D.float()[:, None]
+
+
+def prompt_rows(meta: AttentionMetadata) -> frozenset[int]:
+    """The rows of the prompt tokens alone in their chunks (``prompt_singletons``), which the scan runs as
+    prompts: transformers clamps a whole prompt's time steps, however the scheduler cut it."""
+    starts = meta.row_starts()
+    return frozenset(starts[b] for b in meta.prompt_singletons)
 
 
 def _per_head(bc: torch.Tensor, heads: int) -> torch.Tensor:
