@@ -68,6 +68,11 @@ VARIANTS = {
     "qwen3-next-attention-bias": ("Qwen3NextConfig", dict(**QWEN, **MOE, attention_bias=True,
                                                           layer_types=[L, F, L, F], norm_topk_prob=False)),
     "olmo-hybrid-rope": ("OlmoHybridConfig", dict(intermediate_size=96, layer_types=[L, F, L, F], **LINEAR)),
+    # a shared expert of size 0, whose empty tensors transformers saves (found by fuzzing configs: a load error)
+    "qwen3-next-no-shared-expert": ("Qwen3NextConfig", dict(**QWEN, **{**MOE, "shared_expert_intermediate_size": 0},
+                                                            intermediate_size=96)),
+    "qwen3.5-moe-no-shared-expert": ("Qwen3_5MoeTextConfig", dict(**QWEN, **{**MOE, "shared_expert_intermediate_size": 0},
+                                                                  rope_parameters=MROPE)),
     "olmo-hybrid-unit-beta": ("OlmoHybridConfig", dict(intermediate_size=96, rope_parameters=NOPE,
                                                        linear_allow_neg_eigval=False)),
 }

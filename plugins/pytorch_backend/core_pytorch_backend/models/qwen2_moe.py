@@ -8,7 +8,7 @@ from typing import Any
 
 from .llama import DecoderSpec, layer_types_windows
 from .qwen2 import Qwen2ForCausalLM
-from .sparse_moe import QwenMoeModel
+from .sparse_moe import QwenMoeModel, without_empty_shared_expert
 
 
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
@@ -23,7 +23,4 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
                            sliding_windows=layer_types_windows(config))
 
     def load_weights(self, weights):
-        """A shared expert of size 0 (transformers builds an empty one) adds nothing: its tensors are skipped."""
-        if not getattr(self.config, "shared_expert_intermediate_size", None):
-            weights = ((name, tensor) for name, tensor in weights if ".mlp.shared_expert" not in name)
-        return super().load_weights(weights)
+        return super().load_weights(without_empty_shared_expert(weights, self.config))

@@ -28,7 +28,7 @@ from ..quant.attach import QuantizedShards
 from .gated_deltanet import GatedDeltaNet, HybridDecoderLayer, hybrid_layer_types
 from .gemma3 import GemmaRMSNorm
 from .llama import DecoderSpec, LlamaForCausalLM, LlamaModel, head_dim_of
-from .sparse_moe import QwenMoeDecoderLayer, experts_one_by_one
+from .sparse_moe import QwenMoeDecoderLayer, experts_one_by_one, without_empty_shared_expert
 
 SKIPPED_PREFIXES = ("mtp.",)  # the multi-token-prediction head
 
@@ -103,6 +103,7 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> QuantizedShards:
         kept = ((name, tensor) for name, tensor in weights if not name.startswith(SKIPPED_PREFIXES))
+        kept = without_empty_shared_expert(kept, self.config)
         return super().load_weights(experts_one_by_one(grouped_projections(kept, self.config)))
 
 
