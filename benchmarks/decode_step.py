@@ -2,7 +2,7 @@
 
     python benchmarks/decode_step.py [--batch 1 64] [--dtype auto] [--steps 40] [--profile] [--eager]
         [--amx-rows prompt all] [--kv-cache-dtype auto int8] [--repeats 1] [--paths stack modules]
-        [--model PATH --quantization int4]
+        [--model PATH --quantization int4] [--experts native python]
 
 Runs the engine loop's step by hand (scheduler -> ModelRunner.prepare -> execute -> SamplingBatch +
 sample -> scheduler.update) on the default model, greedy, after a 128-token prompt per sequence, on the
@@ -50,6 +50,16 @@ def build(dtype: str, max_seqs: int, eager: bool = False, amx_rows: str = "promp
     scheduler = Scheduler(BlockManager(blocks, block_size, False), max_num_seqs=max_seqs,
                           max_num_batched_tokens=8192)
     return runner, scheduler
+
+
+def python_expert_loops(model: torch.nn.Module) -> None:
+    """Every sparse MoE block of ``model`` mixes its experts in Python (sparse_moe.mix_experts), as before
+    native/expert_mix.py."""
+    from core_pytorch_backend.models.sparse_moe import SparseMoeBlock
+
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.native_mix = lambda hidden, weights, chosen: None
 
 
 def stub_matmuls(model: torch.nn.Module) -> None:
@@ -161,13 +171,19 @@ def main() -> None:
                         help="decode paths to run side by side: the native stack, the modules (--eager: modules)")
     parser.add_argument("--model", help="a checkpoint folder or GGUF file instead of the default model")
     parser.add_argument("--quantization", default="auto", help="load_checkpoint's (int8, int4: packed weights)")
+    parser.add_argument("--experts", nargs="+", default=["native"], choices=["native", "python"],
+                        help="a MoE model's expert loops to run side by side: one native call a block "
+                             "(native/expert_mix.py) or sparse_moe.mix_experts")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     paths = args.paths or (["modules"] if args.eager else ["stack"])
-    built = {(rule, kv, path): build(args.dtype, max(args.batch), path == "modules", rule, kv, args.model,
-                                     args.quantization)
-             for rule in args.amx_rows for kv in args.kv_cache_dtype for path in paths}
+    built = {(rule, kv, path, experts): build(args.dtype, max(args.batch), path == "modules", rule, kv, args.model,
+                                              args.quantization)
+             for rule in args.amx_rows for kv in args.kv_cache_dtype for path in paths for experts in args.experts}
+    for (*_, experts), (runner, _) in built.items():
+        if experts == "python":
+            python_expert_loops(runner.model)
     for runner, _ in built.values():
         if args.stub_matmuls:
             stub_matmuls(runner.model)
@@ -182,11 +198,12 @@ def main() -> None:
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {tiles}")
     for batch in args.batch:
         for _ in range(args.repeats):
-            for (rule, kv, path), (runner, scheduler) in built.items():
+            for (rule, kv, path, experts), (runner, scheduler) in built.items():
                 measure(runner, scheduler, batch, vocab, args, label=f"B={batch:<3}" + (
                     f" amx-rows {rule:<6}" if len(args.amx_rows) > 1 else "") + (
                     f" kv {kv:<4}" if len(args.kv_cache_dtype) > 1 else "") + (
-                    f" {path:<7}" if len(paths) > 1 else ""))
+                    f" {path:<7}" if len(paths) > 1 else "") + (
+                    f" experts {experts:<6}" if len(args.experts) > 1 else ""))
 
 
 def measure(runner, scheduler, batch: int, vocab: int, args, label: str) -> None:
