@@ -11,16 +11,16 @@ It is what CUDA graphs are on a GPU (cuda_graphs.py), with the same interface to
 ``release()`` drops every pointer into the weights and the KV cache (before they are freed), and the next
 ``run`` after a re-allocation describes the layers again.
 
-It takes a model whose decoder is exactly ``models.llama``'s (Llama, Qwen2, Qwen3, Mistral and the VL
-models over them), Granite's (what the attention and the MLP add to the residual times its multiplier), OLMo 2's
-post-norm layers (and OLMo 3's and EXAONE 4's over them: only the attention's and the MLP's outputs normalised;
-OLMo's q and k norms over all heads at once) or one of Gemma's (``models.gemma``, ``gemma2``, ``gemma3``: float32 norms of 1 + w, GELU-tanh,
-Gemma 2 and 3's norms of the attention's and the MLP's outputs, Gemma 3's rotary table per layer type; Gemma 2's
-soft-capped attention scores are not taken) built on the native op set, with every projection a ``NativeWeight`` (GGUF quants,
-``--quantization int8|int4``), float32 or bfloat16 activations, a float32, bfloat16 or int8 KV cache, and no hooks (tensor
-parallel ranks all-reduce in hooks). Steps with a prefill chunk, M-RoPE positions or bidirectional image
-spans, and steps whose rows carry LoRA adapters (the runner routes those elsewhere), run through the
-modules; so does everything with ``--enforce-eager``.
+It takes a model whose decoder is exactly ``models.llama``'s (Llama, Qwen2, Qwen3, Mistral and the VL models over
+them), Granite's (what the attention and the MLP add to the residual times its multiplier), OLMo 2's post-norm
+layers (and OLMo 3's and EXAONE 4's over them: only the attention's and the MLP's outputs normalised; OLMo's q and
+k norms over all heads at once) or one of Gemma's (``models.gemma``, ``gemma2``, ``gemma3``: float32 norms of 1 +
+w, GELU-tanh, Gemma 2 and 3's norms of the attention's and the MLP's outputs, Gemma 3's rotary table per layer
+type; Gemma 2's soft-capped attention scores are not taken) built on the native op set, with every projection a
+``NativeWeight`` (GGUF quants, ``--quantization int8|int4``), float32 or bfloat16 activations, a float32, bfloat16
+or int8 KV cache, and no hooks (tensor parallel ranks all-reduce in hooks). Steps with a prefill chunk, M-RoPE
+positions or bidirectional image spans, and steps whose rows carry LoRA adapters (the runner routes those
+elsewhere), run through the modules; so does everything with ``--enforce-eager``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from core_pytorch_backend.kernels.native import CACHE_CODES
 from core_pytorch_backend.layers.activation import GeluTanhAndMul, SiluAndMul
 from core_pytorch_backend.layers.attention import attention_layers
 from core_pytorch_backend.layers.norm import RMSNorm
-from core_pytorch_backend.layers.quantized import packed_linear
 from core_pytorch_backend.layers.rotary import RotaryEmbedding
 from core_pytorch_backend.models.exaone4 import Exaone4DecoderLayer, Exaone4Model
 from core_pytorch_backend.models.gemma import GemmaDecoderLayer, GemmaModel
@@ -55,6 +54,7 @@ from core_pytorch_backend.models.olmo2 import Olmo2Attention, Olmo2DecoderLayer,
 from core_pytorch_backend.models.olmo3 import Olmo3Model
 from core_pytorch_backend.native import tile_rows
 from core_pytorch_backend.native.library import CpuKernels, available
+from core_pytorch_backend.native.packed_struct import Packed, packed_of
 from core_pytorch_backend.native.packed_weight import DTYPE_CODES, NativeWeight
 from core_pytorch_backend.step_inputs import StepInputs
 
@@ -70,15 +70,10 @@ _STEP_DTYPES = (torch.float32, torch.bfloat16)
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 
-class _Packed(ctypes.Structure):  # csrc/decoder_stack.c core_packed
-    _fields_ = [("codes", _P), ("scale", _P), ("offset", _P), ("bias", _P), ("n", _L), ("kp", _L),
-                ("bits", _I), ("group", _I), ("scale_dtype", _I)]
-
-
 class _Layer(ctypes.Structure):  # core_layer
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("attn_out_norm", _P),
-                ("mlp_out_norm", _P), ("cos", _P), ("sin", _P), ("qkv", _Packed), ("o", _Packed), ("gate_up", _Packed),
-                ("down", _Packed), ("k_cache", _P), ("v_cache", _P), ("window", _L), ("scale", _F), ("rope", _I)]
+                ("mlp_out_norm", _P), ("cos", _P), ("sin", _P), ("qkv", Packed), ("o", Packed), ("gate_up", Packed),
+                ("down", Packed), ("k_cache", _P), ("v_cache", _P), ("window", _L), ("scale", _F), ("rope", _I)]
 
 
 class _Decoder(ctypes.Structure):  # core_decoder
@@ -346,17 +341,11 @@ def _norm_weight(norm: nn.Module | None, family: _Family, spec: _Decoder, index:
     return _ptr(norm.weight, keep)
 
 
-def _packed(linear: nn.Module, index: int, keep: list[torch.Tensor]) -> _Packed:
-    weight = linear.weight
-    if not isinstance(weight, NativeWeight) or linear.matmul is not packed_linear:
+def _packed(linear: nn.Module, index: int, keep: list[torch.Tensor]) -> Packed:
+    packed = packed_of(linear, keep)
+    if packed is None:
         raise DoesNotFit(f"layer {index}'s {type(linear).__name__} is not a native packed weight")
-    bias = None
-    if linear.bias is not None:
-        bias = _ptr(linear.bias.detach().to(torch.float32).contiguous(), keep)
-    buffers = weight._buffers
-    return _Packed(codes=_ptr(buffers["codes"], keep), scale=_ptr(buffers["scale"], keep),
-                   offset=_ptr(buffers["offset"], keep), bias=bias, n=weight.shape[0], kp=weight.padded_k,
-                   bits=weight.bits, group=weight.group, scale_dtype=DTYPE_CODES[buffers["scale"].dtype])
+    return packed
 
 
 def _ptr(tensor: torch.Tensor, keep: list[torch.Tensor]) -> int:

@@ -18,33 +18,9 @@ import torch
 from torch import nn
 
 from ..layers.activation import SiluAndMul
-from ..layers.quantized import packed_linear
 from . import tile_rows
-from .packed_weight import DTYPE_CODES, NativeWeight
-
-_P, _L, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-
-
-class Packed(ctypes.Structure):  # csrc/common.h core_packed
-    _fields_ = [("codes", _P), ("scale", _P), ("offset", _P), ("bias", _P), ("n", _L), ("kp", _L),
-                ("bits", _I), ("group", _I), ("scale_dtype", _I)]
-
-
-def packed_of(linear: nn.Module, keep: list[torch.Tensor]) -> Packed | None:
-    """``linear``'s weight as the C kernels read it (its tensors appended to ``keep``), or None where it is not a
-    NativeWeight that the packed kernel multiplies."""
-    weight = linear.weight
-    if not isinstance(weight, NativeWeight) or linear.matmul is not packed_linear:
-        return None
-    bias = None
-    if linear.bias is not None:
-        keep.append(linear.bias.detach().to(torch.float32).contiguous())
-        bias = keep[-1].data_ptr()
-    buffers = weight._buffers
-    keep.extend((buffers["codes"], buffers["scale"], buffers["offset"]))
-    return Packed(codes=buffers["codes"].data_ptr(), scale=buffers["scale"].data_ptr(),
-                  offset=buffers["offset"].data_ptr(), bias=bias, n=weight.shape[0], kp=weight.padded_k,
-                  bits=weight.bits, group=weight.group, scale_dtype=DTYPE_CODES[buffers["scale"].dtype])
+from .packed_struct import Packed, packed_of
+from .packed_weight import DTYPE_CODES
 
 
 class ExpertMix:
