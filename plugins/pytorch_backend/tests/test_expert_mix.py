@@ -111,3 +111,13 @@ def test_a_bad_expert_index_is_refused_by_name(tiny_checkpoint_factory, native_p
     chosen[1, 0] = len(block.experts)
     with pytest.raises(RuntimeError, match="core_moe_mix: bad arguments"):
         block.native_mix(hidden, weights, chosen)
+
+
+def test_a_token_that_picks_an_expert_twice_is_added_twice_as_mix_experts_adds_it(tiny_checkpoint_factory,
+                                                                                    native_packed):
+    """No top-k router does it, but a custom one may: every (token, slot) pair counts, and an expert may then have
+    more rows than the step has tokens."""
+    block = _blocks(tiny_checkpoint_factory("qwen3_moe"), "int8", "float32")[0]
+    hidden, weights, chosen = _inputs(block, 3, torch.float32, seed=4)
+    chosen[:] = 1
+    assert torch.equal(block.native_mix(hidden, weights, chosen), mix_experts(block.experts, hidden, weights, chosen))

@@ -109,12 +109,15 @@ int core_moe_mix(const void *x, int dtype, int64_t tokens, int64_t hidden, int64
     int64_t *starts = malloc((size_t)(2 * experts + 1) * sizeof(int64_t));
     if (!starts) return ERR_MEMORY;
     int64_t *order = sorted_pairs(chosen, tiled, tokens, top_k, experts, starts, &status);
-    /* one buffer for the most rows a group has (each token picks an expert once: at most T): its rows, their
+    /* one buffer for the most rows a group has (at most T, each token choosing an expert once): its rows, their
        [gate | up] product, silu * up and the down product */
-    char *rows = order ? malloc((size_t)(tokens * (2 * hidden + 3 * inter) * size)) : NULL;
+    int64_t most = 0;
+    for (int64_t g = 0; order && g < 2 * experts; ++g)
+        if (starts[g + 1] - starts[g] > most) most = starts[g + 1] - starts[g];
+    char *rows = order ? malloc((size_t)(most * (2 * hidden + 3 * inter) * size)) : NULL;
     if (order && !rows) status = ERR_MEMORY;
-    char *gate_up_out = rows ? rows + tokens * hidden * size : NULL, *act = gate_up_out + tokens * 2 * inter * size,
-         *y = act + tokens * inter * size;
+    char *gate_up_out = rows ? rows + most * hidden * size : NULL, *act = gate_up_out + most * 2 * inter * size,
+         *y = act + most * inter * size;
     for (int64_t g = 0; rows && status == OK && g < 2 * experts; ++g) {
         const int64_t first = starts[g], count = starts[g + 1] - first, e = g / 2;
         if (count == 0) continue;
