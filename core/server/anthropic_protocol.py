@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -41,7 +41,7 @@ class AnthropicMessage(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["user", "assistant"]
-    content: str | list[ContentBlock]
+    content: str | Annotated[list[ContentBlock], Field(min_length=1)]  # Anthropic's API refuses an empty list
 
 
 class AnthropicTool(BaseModel):
@@ -63,8 +63,8 @@ class MessagesRequest(BaseModel):
     max_tokens: int
     system: str | list[ContentBlock] | None = None
     stop_sequences: list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)  # Anthropic's range (OpenAI's is 0 to 2)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     top_k: int | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import httpx
-from server_helpers import MESSAGES
+import pytest
+from server_helpers import MESSAGES, assert_anthropic_error
 
 from core.testing.parse import parse_sse
 
@@ -79,3 +80,14 @@ def test_a_tool_round_trip(http: httpx.Client, model: str):
     response = http.post("/v1/messages", json=body)
     assert response.status_code == 200, response.text
     assert response.json()["stop_reason"] == "max_tokens"
+
+
+@pytest.mark.parametrize(("change", "param"), [
+    ({"temperature": 1.5}, "temperature"), ({"temperature": -0.1}, "temperature"), ({"top_p": 1.2}, "top_p"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages.0.content"),
+])
+def test_values_outside_anthropics_ranges_are_a_400_naming_them(http: httpx.Client, change: dict, param: str):
+    """Anthropic's API refuses a temperature or top_p outside 0-1 and a message of no content blocks; they were
+    accepted (a temperature of 1.5 sampled as OpenAI's would)."""
+    error = assert_anthropic_error(http.post("/v1/messages", json={**BODY, **change}), 400)
+    assert error["type"] == "invalid_request_error" and error["message"].startswith(param), error

@@ -228,3 +228,11 @@ def test_reasoning_items_go_back_as_reasoning_content(reasoning: openai.OpenAI):
     history = [*ask(THINK), *[item.model_dump(exclude_none=True) for item in first.output],
                {"role": "user", "content": "<<say>>Bye.<</say>>"}]
     assert reasoning.responses.create(model="scripted", input=history).output_text.strip() == "Bye."
+
+
+def test_a_reasoning_effort_the_api_does_not_define_is_a_400(http: httpx.Client):
+    """It was accepted, and any value but "none" turned thinking on."""
+    body = {"input": "hi", "max_output_tokens": 2, "reasoning": {"effort": "bogus"}}
+    assert_openai_error(http.post("/v1/responses", json=body), 400, "reasoning.effort")
+    body["reasoning"]["effort"] = "minimal"
+    assert http.post("/v1/responses", json=body).status_code == 200
