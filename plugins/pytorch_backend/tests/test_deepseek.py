@@ -363,6 +363,8 @@ def test_fp8_weights_pair_with_their_scales_in_either_order():
     ("v3", dict(quantization_config={"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}),
      "quantization_config"),
     ("v3", dict(topk_group=1, num_experts_per_tok=5), "num_experts_per_tok 5"),
+    # groups of one expert: noaux_tc ranks a group by its best two (a run-time topk error in transformers too)
+    ("v3", dict(n_routed_experts=4, n_group=4, topk_group=2, num_experts_per_tok=2), "groups of one expert"),
 ])
 def test_unsupported_configs_are_refused_at_load(name, overrides, match, tmp_path):
     config = make_config(CONFIGS[name][0], {**CONFIGS[name][1], **overrides})

@@ -62,6 +62,9 @@ class GroupedRouting:
     def check(self, experts: int) -> None:
         if experts % self.groups:
             raise ValueError(f"n_group {self.groups} does not divide n_routed_experts {experts}")
+        if self.noaux_tc and self.groups > 1 and experts // self.groups < 2:
+            raise ValueError(f"n_group {self.groups} of n_routed_experts {experts}: groups of one expert, but "
+                             "noaux_tc ranks each group by the sum of its best two")
         if self.kept_groups > self.groups or self.top_k > self.kept_groups * (experts // self.groups):
             raise ValueError(f"num_experts_per_tok {self.top_k} experts cannot come from topk_group "
                              f"{self.kept_groups} of n_group {self.groups} groups of {experts // self.groups}")
