@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from core import __version__
 from core.engine import AsyncEngine
 from core.server import adapters, admin, anthropic, embeddings, info, openai, responses, webui
-from core.server.errors import error_body, install_error_handlers, protocol_for_path
+from core.server.errors import error_body, install_error_handlers, protocol_of
 from core.server.limits import ServerLimits
 from core.server.metrics import Metrics
 from core.server.openapi import openapi_document
@@ -46,7 +46,7 @@ class ApiKeyMiddleware:
             return
         from fastapi.responses import JSONResponse
 
-        body = error_body(protocol_for_path(scope["path"]), 401, "invalid or missing API key", code="invalid_api_key")
+        body = error_body(protocol_of(scope), 401, "invalid or missing API key", code="invalid_api_key")
         await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
 
 

@@ -26,6 +26,7 @@ from core.errors import CoreError, ErrorCode, InvalidRequestError
 log = logging.getLogger(__name__)
 
 ANTHROPIC_PREFIX = "/v1/messages"
+MODELS_PREFIX = "/v1/models"
 GENERIC_500 = "The server had an internal error while processing the request; see the server log."
 
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -46,9 +47,16 @@ class Protocol(enum.Enum):
     ANTHROPIC = "anthropic"
 
 
-def protocol_for_path(path: str) -> Protocol:
-    """Anthropic routes live under /v1/messages; every other route speaks OpenAI's error shape."""
-    return Protocol.ANTHROPIC if path.startswith(ANTHROPIC_PREFIX) else Protocol.OPENAI
+def protocol_of(scope: Scope) -> Protocol:
+    """Anthropic routes live under /v1/messages; /v1/models, which both APIs have, speaks Anthropic's dialect to a
+    request with an `anthropic-version` header (Anthropic's clients send one with every request); every other route
+    speaks OpenAI's."""
+    path = scope["path"]
+    if path.startswith(ANTHROPIC_PREFIX):
+        return Protocol.ANTHROPIC
+    if path.startswith(MODELS_PREFIX) and any(name == b"anthropic-version" for name, _ in scope.get("headers", ())):
+        return Protocol.ANTHROPIC
+    return Protocol.OPENAI
 
 
 def openai_error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -146,17 +154,17 @@ def renamed_fields(prefixes: Mapping[str, str]) -> Iterator[None]:
 
 async def _on_core_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, CoreError)
-    return error_response(protocol_for_path(request.url.path), exc)
+    return error_response(protocol_of(request.scope), exc)
 
 
 async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     errors = exc.errors() if isinstance(exc, (RequestValidationError, ValidationError)) else []
-    return error_response(protocol_for_path(request.url.path), validation_to_core_error(list(errors)))
+    return error_response(protocol_of(request.scope), validation_to_core_error(list(errors)))
 
 
 async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
-    body = error_body(protocol_for_path(request.url.path), exc.status_code, str(exc.detail))
+    body = error_body(protocol_of(request.scope), exc.status_code, str(exc.detail))
     return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
@@ -186,7 +194,7 @@ class UnexpectedErrorMiddleware:
             if started:
                 raise
             log.error("unhandled error on %s %s", scope.get("method"), scope["path"], exc_info=exc)
-            body = error_body(protocol_for_path(scope["path"]), 500, GENERIC_500, code="internal")
+            body = error_body(protocol_of(scope), 500, GENERIC_500, code="internal")
             await JSONResponse(body, status_code=500)(scope, receive, send)
 
 

@@ -1,4 +1,5 @@
-"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions.
+"""OpenAI-compatible routes: /v1/models (in Anthropic's shape to Anthropic's clients), /v1/chat/completions,
+/v1/completions.
 
 Routes are thin: parse and check the body, translate it (openai_translate), start engine requests, and
 either stream SSE chunks or collect whole responses while watching for the client leaving.
@@ -7,6 +8,7 @@ either stream SSE chunks or collect whole responses while watching for the clien
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -20,7 +22,7 @@ from core.parsers import ToolCallFormat
 from core.request import RequestOutput
 from core.response import Response as EngineResponse
 from core.server import openai_translate as tr
-from core.server.errors import Protocol, core_error_body
+from core.server.errors import Protocol, core_error_body, protocol_of
 from core.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from core.server.postprocess import ChatPostprocessor
 from core.server.serving import (
@@ -57,12 +59,24 @@ def model_card(state: ServerState, name: str) -> dict[str, Any]:
             "max_model_len": state.engine.model_info.max_model_len}
 
 
+def anthropic_model_card(name: str) -> dict[str, Any]:
+    """Anthropic's `ModelInfo` of one served name (or adapter)."""
+    created = datetime.datetime.fromtimestamp(STARTED, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+    return {"type": "model", "id": name, "display_name": name, "created_at": created}
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    """The model this server serves, once under each of its names."""
+    """The model this server serves, once under each of its names (and each loaded adapter); in Anthropic's
+    shape (one page: `has_more` false) to a request with an `anthropic-version` header."""
     state = state_of(request)
+    adapters = state.engine.backend.adapters()
+    if protocol_of(request.scope) is Protocol.ANTHROPIC:
+        names = list(state.model_names) + [a.name for a in adapters]
+        return {"data": [anthropic_model_card(n) for n in names], "has_more": False, "first_id": names[0],
+                "last_id": names[-1]}
     cards = [model_card(state, name) for name in state.model_names]
-    return {"object": "list", "data": cards + [adapter_card(state, a) for a in state.engine.backend.adapters()]}
+    return {"object": "list", "data": cards + [adapter_card(state, a) for a in adapters]}
 
 
 def adapter_card(state: ServerState, adapter: AdapterInfo) -> dict[str, Any]:
@@ -76,6 +90,8 @@ async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
     """One model by name; a 404 for a name this server does not serve."""
     state = state_of(request)
     check_model(state, model_id)
+    if protocol_of(request.scope) is Protocol.ANTHROPIC:
+        return anthropic_model_card(model_id)
     return model_card(state, model_id)
 
 

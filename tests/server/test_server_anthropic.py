@@ -91,3 +91,19 @@ def test_values_outside_anthropics_ranges_are_a_400_naming_them(http: httpx.Clie
     accepted (a temperature of 1.5 sampled as OpenAI's would)."""
     error = assert_anthropic_error(http.post("/v1/messages", json={**BODY, **change}), 400)
     assert error["type"] == "invalid_request_error" and error["message"].startswith(param), error
+
+
+def test_models_answer_anthropics_client_in_its_shape(server, model: str):
+    """/v1/models is both APIs': to a request with an anthropic-version header (Anthropic's clients send one) it
+    answers with Anthropic's ModelInfo and not-found error, which its client parses (it got OpenAI's objects,
+    without display_name or created_at)."""
+    import anthropic
+
+    with anthropic.Anthropic(base_url=server.base_url, api_key=server.api_key or "unused", max_retries=0,
+                             timeout=30.0) as client:
+        [info] = [m for m in client.models.list().data if m.id == model]
+        assert (info.type, info.display_name) == ("model", model) and info.created_at.year >= 2026
+        assert client.models.retrieve(model).id == model
+        with pytest.raises(anthropic.NotFoundError) as raised:
+            client.models.retrieve("no-such-model")
+    assert raised.value.body["error"]["type"] == "not_found_error"
