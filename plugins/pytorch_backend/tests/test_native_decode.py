@@ -354,10 +354,12 @@ def test_models_it_does_not_take_are_refused_at_start_with_the_reason(tiny_check
         describe(packed)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "olmo2"])
 async def test_the_engine_serves_decode_steps_through_the_stack_unless_eager(tiny_checkpoint_factory, native_packed,
-                                                                           monkeypatch):
+                                                                           monkeypatch, arch):
     """16 concurrent greedy requests of different lengths, chunked prefill, a cache small enough to
-    preempt: token for token the same through the stack as through the modules (--enforce-eager)."""
+    preempt: token for token the same through the stack as through the modules (--enforce-eager), for a Llama
+    layer, Gemma 3's sandwich norms and sliding layers, and OLMo 2's post-norm layers."""
     from core.config import EngineConfig, GenerationConfig
     from core.engine import AsyncEngine
     from core.response import collect
@@ -369,7 +371,7 @@ async def test_the_engine_serves_decode_steps_through_the_stack_unless_eager(tin
     preempt = Scheduler._preempt
     monkeypatch.setattr(Scheduler, "_preempt", lambda self, seq, out: preempted.append(seq) or preempt(self, seq, out))
 
-    path = tiny_checkpoint_factory("qwen3")
+    path = tiny_checkpoint_factory(arch)
     prompts = [[(11 * i + 7 * j + 3) % 250 for j in range(3 + (5 * i) % 37)] for i in range(16)]
     greedy = GenerationConfig(temperature=0.0, max_new_tokens=24, ignore_eos=True)
     outputs = {}
