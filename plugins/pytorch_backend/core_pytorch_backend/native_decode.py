@@ -78,6 +78,7 @@ class _Layer(ctypes.Structure):  # core_layer
 
 class _Decoder(ctypes.Structure):  # core_decoder
     _fields_ = [("hidden", _L), ("heads", _L), ("kv_heads", _L), ("head_dim", _L), ("inter", _L),
+                ("rotary_dim", _L),
                 ("dtype", _I), ("cache_dtype", _I), ("table_dtype", _I), ("norm_float", _I), ("act", _I),
                 ("branch_scale", _F), ("qk_norm_whole", _I), ("eps", _F),
                 ("block_size", _L), ("num_slots", _L), ("max_position", _L), ("tiles", _I),
@@ -254,7 +255,8 @@ def describe(model: nn.Module) -> _Plan:
     group_rows = row_group_rows(qkv.kernels)
     keep: list[torch.Tensor] = []
     spec = _Decoder(hidden=width_norm.weight.shape[0], heads=heads, kv_heads=kv_heads,
-                    head_dim=head_dim, inter=mlp.down_proj.input_size, dtype=DTYPE_CODES[dtype],
+                    head_dim=head_dim, rotary_dim=rotary.rotary_dim, inter=mlp.down_proj.input_size,
+                    dtype=DTYPE_CODES[dtype],
                     cache_dtype=CACHE_CODES[cache.dtype], table_dtype=DTYPE_CODES[rotary.cos_cache.dtype],
                     norm_float=int(family.norm is GemmaRMSNorm), act=act,
                     branch_scale=first.residual_multiplier if family.scaled else 1.0,
@@ -270,7 +272,7 @@ def describe(model: nn.Module) -> _Plan:
 
 def _rotary_of(layers: list[nn.Module]) -> RotaryEmbedding:
     """The first layer's rotary table, after checking that every layer's (Gemma 3: one per layer type; None: a
-    layer without rotary) has its dtype, length and width."""
+    layer without rotary) has its dtype, length and width (rotary_dim / 2: Phi-4-mini's partial rotary)."""
     tables = [layer.self_attn.rotary_emb for layer in layers if layer.self_attn.rotary_emb is not None]
     if not tables:
         raise DoesNotFit("no layer has a rotary embedding")
@@ -278,8 +280,6 @@ def _rotary_of(layers: list[nn.Module]) -> RotaryEmbedding:
     for rotary in tables:
         if not isinstance(rotary, RotaryEmbedding) or rotary.cos_cache.dtype not in _STEP_DTYPES:
             raise DoesNotFit("an unsupported rotary embedding")
-        if rotary.rotary_dim != rotary.head_dim:
-            raise DoesNotFit("rotary on part of each head (partial_rotary_factor)")
         if rotary.cos_cache.dtype != first.cos_cache.dtype or rotary.cos_cache.shape != first.cos_cache.shape:
             raise DoesNotFit("rotary tables of different lengths or dtypes")
     return first

@@ -78,8 +78,8 @@ def _decode_both_ways(runner: ModelRunner, steps: int = 12) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3", "granite", "olmo2", "olmo3",
-                                  "exaone4", "gemma", "gemma3_text", "gemma2-no-softcap"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3", "phi3-partial-rotary",
+                                  "granite", "olmo2", "olmo3", "exaone4", "gemma", "gemma3_text", "gemma2-no-softcap"])
 def test_the_stack_gives_the_modules_hidden_states_bit_for_bit(tiny_checkpoint_factory, native_packed, arch,
                                                                  quantization, dtype):
     """Granite's multipliers, OLMo 2 / 3's and EXAONE 4's post-norm layers (OLMo's q / k norms over all heads) and
@@ -88,6 +88,9 @@ def test_the_stack_gives_the_modules_hidden_states_bit_for_bit(tiny_checkpoint_f
     overrides = {}
     if arch == "gemma2-no-softcap":  # Gemma 2's layers without its soft-capped scores (which take the modules)
         arch, overrides = "gemma2", dict(attn_logit_softcapping=None)
+    if arch == "phi3-partial-rotary":  # Phi-4-mini's: rotary on the first three quarters of each head
+        arch, overrides = "phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                        "partial_rotary_factor": 0.75})
     runner = _runner(_load(tiny_checkpoint_factory(arch, **overrides), quantization, dtype))
     assert isinstance(runner.decode_path, NativeDecodeStack)
     _decode_both_ways(runner)
@@ -331,9 +334,6 @@ def test_models_it_does_not_take_are_refused_at_start_with_the_reason(tiny_check
     assert gemma2.decode_path is None
     for moe in ("qwen3_moe", "qwen2_moe", "mixtral"):  # sparse experts: the modules
         assert _runner(_load(tiny_checkpoint_factory(moe), "int8")).decode_path is None
-    partial = tiny_checkpoint_factory("phi3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                              "partial_rotary_factor": 0.75})
-    assert _runner(_load(partial, "int8")).decode_path is None  # rotary on part of each head: the modules
     packed = _load(path, "int8")
     assert make_native_decode(packed, device=CPU, enabled=False) is None  # --enforce-eager
     runner = ModelRunner(packed, block_size=BLOCK, num_blocks=64, device=CPU, dtype=torch.float32)

@@ -936,7 +936,7 @@ int core_silu_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, v
 typedef struct {
     const void *q, *k;
     int dtype;
-    int64_t hq, hkv, d, q_row_stride, k_row_stride;
+    int64_t hq, hkv, d, rotary_dim, q_row_stride, k_row_stride;
     const int64_t *positions;
     const void *cos_table, *sin_table;
     int table_dtype;
@@ -946,7 +946,7 @@ typedef struct {
 
 static void rotary_work(void *context, int64_t thread, int64_t threads) {
     const rotary_team *c = context;
-    const int64_t d = c->d, half = d / 2, hq = c->hq, hkv = c->hkv;
+    const int64_t d = c->d, half = c->rotary_dim / 2, hq = c->hq, hkv = c->hkv;
     const int dtype = c->dtype;
     int64_t t, end;
     for (team_share(c->tokens, thread, threads, &t, &end); t < end; ++t) {
@@ -967,28 +967,41 @@ static void rotary_work(void *context, int64_t thread, int64_t threads) {
                 y[i] = round_to(round_to(x[i] * cs[i], dtype) + round_to(x[i + half] * -sn[i], dtype), dtype);
                 y[i + half] = round_to(round_to(x[i + half] * cs[i], dtype) + round_to(x[i] * sn[i], dtype), dtype);
             }
+            for (int64_t i = 2 * half; i < d; ++i) y[i] = x[i]; /* beyond rotary_dim: as they are */
             store_row(is_q ? c->q_out : c->k_out, dtype, is_q ? (t * hq + head) * d : (t * hkv + head - hq) * d, d, y);
         }
     }
 }
 
-/* Neox (rotate-half) rotary embedding of q [T, Hq, D] and k [T, Hkv, D] into q_out and k_out
- * (contiguous), rows of the inputs `*_row_stride` elements apart (views into a fused qkv output).
- * cos / sin are [max_position, D / 2] of table_dtype (float32, or bfloat16 in a model cast to it). Rounds as the reference: cos and sin to the dtype,
- * then each product and their sum. */
-int core_rotary(const void *q, const void *k, int dtype, int64_t tokens, int64_t hq, int64_t hkv, int64_t d,
-                int64_t q_row_stride, int64_t k_row_stride, const int64_t *positions, const void *cos_table,
-                const void *sin_table, int table_dtype, int64_t max_position, void *q_out, void *k_out) {
+/* core_rotary on each head's first rotary_dim values (even, at most D; cos / sin [max_position, rotary_dim / 2]),
+ * the rest of each head copied as it is: partial_rotary_factor (Phi-4-mini's 0.75), each rotated value as
+ * core_rotary gives it for a head of rotary_dim. */
+int core_rotary_part(const void *q, const void *k, int dtype, int64_t tokens, int64_t hq, int64_t hkv, int64_t d,
+                     int64_t rotary_dim, int64_t q_row_stride, int64_t k_row_stride, const int64_t *positions,
+                     const void *cos_table, const void *sin_table, int table_dtype, int64_t max_position, void *q_out,
+                     void *k_out) {
     if ((tokens > 0 && (!q || !k || !positions || !q_out || !k_out)) || !cos_table || !sin_table || tokens < 0 ||
-        d <= 0 || d % 2 || d > MAX_HEAD_DIM || (dtype != DT_F32 && dtype != DT_BF16) ||
-        (table_dtype != DT_F32 && table_dtype != DT_BF16))
+        d <= 0 || d > MAX_HEAD_DIM || rotary_dim <= 0 || rotary_dim % 2 || rotary_dim > d ||
+        (dtype != DT_F32 && dtype != DT_BF16) || (table_dtype != DT_F32 && table_dtype != DT_BF16))
         return ERR_ARGS;
     for (int64_t t = 0; t < tokens; ++t)
         if (positions[t] < 0 || positions[t] >= max_position) return ERR_ARGS;
-    rotary_team ctx = {q, k, dtype, hq, hkv, d, q_row_stride, k_row_stride, positions, cos_table, sin_table,
-                       table_dtype, q_out, k_out, tokens};
+    rotary_team ctx = {q, k, dtype, hq, hkv, d, rotary_dim, q_row_stride, k_row_stride, positions, cos_table,
+                       sin_table, table_dtype, q_out, k_out, tokens};
     run_team(tokens * (hq + hkv) * d > PARALLEL_MIN_WORK, rotary_work, &ctx);
     return OK;
+}
+
+/* Neox (rotate-half) rotary embedding of q [T, Hq, D] and k [T, Hkv, D] into q_out and k_out
+ * (contiguous), rows of the inputs `*_row_stride` elements apart (views into a fused qkv output).
+ * cos / sin are [max_position, D / 2] of table_dtype (float32, or bfloat16 in a model cast to it). Rounds as the
+ * reference: cos and sin to the dtype, then each product and their sum. */
+int core_rotary(const void *q, const void *k, int dtype, int64_t tokens, int64_t hq, int64_t hkv, int64_t d,
+                int64_t q_row_stride, int64_t k_row_stride, const int64_t *positions, const void *cos_table,
+                const void *sin_table, int table_dtype, int64_t max_position, void *q_out, void *k_out) {
+    if (d % 2) return ERR_ARGS;
+    return core_rotary_part(q, k, dtype, tokens, hq, hkv, d, d, q_row_stride, k_row_stride, positions, cos_table,
+                            sin_table, table_dtype, max_position, q_out, k_out);
 }
 
 /* Write each new token's K and V ([T, Hkv, D], rows `*_row_stride` apart) into its cache slot

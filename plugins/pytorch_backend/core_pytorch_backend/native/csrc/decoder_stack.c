@@ -45,6 +45,7 @@ typedef struct {
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
+    int64_t rotary_dim; /* each head's rotated values (partial_rotary_factor: fewer than head_dim; the rest as is) */
     int32_t dtype, cache_dtype, table_dtype; /* dtype: the activations' (and the norm weights', but norm_float) */
     int32_t norm_float; /* 1: norm weights float32, multiplied in float32 and rounded once (Gemma: 1 + w) */
     int32_t act;        /* ACT_SILU or ACT_GELU_TANH (common.h) */
@@ -194,8 +195,8 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
         q = qn, k = kn, q_stride = q_width, k_stride = kv_width;
     }
     if (L->rope) {
-        CHECK(core_rotary(q, k, m->dtype, tokens, hq, hkv, d, q_stride, k_stride, r->positions, L->cos, L->sin,
-                          m->table_dtype, m->max_position, q_rot, k_rot));
+        CHECK(core_rotary_part(q, k, m->dtype, tokens, hq, hkv, d, m->rotary_dim, q_stride, k_stride, r->positions,
+                               L->cos, L->sin, m->table_dtype, m->max_position, q_rot, k_rot));
     } else { /* the same values the modules hand on unrotated, in the buffers the next kernels read */
         copy_rows(q, q_stride, tokens, q_width, size, q_rot);
         copy_rows(k, k_stride, tokens, kv_width, size, k_rot);
