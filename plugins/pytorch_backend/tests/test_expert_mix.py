@@ -76,8 +76,9 @@ def test_the_experts_in_one_call_are_mix_experts_bit_for_bit(tiny_checkpoint_fac
 @pytest.mark.parametrize("spans", [[(0, 9)], [(2, 4)], [(0, 3), (6, 3)]])
 def test_a_prompt_tokens_rows_take_the_prompt_loop_in_every_expert(tiny_checkpoint_factory, native_packed, spans,
                                                                    dtype):
-    """Whatever else the step holds: in mix_experts an expert's rows took the step's marks only when every token
-    chose it (its gathered rows were then the step's), so a prompt row's loop followed its neighbours' choices."""
+    """Whatever else the step holds, in the native call and in mix_experts alike: an expert's rows took the step's
+    marks only when every token chose it (its gathered rows were then the step's), so a prompt row's loop
+    followed its neighbours' choices."""
     block = _blocks(tiny_checkpoint_factory("qwen3_moe"), "int4", dtype)[0]
     hidden, weights, chosen = _inputs(block, 9, block.gate.weight.dtype, seed=3)
     rows = tile_rows.rows_of(spans, 9)
@@ -86,7 +87,9 @@ def test_a_prompt_tokens_rows_take_the_prompt_loop_in_every_expert(tiny_checkpoi
         tiled[first:first + count] = True
     with tile_rows.prompt_token_rows(rows):
         mixed = block.native_mix(hidden, weights, chosen)
+        in_python = mix_experts(block.experts, hidden, weights, chosen)  # its experts' rows marked (tile_rows.gathered)
     assert torch.equal(mixed, _expert_by_expert(block, hidden, weights, chosen, tiled))
+    assert torch.equal(in_python, mixed)
     assert not torch.equal(mixed, _expert_by_expert(block, hidden, weights, chosen, torch.zeros_like(tiled)))
 
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..attention_metadata import AttentionMetadata
 from ..layers import Attention, RotaryEmbedding
+from ..native import tile_rows
 from ..quant.attach import QuantizedShards
 from .llama import DecoderSpec, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from .names import parts_renamed
@@ -83,7 +84,8 @@ class Llama4MoeBlock(SparseMoeBlock):
         routed = torch.zeros_like(hidden)
         for expert in torch.unique(chosen).tolist():  # ascending
             tokens, slot = torch.where(chosen == expert)
-            routed.index_add_(0, tokens, self.experts[expert](hidden[tokens] * weights[tokens, slot, None]))
+            with tile_rows.gathered(tokens):  # each token's row on its own loop, as in the step
+                routed.index_add_(0, tokens, self.experts[expert](hidden[tokens] * weights[tokens, slot, None]))
         return self.shared_expert(hidden) + routed
 
 

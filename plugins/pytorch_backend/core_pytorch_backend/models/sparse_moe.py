@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..native import tile_rows
 from .llama import DecoderSpec, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 
@@ -87,7 +88,8 @@ def mix_experts(experts: Sequence[nn.Module], hidden: torch.Tensor, weights: tor
     out = torch.zeros_like(hidden)
     for expert in torch.unique(chosen).tolist():
         tokens, slot = torch.where(chosen == expert)
-        part = experts[expert](hidden[tokens]) * weights[tokens, slot, None]
+        with tile_rows.gathered(tokens):  # each token's row on its own loop (prompt or VNNI), as in the step
+            part = experts[expert](hidden[tokens]) * weights[tokens, slot, None]
         out.index_add_(0, tokens, part.to(out.dtype))
     return out
 

@@ -23,8 +23,9 @@ agreement with its float32 oracle, teacher-forced: 99.75% against the prompt loo
 
 The model runner (where ``has_tiled_weights``) marks the step (``prompt_token_rows``: the rows' spans) around its forward pass; each
 ``NativeWeight.linear`` of the pass reads ``current()``. Nothing is marked outside a pass, and a weight
-called with another number of rows than the step's (none in the decoders this backend runs) takes the
-VNNI loop for all of them.
+called with another number of rows than the step's takes the VNNI loop for all of them, so a caller that
+multiplies a subset of the step's rows (a MoE block's experts, each on the rows of the tokens that chose it)
+marks that subset as its own rows are marked (``gathered``).
 """
 
 from __future__ import annotations
@@ -114,6 +115,32 @@ def marked(rule: str, spans: Sequence[tuple[int, int]], total: int) -> TileRows 
     if rule == "none":
         return None
     return TileRows(total) if rule == "all" and total else rows_of(spans, total)
+
+
+@contextmanager
+def gathered(rows: torch.Tensor) -> Iterator[None]:
+    """Mark the forward pass's calls inside as of the step's rows ``rows`` (int64 indices, in the order gathered),
+    each marked as it is in the step: a MoE expert's rows, whose prompt tokens' rows then take the prompt loop
+    whichever other tokens chose that expert (unmarked, every row took the VNNI loop unless all the step's tokens
+    had chosen it). Nothing is changed where nothing is marked."""
+    marks = current()
+    if marks is None:
+        yield
+        return
+    tiled = torch.ones(marks.total, dtype=torch.bool)
+    for first, stop, kind in marks.runs:
+        tiled[first:stop] = kind
+    picked = tiled[rows].tolist()
+    spans, at = [], 0
+    while at < len(picked):  # the runs of marked rows, (first, count)
+        stop = at
+        while stop < len(picked) and picked[stop] == picked[at]:
+            stop += 1
+        if picked[at]:
+            spans.append((at, stop - at))
+        at = stop
+    with prompt_token_rows(rows_of(spans, len(picked))):
+        yield
 
 
 @contextmanager
