@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from core_pytorch_backend.kernels.native import CACHE_CODES
+from core_pytorch_backend.kernels.native import ACT_GELU_TANH, ACT_SILU, CACHE_CODES
 from core_pytorch_backend.layers.activation import GeluTanhAndMul, SiluAndMul
 from core_pytorch_backend.layers.attention import attention_layers
 from core_pytorch_backend.layers.norm import RMSNorm
@@ -120,7 +120,7 @@ _FAMILIES = {LlamaModel: _Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RM
              GemmaModel: _Family(GemmaDecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, "pre"),
              Gemma2Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, "sandwich"),
              Gemma3Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, "sandwich")}
-_ACTIVATIONS = {SiluAndMul: 0, GeluTanhAndMul: 1}  # csrc/common.h ACT_SILU, ACT_GELU_TANH
+_ACTIVATIONS = {SiluAndMul: ACT_SILU, GeluTanhAndMul: ACT_GELU_TANH}
 
 
 class DoesNotFit(ValueError):

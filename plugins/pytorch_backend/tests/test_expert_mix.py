@@ -93,7 +93,7 @@ def test_a_prompt_tokens_rows_take_the_prompt_loop_in_every_expert(tiny_checkpoi
     assert not torch.equal(mixed, _expert_by_expert(block, hidden, weights, chosen, torch.zeros_like(tiled)))
 
 
-def test_experts_it_does_not_take_are_left_to_mix_experts(tiny_checkpoint_factory, native_packed):
+def test_experts_it_does_not_take_are_left_to_mix_experts_and_foreign_marks_apply_to_none(tiny_checkpoint_factory, native_packed):
     path = tiny_checkpoint_factory("qwen3_moe")
     dense = _blocks(path, "none", "float32")[0]  # float weights: F.linear
     assert ExpertMix.of(dense.experts) is None
@@ -104,8 +104,10 @@ def test_experts_it_does_not_take_are_left_to_mix_experts(tiny_checkpoint_factor
     assert ExpertMix.of(packed.experts) is None  # a hook (a LoRA or tensor-parallel one) needs the modules
     handle.remove()
     mix = ExpertMix.of(packed.experts)
-    with tile_rows.prompt_token_rows(tile_rows.rows_of([(0, 2)], 7)):  # marks of another step's rows
-        assert mix(hidden, weights, chosen) is None or available().prompt_loop is None
+    unmarked = mix(hidden, weights, chosen)
+    with tile_rows.prompt_token_rows(tile_rows.rows_of([(0, 2)], 7)):  # marks of another row count: none apply
+        assert torch.equal(mix(hidden, weights, chosen), unmarked)
+        assert torch.equal(mix_experts(packed.experts, hidden, weights, chosen), unmarked)
 
 
 def test_a_bad_expert_index_is_refused_by_name(tiny_checkpoint_factory, native_packed):

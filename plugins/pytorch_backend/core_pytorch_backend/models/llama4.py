@@ -84,7 +84,7 @@ class Llama4MoeBlock(SparseMoeBlock):
         routed = torch.zeros_like(hidden)
         for expert in torch.unique(chosen).tolist():  # ascending
             tokens, slot = torch.where(chosen == expert)
-            with tile_rows.gathered(tokens):  # each token's row on its own loop, as in the step
+            with tile_rows.gathered(tokens, hidden.shape[0]):  # each token's row on its own loop, as in the step
                 routed.index_add_(0, tokens, self.experts[expert](hidden[tokens] * weights[tokens, slot, None]))
         return self.shared_expert(hidden) + routed
 

@@ -88,7 +88,7 @@ def mix_experts(experts: Sequence[nn.Module], hidden: torch.Tensor, weights: tor
     out = torch.zeros_like(hidden)
     for expert in torch.unique(chosen).tolist():
         tokens, slot = torch.where(chosen == expert)
-        with tile_rows.gathered(tokens):  # each token's row on its own loop (prompt or VNNI), as in the step
+        with tile_rows.gathered(tokens, hidden.shape[0]):  # each token's row on its own loop, as in the step
             part = experts[expert](hidden[tokens]) * weights[tokens, slot, None]
         out.index_add_(0, tokens, part.to(out.dtype))
     return out

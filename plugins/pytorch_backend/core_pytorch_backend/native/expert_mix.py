@@ -4,9 +4,7 @@ results are its bits (tested). The router stays in torch.
 
 It takes experts that are ``LlamaMLP``s with silu, every projection a ``NativeWeight`` multiplied by the packed
 kernel, on the CPU, in float32 or bfloat16, with no hooks. A token's rows take the loop its row of the step takes
-(``tile_rows.current()``: a prompt token's the prompt loop): in ``mix_experts`` an expert's gathered rows took the
-step's marks only when every token of the step chose it, and the VNNI loop otherwise, so that which loop multiplied
-a prompt token's row in an expert followed the batch.
+(``tile_rows.current()``: a prompt token's the prompt loop), as ``mix_experts`` marks them (``tile_rows.gathered``).
 """
 
 from __future__ import annotations
@@ -55,13 +53,11 @@ class ExpertMix:
         return cls(experts, (Packed * len(gate_up))(*gate_up), (Packed * len(down))(*down), inter, keep)
 
     def __call__(self, hidden: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor | None:
-        """The mixed experts' output [T, H], or None where this step's rows or dtypes are not the kernel's."""
+        """The mixed experts' output [T, H], or None where the dtypes or the device are not the kernel's."""
         code = DTYPE_CODES.get(hidden.dtype)
         if code is None or hidden.device.type != "cpu" or hidden.dim() != 2 or weights.dtype != hidden.dtype:
             return None
         tiled = self._tiled(hidden.shape[0])
-        if tiled is False:
-            return None
         hidden, weights = hidden.contiguous(), weights.contiguous()  # named: alive during the call
         chosen = chosen.to(torch.int64).contiguous()
         out = torch.empty_like(hidden)
@@ -72,18 +68,10 @@ class ExpertMix:
             self.kernels.raise_for("core_moe_mix", status)
         return out
 
-    def _tiled(self, tokens: int) -> torch.Tensor | None | bool:
-        """Each token's 1 where its rows take the prompt loop (uint8 [T]); None: none do; False: the step's marks
-        are not of these rows."""
+    def _tiled(self, tokens: int) -> torch.Tensor | None:
+        """Each token's 1 where its rows take the prompt loop (uint8 [T]); None: none do (nothing marked, or marks of
+        another row count: ``tile_rows.gathered``'s rule)."""
         rows = tile_rows.current() if self.prompt_loop else None
-        if rows is None:
+        if rows is None or rows.total != tokens:
             return None
-        if rows.total != tokens:
-            return False
-        if rows.all_tiled:
-            return torch.ones(tokens, dtype=torch.uint8)
-        tiled = torch.zeros(tokens, dtype=torch.uint8)
-        for first, stop, kind in rows.runs:
-            if kind:
-                tiled[first:stop] = 1
-        return tiled
+        return rows.mask().to(torch.uint8)

@@ -30,6 +30,7 @@ marks that subset as its own rows are marked (``gathered``).
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -54,6 +55,13 @@ class TileRows:
     def rows(self, tiled: bool) -> torch.Tensor:
         """The int64 indices of the tiled (or the other) rows, in order."""
         return torch.cat([torch.arange(first, stop) for first, stop, kind in self.runs if kind == tiled])
+
+    def mask(self) -> torch.Tensor:
+        """Each row's True where it is tiled (bool [total])."""
+        tiled = torch.ones(self.total, dtype=torch.bool)
+        for first, stop, kind in self.runs:
+            tiled[first:stop] = kind
+        return tiled
 
 
 _local = threading.local()
@@ -118,28 +126,24 @@ def marked(rule: str, spans: Sequence[tuple[int, int]], total: int) -> TileRows 
 
 
 @contextmanager
-def gathered(rows: torch.Tensor) -> Iterator[None]:
-    """Mark the forward pass's calls inside as of the step's rows ``rows`` (int64 indices, in the order gathered),
-    each marked as it is in the step: a MoE expert's rows, whose prompt tokens' rows then take the prompt loop
-    whichever other tokens chose that expert (unmarked, every row took the VNNI loop unless all the step's tokens
-    had chosen it). Nothing is changed where nothing is marked."""
+def gathered(rows: torch.Tensor, total: int) -> Iterator[None]:
+    """Mark the forward pass's calls inside as of ``rows`` (int64 indices, in the order gathered) of a tensor of
+    ``total`` rows, each marked as it is in the step: a MoE expert's rows, whose prompt tokens' rows then take the
+    prompt loop whichever other tokens chose that expert (unmarked, every row took the VNNI loop unless all the
+    step's tokens had chosen it). Nothing is marked where the step has no marks or the tensor is not of its rows
+    (the VNNI loop for all, as a call of another row count takes)."""
     marks = current()
-    if marks is None:
-        yield
+    if marks is None or marks.total != total:
+        with prompt_token_rows(None):
+            yield
         return
-    tiled = torch.ones(marks.total, dtype=torch.bool)
-    for first, stop, kind in marks.runs:
-        tiled[first:stop] = kind
-    picked = tiled[rows].tolist()
     spans, at = [], 0
-    while at < len(picked):  # the runs of marked rows, (first, count)
-        stop = at
-        while stop < len(picked) and picked[stop] == picked[at]:
-            stop += 1
-        if picked[at]:
-            spans.append((at, stop - at))
-        at = stop
-    with prompt_token_rows(rows_of(spans, len(picked))):
+    for tiled, run in itertools.groupby(marks.mask()[rows].tolist()):  # the runs of marked rows, (first, count)
+        count = len(list(run))
+        if tiled:
+            spans.append((at, count))
+        at += count
+    with prompt_token_rows(rows_of(spans, len(rows))):
         yield
 
 

@@ -272,4 +272,25 @@ int core_store_kv(const void *k, const void *v, int dtype, int64_t tokens, int64
                   int64_t k_row_stride, int64_t v_row_stride, const int64_t *slots, void *k_cache, void *v_cache,
                   int cache_dtype, int64_t num_slots);
 
+/* y [rows, w->n] = x [rows, k] @ W^T (+ bias) by the prompt loop where `tiled`, else the VNNI loop (decoder_stack.c,
+ * moe_mix.c) */
+static inline int packed_product(const core_packed *w, const void *x, int dtype, int64_t rows, int64_t k, int tiled,
+                                 void *y) {
+    return (tiled ? core_packed_linear_tiles : core_packed_linear)(x, dtype, rows, k, w->codes, w->bits, w->group, w->n,
+                                                                   w->kp, w->scale, w->offset, w->scale_dtype, w->bias,
+                                                                   y, dtype);
+}
+
+/* out [rows, w->n / 2] = act(gate) * up of a [gate | up] weight's product of x [rows, k]: on the prompt loop with
+ * silu * up in its epilogue where that loop takes the weight (the same bits, no [rows, n] product), else the product
+ * into gate_up and then core_act_and_mul */
+static inline int packed_gated(const core_packed *w, const void *x, int dtype, int64_t rows, int64_t k, int tiled,
+                               int act, void *gate_up, void *out) {
+    if (tiled && act == ACT_SILU && w->group == 32 && w->bits != 16 && w->n % 32 == 0)
+        return core_packed_linear_tiles_silu(x, dtype, rows, k, w->codes, w->bits, w->group, w->n, w->kp, w->scale,
+                                             w->offset, w->scale_dtype, w->bias, out, dtype);
+    const int status = packed_product(w, x, dtype, rows, k, tiled, gate_up);
+    return status != OK ? status : core_act_and_mul(gate_up, dtype, rows, w->n / 2, act, out);
+}
+
 #endif

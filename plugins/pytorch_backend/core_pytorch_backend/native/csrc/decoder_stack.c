@@ -49,7 +49,7 @@ typedef struct {
     int32_t dtype, cache_dtype, table_dtype; /* dtype: the activations' (and the norm weights', but norm_float) */
     int32_t norm_float; /* 1: norm weights float32, multiplied in float32 and rounded once (Gemma: 1 + w) */
     int32_t act;        /* ACT_SILU or ACT_GELU_TANH (common.h) */
-    float branch_scale; /* what the attention and the MLP add to the residual is first multiplied by (Granite), 1: none */
+    float branch_scale; /* multiplies what the attention and the MLP add to the residual (Granite); 1: none */
     int32_t qk_norm_whole; /* 1: q and k normalised over all their heads at once (OLMo 2, 3), 0: head by head */
     float eps;
     int64_t block_size, num_slots, max_position;
@@ -66,13 +66,8 @@ typedef struct {
 static inline int64_t elem_size(int dtype) { return dtype == DT_F32 ? 4 : 2; }
 
 static int linear(const core_decoder *m, const core_packed *w, const void *x, int64_t rows, int64_t k, void *y) {
-    return (m->tiles ? core_packed_linear_tiles : core_packed_linear)(x, m->dtype, rows, k, w->codes, w->bits,
-                                                                      w->group, w->n, w->kp, w->scale, w->offset,
-                                                                      w->scale_dtype, w->bias, y, m->dtype);
+    return packed_product(w, x, m->dtype, rows, k, m->tiles, y);
 }
-
-/* whether core_packed_linear_tiles_silu takes this [gate | up] weight (else the product, then silu * up) */
-static inline int gated_on_tiles(const core_packed *w) { return w->group == 32 && w->bits != 16 && w->n % 32 == 0; }
 
 /* rows [T, width] `stride` elements apart from src into contiguous dst */
 static void copy_rows(const char *src, int64_t stride, int64_t rows, int64_t width, int64_t size, char *dst) {
@@ -209,15 +204,7 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
     if (L->attn_out_norm) CHECK(norm(m, r->hidden, tokens, h, NULL, L->attn_out_norm, r->hidden, NULL));
     if (m->branch_scale != 1.f) scale_rows(m, r->hidden, tokens, h);
     CHECK(branch_input(m, L->post_norm, 0, r, b->normed, &input));
-    const core_packed *w = &L->gate_up;
-    /* silu * up in the tile loop's epilogue (the same bits, no [T, 2I] product); GELU-tanh after the product */
-    if (m->tiles && m->act == ACT_SILU && gated_on_tiles(w)) {
-        CHECK(core_packed_linear_tiles_silu(input, m->dtype, tokens, h, w->codes, w->bits, w->group, w->n, w->kp,
-                                            w->scale, w->offset, w->scale_dtype, w->bias, b->act, m->dtype));
-    } else {
-        CHECK(linear(m, &L->gate_up, input, tokens, h, b->gate_up));
-        CHECK(core_act_and_mul(b->gate_up, m->dtype, tokens, m->inter, m->act, b->act));
-    }
+    CHECK(packed_gated(&L->gate_up, input, m->dtype, tokens, h, m->tiles, m->act, b->gate_up, b->act));
     CHECK(linear(m, &L->down, b->act, tokens, m->inter, r->hidden));
     if (L->mlp_out_norm) CHECK(norm(m, r->hidden, tokens, h, NULL, L->mlp_out_norm, r->hidden, NULL));
     if (m->branch_scale != 1.f) scale_rows(m, r->hidden, tokens, h);

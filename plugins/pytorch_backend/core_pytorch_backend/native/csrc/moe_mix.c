@@ -11,33 +11,14 @@
  * activations' dtype, in the same order, so that the results are its bits.
  *
  * A token's rows take the loop its row takes in the step (`tiled`: the prompt loop for a prompt token's rows,
- * native/tile_rows.py; NULL: the VNNI loop for all), the [gate | up] product on the prompt loop with silu * up in
- * its epilogue where the weight allows (the same bits).
+ * native/tile_rows.py; NULL: the VNNI loop for all), by common.h's packed_gated and packed_product as the decoder
+ * stack's layers.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
-
-/* whether core_packed_linear_tiles_silu takes this [gate | up] weight (decoder_stack.c's rule) */
-static inline int gated_on_tiles(const core_packed *w) { return w->group == 32 && w->bits != 16 && w->n % 32 == 0; }
-
-static int product(const core_packed *w, const void *x, int dtype, int64_t rows, int64_t k, int tiled, void *y) {
-    return (tiled ? core_packed_linear_tiles : core_packed_linear)(x, dtype, rows, k, w->codes, w->bits, w->group, w->n,
-                                                                   w->kp, w->scale, w->offset, w->scale_dtype, w->bias,
-                                                                   y, dtype);
-}
-
-/* silu(gate) * up [rows, inter] of x's rows by a [gate | up] weight */
-static int gated(const core_packed *w, const void *x, int dtype, int64_t rows, int64_t hidden, int64_t inter,
-                 int tiled, void *gate_up, void *act) {
-    if (tiled && gated_on_tiles(w))
-        return core_packed_linear_tiles_silu(x, dtype, rows, hidden, w->codes, w->bits, w->group, w->n, w->kp,
-                                             w->scale, w->offset, w->scale_dtype, w->bias, act, dtype);
-    const int status = product(w, x, dtype, rows, hidden, tiled, gate_up);
-    return status != OK ? status : core_silu_and_mul(gate_up, dtype, rows, inter, act);
-}
 
 /* out[t] = round(out[t] + round(y[j] * weight)) for each row j of an expert's rows (token t of pair t * top_k + s) */
 static void add_weighted(const char *y, int dtype, int64_t hidden, const int64_t *pairs, int64_t rows,
@@ -129,8 +110,9 @@ int core_moe_mix(const void *x, int dtype, int64_t tokens, int64_t hidden, int64
         for (int64_t j = 0; j < count; ++j)
             memcpy(rows + j * hidden * size, (const char *)x + order[first + j] / top_k * hidden * size,
                    (size_t)(hidden * size));
-        status = gated(&gate_up[e], rows, dtype, count, hidden, inter, on_tiles, gate_up_out, act);
-        if (status == OK) status = product(&down[e], act, dtype, count, inter, on_tiles && down[e].bits != 16, y);
+        status = packed_gated(&gate_up[e], rows, dtype, count, hidden, on_tiles, ACT_SILU, gate_up_out, act);
+        if (status == OK)
+            status = packed_product(&down[e], act, dtype, count, inter, on_tiles && down[e].bits != 16, y);
         if (status == OK) add_weighted(y, dtype, hidden, order + first, count, top_k, weights, out);
     }
     free(rows);
