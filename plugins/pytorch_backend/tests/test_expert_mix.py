@@ -68,7 +68,19 @@ def test_the_experts_in_one_call_are_mix_experts_bit_for_bit(tiny_checkpoint_fac
             hidden, weights, chosen = _inputs(block, tokens, blocks[0].gate.weight.dtype, seed=tokens + index)
             mixed = block.native_mix(hidden, weights, chosen)
             assert torch.equal(mixed, mix_experts(block.experts, hidden, weights, chosen)), (tokens, index)
-            assert torch.equal(block(hidden), block.forward(hidden))  # the block's forward takes it
+            _assert_forward_takes_it(block, hidden)
+
+
+def _assert_forward_takes_it(block: SparseMoeBlock, hidden: torch.Tensor) -> None:
+    """The block's forward calls the native mix (counted), and gives what it gives with mix_experts instead."""
+    ids, mix = block._native_mix
+    calls = []
+    block._native_mix = (ids, lambda *args: calls.append(args) or mix(*args))
+    through_native = block(hidden)
+    block._native_mix = (ids, None)  # described as not fitting: mix_experts
+    through_python = block(hidden)
+    block._native_mix = (ids, mix)
+    assert len(calls) == 1 and torch.equal(through_native, through_python)
 
 
 @pytest.mark.skipif(available() is None or available().prompt_loop is None, reason="no prompt loop on this CPU")

@@ -74,4 +74,4 @@ class ExpertMix:
         rows = tile_rows.current() if self.prompt_loop else None
         if rows is None or rows.total != tokens:
             return None
-        return rows.mask().to(torch.uint8)
+        return rows.mask.to(torch.uint8)

@@ -30,6 +30,7 @@ marks that subset as its own rows are marked (``gathered``).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections.abc import Iterator, Sequence
@@ -56,8 +57,10 @@ class TileRows:
         """The int64 indices of the tiled (or the other) rows, in order."""
         return torch.cat([torch.arange(first, stop) for first, stop, kind in self.runs if kind == tiled])
 
+    @functools.cached_property
     def mask(self) -> torch.Tensor:
-        """Each row's True where it is tiled (bool [total])."""
+        """Each row's True where it is tiled (bool [total]; built once a step, read by each expert of each MoE
+        layer: not to be written)."""
         tiled = torch.ones(self.total, dtype=torch.bool)
         for first, stop, kind in self.runs:
             tiled[first:stop] = kind
@@ -138,7 +141,7 @@ def gathered(rows: torch.Tensor, total: int) -> Iterator[None]:
             yield
         return
     spans, at = [], 0
-    for tiled, run in itertools.groupby(marks.mask()[rows].tolist()):  # the runs of marked rows, (first, count)
+    for tiled, run in itertools.groupby(marks.mask[rows].tolist()):  # the runs of marked rows, (first, count)
         count = len(list(run))
         if tiled:
             spans.append((at, count))
