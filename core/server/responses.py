@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from core.backend import TokenLogprob
 from core.errors import CoreError
 from core.parsers import ToolCallFormat
 from core.request import RequestOutput
+from core.server import openai_translate as tr
 from core.server import responses_protocol as rp
 from core.server.errors import Protocol, core_error_body
 from core.server.openai import chat_plan
@@ -26,6 +28,7 @@ from core.server.responses_stream import ResponseEvents
 from core.server.serving import (
     EventStreamResponse,
     Plan,
+    ServerState,
     collect_all,
     guarded_events,
     start_route,
@@ -50,11 +53,11 @@ async def create_response(request: Request) -> Response:
     describe = _Describe(response_id, created, started.model, req)
     if req.stream:
         stream = ResponseEvents()
-        events = _events(describe, stream, source, post)
+        events = _events(state, describe, stream, source, post)
         return EventStreamResponse(guarded_events(events, lambda exc: _error_event(stream, exc), None),
                                    headers=headers, closing=[source])
     [result] = await until_disconnected(request, collect_all([source]))
-    output = rp.output_items(post.final(result.text))
+    output = rp.output_items(post.final(result.text), _logprobs(state, result.choices[0].logprobs))
     usage = rp.usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens)
     return JSONResponse(describe(rp.status_of(result.finish_reason), output, usage), headers=headers)
 
@@ -78,13 +81,14 @@ class _Describe:
                                   output=output, usage_=usage)
 
 
-async def _events(describe: _Describe, stream: ResponseEvents, source: AsyncIterator[RequestOutput],
+async def _events(state: ServerState, describe: _Describe, stream: ResponseEvents, source: AsyncIterator[RequestOutput],
                   post: ChatPostprocessor) -> AsyncIterator[str]:
     for kind in ("response.created", "response.in_progress"):
         yield _sse(stream.event(kind, response=describe("in_progress", [], None)))
     last: RequestOutput | None = None
     async for out in source:
-        for event in stream.events(post.delta(0, out.text, finished=out.finish_reason is not None)):
+        pieces = post.delta(0, out.text, finished=out.finish_reason is not None)
+        for event in stream.events(pieces, _logprobs(state, out.logprobs)):
             yield _sse(event)
         last = out
     for event in stream.finish():
@@ -92,6 +96,11 @@ async def _events(describe: _Describe, stream: ResponseEvents, source: AsyncIter
     status = rp.status_of(last.finish_reason if last else None)
     usage = rp.usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens) if last else rp.usage(0, 0)
     yield _sse(stream.event(f"response.{status}", response=describe(status, stream.output, usage)))
+
+
+def _logprobs(state: ServerState, entries: Sequence[TokenLogprob] | None) -> list[dict[str, Any]]:
+    """Chat's logprob entries of `entries` (none when the request did not include them)."""
+    return (tr.chat_logprobs(entries, state.engine.detokenize) or {"content": []})["content"]
 
 
 def _error_event(stream: ResponseEvents, exc: CoreError) -> str:

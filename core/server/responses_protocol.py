@@ -2,7 +2,8 @@
 
 A Responses request is run as the chat request it translates to (`to_chat_request`): `input` items become
 chat messages (`instructions` a system message first), function tools and `tool_choice` the chat path's,
-`text.format` its `response_format`, `reasoning.effort` the templates' `enable_thinking` switch. The
+`text.format` its `response_format`, `reasoning.effort` the templates' `enable_thinking` switch, and
+`include: ["message.output_text.logprobs"]` with `top_logprobs` its logprobs (on the message's output_text). The
 server keeps no state, so `previous_response_id`, `conversation`, item references, `store: true` and
 `background` are refused with a 400 that says so. Nothing here touches the network or the engine.
 """
@@ -10,10 +11,12 @@ server keeps no state, so `previous_response_id`, `conversation`, item reference
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from core.config import MAX_TOP_LOGPROBS
 from core.errors import InvalidRequestError, UnsupportedError
 from core.parsers import ToolCall
 from core.server.openai_protocol import ChatCompletionRequest
@@ -25,6 +28,12 @@ PARAM_NAMES = {"max_new_tokens": "max_output_tokens", "response_format": "text.f
                "structured_output": "text.format"}
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+# The API's `include` values: the others name what tools this server does not run return, or an encrypted
+# reasoning item it does not make (agent clients ask for it with store false), so there is nothing to add.
+INCLUDABLE = (OUTPUT_LOGPROBS, "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+              "web_search_call.action.sources", "message.input_image.image_url",
+              "computer_call_output.output.image_url", "code_interpreter_call.outputs")
 
 
 class ResponsesRequest(BaseModel):
@@ -42,6 +51,8 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
     stream: bool = False
     store: bool | None = None
     background: bool | None = None
@@ -66,6 +77,7 @@ def check_stateless(req: ResponsesRequest) -> None:
 def to_chat_request(req: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[str, str]]:
     """The chat request that runs `req`, and the client's name of each translated message (for errors)."""
     check_stateless(req)
+    logprobs = wants_logprobs(req)
     messages, names = input_messages(req.input)
     if req.instructions:
         messages.insert(0, {"role": "system", "content": req.instructions})
@@ -74,8 +86,22 @@ def to_chat_request(req: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[
         messages=messages, stream=req.stream, max_completion_tokens=req.max_output_tokens,
         temperature=req.temperature, top_p=req.top_p, tools=chat_tools(req.tools),
         tool_choice=_chat_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
-        response_format=_response_format(req.text), chat_template_kwargs=_template_kwargs(req.reasoning))
+        response_format=_response_format(req.text), chat_template_kwargs=_template_kwargs(req.reasoning),
+        logprobs=logprobs or None, top_logprobs=req.top_logprobs if logprobs else None)
     return chat, names
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    """Whether `include` asks for the output text's logprobs; an `include` value the API does not define, or a
+    `top_logprobs` outside 0-20, is a 400 naming it (as OpenAI answers), whether logprobs are asked for or not."""
+    for i, value in enumerate(req.include or ()):
+        if value not in INCLUDABLE:
+            raise InvalidRequestError(f"include[{i}] must be one of {', '.join(INCLUDABLE)}, got {value!r}",
+                                      param="include")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(f"top_logprobs must be an integer between 0 and {MAX_TOP_LOGPROBS}, "
+                                  f"got {req.top_logprobs}", param="top_logprobs")
+    return OUTPUT_LOGPROBS in (req.include or ())
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, str]]:
@@ -217,15 +243,16 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def message_item(item: str, text: str, status: str = "completed") -> dict[str, Any]:
+def message_item(item: str, text: str, status: str = "completed",
+                 logprobs: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """An assistant message item holding one output_text part."""
-    content = [output_text_part(text)] if status == "completed" else []
+    content = [output_text_part(text, logprobs)] if status == "completed" else []
     return {"id": item, "type": "message", "status": status, "role": "assistant", "content": content}
 
 
-def output_text_part(text: str = "") -> dict[str, Any]:
-    """An output_text content part."""
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text_part(text: str = "", logprobs: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """An output_text content part; `logprobs` are chat's entries (token, bytes, logprob, top_logprobs)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
 
 
 def reasoning_item(item: str, text: str | None = None) -> dict[str, Any]:
@@ -240,11 +267,12 @@ def function_call_item(item: str, call_id: str, name: str, arguments: str, statu
             "arguments": arguments}
 
 
-def output_items(parts: ChatMessageParts) -> list[dict[str, Any]]:
-    """The output of a whole response: reasoning, the message, then each function call."""
+def output_items(parts: ChatMessageParts, logprobs: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """The output of a whole response: reasoning, the message (with the logprobs of every output token, as
+    vLLM gives them), then each function call."""
     items = [reasoning_item(item_id("rs"), parts.reasoning_content)] if parts.reasoning_content else []
     if parts.content or not parts.tool_calls:
-        items.append(message_item(item_id("msg"), parts.content or ""))
+        items.append(message_item(item_id("msg"), parts.content or "", logprobs=logprobs))
     items += [_call_item(call) for call in parts.tool_calls]
     return items
 

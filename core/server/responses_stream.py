@@ -4,13 +4,15 @@ Reasoning streams as a ``reasoning`` item (``response.reasoning_text.delta``), c
 item with one ``output_text`` part (``response.output_text.delta``), and each tool call as a
 ``function_call`` item whose arguments arrive as ``response.function_call_arguments.delta`` pieces. An
 item stays open while pieces of its kind keep coming; the next kind (or the next tool call) closes it
-first, with its ``.done`` events. Every event carries the stream's next ``sequence_number``.
+first, with its ``.done`` events. Every event carries the stream's next ``sequence_number``. Output logprobs
+(when asked for) ride on the message's next ``response.output_text.delta`` (a token's text may be held back, or be
+reasoning), and the message's ``.done`` events and part carry them all.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from core.server import responses_protocol as rp
@@ -27,6 +29,7 @@ class _OpenItem:
     text: str = ""
     call_id: str = ""
     name: str = ""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ResponseEvents:
@@ -36,14 +39,16 @@ class ResponseEvents:
         self.output: list[dict[str, Any]] = []  # the finished output items, in order
         self._sequence = 0
         self._open: _OpenItem | None = None
+        self._logprobs: list[dict[str, Any]] = []  # logprobs not yet sent on an output_text delta
 
     def event(self, kind: str, **payload: Any) -> Event:
         """One event of type `kind`, numbered."""
         self._sequence += 1
         return {"type": kind, "sequence_number": self._sequence - 1, **payload}
 
-    def events(self, pieces: Sequence[StreamPiece]) -> list[Event]:
-        """The events that `pieces` (in order) produce."""
+    def events(self, pieces: Sequence[StreamPiece], logprobs: Sequence[dict[str, Any]] = ()) -> list[Event]:
+        """The events that `pieces` (in order) produce; `logprobs` are those of the tokens they came from."""
+        self._logprobs += logprobs
         out: list[Event] = []
         for piece in pieces:
             kind = _item_kind(piece)
@@ -56,6 +61,8 @@ class ResponseEvents:
     def finish(self) -> list[Event]:
         """Close the open item; a response that had none gets one empty message."""
         opened = self._start(StreamPiece("content")) if not self.output and self._open is None else []
+        if self._open is not None and self._open.kind == "message":
+            self._open.logprobs += self._logprobs
         return opened + self._close()
 
     def _start(self, piece: StreamPiece) -> list[Event]:
@@ -78,7 +85,9 @@ class ResponseEvents:
                               delta=text)
         if item.kind == "reasoning":
             return self.event("response.reasoning_text.delta", **self._where(), delta=text)
-        return self.event("response.output_text.delta", **self._where(), delta=text, logprobs=[])
+        logprobs, self._logprobs = self._logprobs, []
+        item.logprobs += logprobs
+        return self.event("response.output_text.delta", **self._where(), delta=text, logprobs=logprobs)
 
     def _close(self) -> list[Event]:
         item = self._open
@@ -89,10 +98,13 @@ class ResponseEvents:
             out = [self.event("response.function_call_arguments.done", item_id=item.id, output_index=item.index,
                               name=item.name, arguments=item.text)]
         else:
-            done = rp.message_item(item.id, item.text) if item.kind == "message" else rp.reasoning_item(item.id, item.text)
-            text_done = self.event(f"response.{'output' if item.kind == 'message' else 'reasoning'}_text.done",
-                                   **self._where(), text=item.text, **({"logprobs": []} if item.kind == "message" else {}))
-            out = [text_done, self.event("response.content_part.done", **self._where(), part=self._part(item.text))]
+            message = item.kind == "message"
+            done = rp.message_item(item.id, item.text, logprobs=item.logprobs) if message \
+                else rp.reasoning_item(item.id, item.text)
+            text_done = self.event(f"response.{'output' if message else 'reasoning'}_text.done",
+                                   **self._where(), text=item.text, **({"logprobs": item.logprobs} if message else {}))
+            part = rp.output_text_part(item.text, item.logprobs) if message else self._part(item.text)
+            out = [text_done, self.event("response.content_part.done", **self._where(), part=part)]
         self._open = None
         self.output.append(done)
         return out + [self.event("response.output_item.done", output_index=item.index, item=done)]

@@ -236,3 +236,37 @@ def test_a_reasoning_effort_the_api_does_not_define_is_a_400(http: httpx.Client)
     assert_openai_error(http.post("/v1/responses", json=body), 400, "reasoning.effort")
     body["reasoning"]["effort"] = "minimal"
     assert http.post("/v1/responses", json=body).status_code == 200
+
+
+@pytest.mark.parametrize("top_logprobs", [21, -1])
+def test_top_logprobs_outside_0_to_20_is_a_400(client: openai.OpenAI, model: str, top_logprobs: int):
+    """It was silently ignored, as was every value."""
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.responses.create(model=model, input="hi", max_output_tokens=2, top_logprobs=top_logprobs,
+                                include=["message.output_text.logprobs"])
+    assert raised.value.body["param"] == "top_logprobs"
+
+
+def test_an_include_value_the_api_does_not_define_is_a_400(http: httpx.Client):
+    body = {"input": "hi", "max_output_tokens": 2, "include": ["message.output_text.logprobz"]}
+    assert_openai_error(http.post("/v1/responses", json=body), 400, "include")
+    body["include"] = ["reasoning.encrypted_content"]  # what agent clients send with store false: nothing to add
+    assert http.post("/v1/responses", json=body).status_code == 200
+
+
+def test_included_logprobs_are_the_chat_paths(client: openai.OpenAI, model: str):
+    """`include: ["message.output_text.logprobs"]` gave an empty list."""
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          logprobs=True, top_logprobs=2, **GREEDY)
+    expected = [entry.model_dump() for entry in chat.choices[0].logprobs.content]
+    kwargs = {"model": model, "input": "hi", "max_output_tokens": 4, "top_logprobs": 2,
+              "include": ["message.output_text.logprobs"], **GREEDY}
+    [message] = client.responses.create(**kwargs).output
+    assert [entry.model_dump() for entry in message.content[0].logprobs] == expected
+    events = list(client.responses.create(**kwargs, stream=True))
+    streamed = [e.model_dump() for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs]
+    assert streamed == expected
+    [done] = [ev for ev in events if ev.type == "response.output_text.done"]
+    assert [e.model_dump() for e in done.logprobs] == expected
+    assert [e.model_dump() for e in events[-1].response.output[0].content[0].logprobs] == expected
+    assert client.responses.create(**{**kwargs, "include": []}).output[0].content[0].logprobs == []
