@@ -202,14 +202,33 @@ def chat_tools(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]
     return tools or None
 
 
+THINKING_TYPES = ("enabled", "adaptive", "disabled")
+MIN_THINKING_BUDGET = 1024  # Anthropic's least budget_tokens
+
+
 def chat_template_kwargs(req: MessagesRequest | CountTokensRequest) -> dict[str, Any] | None:
-    """`thinking: {"type": "enabled" | "disabled"}` as the templates' enable_thinking switch."""
+    """`thinking: {"type": "enabled" | "adaptive" | "disabled"}` as the templates' enable_thinking switch. An
+    enabled one's budget_tokens is checked as Anthropic's API checks it (an integer of at least 1024, below
+    max_tokens); the templates have no budget, so it limits nothing beyond max_tokens."""
     if req.thinking is None:
         return None
     kind = req.thinking.get("type")
-    if kind not in ("enabled", "disabled"):
-        raise InvalidRequestError(f'thinking.type must be "enabled" or "disabled", got {kind!r}', param="thinking.type")
-    return {"enable_thinking": kind == "enabled"}
+    if kind not in THINKING_TYPES:
+        raise InvalidRequestError(f"thinking.type must be one of {', '.join(THINKING_TYPES)}, got {kind!r}",
+                                  param="thinking.type")
+    if kind == "enabled":
+        max_tokens = req.max_tokens if isinstance(req, MessagesRequest) else None  # count_tokens has none
+        _check_thinking_budget(req.thinking.get("budget_tokens"), max_tokens)
+    return {"enable_thinking": kind != "disabled"}
+
+
+def _check_thinking_budget(budget: Any, max_tokens: int | None) -> None:
+    if type(budget) is not int or budget < MIN_THINKING_BUDGET:
+        raise InvalidRequestError(f"thinking.budget_tokens must be an integer of at least {MIN_THINKING_BUDGET}, "
+                                  f"got {budget!r}", param="thinking.budget_tokens")
+    if max_tokens is not None and budget >= max_tokens:
+        raise InvalidRequestError(f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
+                                  param="thinking.budget_tokens")
 
 
 def forced_tool_call(req: MessagesRequest, tools: list[dict[str, Any]] | None,

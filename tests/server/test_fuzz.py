@@ -200,8 +200,8 @@ def route_bodies(mutate: bool) -> dict[str, st.SearchStrategy]:
     anthropic_optional = {"system": st.one_of(texts, st.lists(maybe(anthropic_blocks), max_size=2), wrong),
                           "tools": maybe(anthropic_tools), "tool_choice": maybe(st.sampled_from(
                               [{"type": "auto"}, {"type": "any"}, {"type": "none"}, {"type": "tool", "name": "f"}])),
-                          "thinking": maybe(st.sampled_from([{"type": "enabled", "budget_tokens": 10},
-                                                             {"type": "disabled"}])),
+                          "thinking": maybe(st.sampled_from([{"type": "enabled", "budget_tokens": 1024},
+                                                             {"type": "adaptive"}, {"type": "disabled"}])),
                           "metadata": maybe(st.just({"user_id": "u"}))}
     messages_bodies = st.fixed_dictionaries(
         {"messages": st.one_of(anthropic_messages, wrong), "max_tokens": maybe(st.integers(0, 8))},

@@ -107,3 +107,38 @@ def test_models_answer_anthropics_client_in_its_shape(server, model: str):
         with pytest.raises(anthropic.NotFoundError) as raised:
             client.models.retrieve("no-such-model")
     assert raised.value.body["error"]["type"] == "not_found_error"
+
+
+@pytest.fixture
+def anthropic_client(server):
+    """The official Anthropic client pointed at the server."""
+    import anthropic
+
+    with anthropic.Anthropic(base_url=server.base_url, api_key=server.api_key or "unused", max_retries=0,
+                             timeout=30.0) as client:
+        yield client
+
+
+def test_adaptive_thinking_is_thinking_on(anthropic_client, model: str):
+    """The client's thinking types include {"type": "adaptive"}: it was a 400 (only enabled and disabled were read)."""
+    rendered = {kind: anthropic_client.messages.count_tokens(model=model, messages=MESSAGES, thinking=thinking)
+                for kind, thinking in [("adaptive", {"type": "adaptive"}),
+                                       ("enabled", {"type": "enabled", "budget_tokens": 1024})]}
+    assert rendered["adaptive"].input_tokens == rendered["enabled"].input_tokens
+    message = anthropic_client.messages.create(model=model, messages=MESSAGES, max_tokens=4,
+                                               thinking={"type": "adaptive"})
+    assert message.usage.output_tokens == 4
+
+
+@pytest.mark.parametrize(("thinking", "max_tokens"), [
+    ({"type": "enabled"}, 2048), ({"type": "enabled", "budget_tokens": 1023}, 2048),
+    ({"type": "enabled", "budget_tokens": "1024"}, 2048), ({"type": "enabled", "budget_tokens": 1024}, 1024),
+])
+def test_a_thinking_budget_outside_anthropics_rules_is_a_400(http: httpx.Client, thinking: dict, max_tokens: int):
+    """budget_tokens is required, at least 1024 and below max_tokens in Anthropic's API; any value was accepted."""
+    body = {**BODY, "max_tokens": max_tokens, "thinking": thinking}
+    error = assert_anthropic_error(http.post("/v1/messages", json=body), 400)
+    assert error["type"] == "invalid_request_error" and "thinking.budget_tokens" in error["message"], error
+    if max_tokens > 1024:
+        count = http.post("/v1/messages/count_tokens", json={"messages": MESSAGES, "thinking": thinking})
+        assert "thinking.budget_tokens" in assert_anthropic_error(count, 400)["message"]
