@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from core.backend import BackendOutput, FinishReason, Tokenizer
-from core.detokenize import IncrementalDetokenizer
+from core.detokenize import IncrementalDetokenizer, TextDelta
 from core.errors import BackendError
 from core.request import PreparedRequest, RequestOutput
 from core.session import Session
@@ -85,6 +85,7 @@ class Choices:
             )
             for _ in range(cfg.n)
         ]
+        self._stops = bool(prepared.stop_strings)
         self._counts = [0] * cfg.n
         self._finished: list[str | None] = [None] * cfg.n
         self._backend_done = [False] * cfg.n
@@ -108,7 +109,6 @@ class Choices:
             return None  # this choice already stopped on a stop string; drop the backend's tail
         if out.finish_reason is FinishReason.ERROR:
             raise BackendError("the backend failed this request")
-        self._counts[i] += len(out.token_ids)
         self._cached = max(self._cached, out.num_cached_tokens)
         return self._output(i, out)
 
@@ -116,18 +116,35 @@ class Choices:
         ids = list(out.token_ids)
         stopped_on_token = out.finish_reason is FinishReason.STOP and out.stop_token_id is not None
         text_ids = ids[:-1] if stopped_on_token and not self._config.include_stop_str_in_output else ids
-        delta = self._detokenizers[i].update(text_ids, final=out.finish_reason is not None)
+        delta, used = self._detokenize(i, text_ids, final=out.finish_reason is not None)
         finish, stop_reason = (out.finish_reason.value if out.finish_reason else None), out.stop_token_id
         if delta.stop is not None:
             finish, stop_reason = FinishReason.STOP.value, delta.stop
+            ids = ids[:used]  # the tokens after the one that completed the stop string are not the text's
         self._finished[i] = finish
+        self._counts[i] += len(ids)
         return RequestOutput(
             session_id=self._session_id, index=i, text=delta.text, token_ids=ids,
             prompt_tokens=self._prompt_tokens, completion_tokens=self._counts[i], cached_tokens=self._cached,
             finish_reason=finish, stop_reason=stop_reason if finish else None,
-            logprobs=list(out.logprobs) if out.logprobs is not None else None,
+            logprobs=list(out.logprobs)[:len(ids)] if out.logprobs is not None else None,
             prompt_logprobs=list(out.prompt_logprobs) if out.prompt_logprobs is not None else None,
         )
+
+    def _detokenize(self, i: int, ids: list[int], final: bool) -> tuple[TextDelta, int]:
+        """The text of `ids` and how many of them it used: all, unless a stop string ended it, at the token
+        that completed the stop string (vLLM keeps a choice's tokens up to that one). An output of several
+        tokens (a backend that accepts speculated tokens may send them at once) is read a token at a time."""
+        detokenizer = self._detokenizers[i]
+        if not self._stops or len(ids) < 2:
+            return detokenizer.update(ids, final=final), len(ids)
+        text = ""
+        for used, token in enumerate(ids, start=1):
+            delta = detokenizer.update([token], final=final and used == len(ids))
+            text += delta.text
+            if delta.stop is not None:
+                return TextDelta(text, delta.stop), used
+        return TextDelta(text), len(ids)
 
     def abort_all(self) -> list[RequestOutput]:
         self._backend_done = [True] * len(self._finished)

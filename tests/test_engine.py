@@ -239,3 +239,36 @@ async def test_a_failed_preparation_hands_its_memory_back(engine, monkeypatch):
     await asyncio.sleep(0.05)
     assert not trimmed.is_set()
 
+
+
+class SpeculatingFake(FakeBackend):
+    """The fake, its outputs handed over `per_output` tokens at a time (as a backend that accepts several
+    speculated tokens a step may: the contract's outputs are the new tokens since the previous one)."""
+
+    def __init__(self, per_output: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.per_output = per_output
+
+    async def _generate(self, request):
+        held: dict[int, list] = {}
+        async for out in super()._generate(request):
+            batch = held.setdefault(out.index, [])
+            batch.append(out)
+            if len(batch) == self.per_output or out.finish_reason is not None:
+                yield dataclasses.replace(out, token_ids=[t for o in batch for t in o.token_ids],
+                                          logprobs=[lp for o in batch for lp in o.logprobs or ()] or None)
+                held[out.index] = []
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+async def test_tokens_past_a_stop_string_in_one_output_are_dropped(include_stop: bool):
+    """The text was cut at the stop string but token_ids, logprobs and completion_tokens kept the tokens that
+    came after it in the same output; as vLLM, a choice keeps its tokens up to the one that completed it."""
+    engine = AsyncEngine(SpeculatingFake(per_output=4, script=script_of("abSTOPcdefgh")))
+    config = GREEDY.replace(stop=("STOP",), include_stop_str_in_output=include_stop, logprobs=True)
+    outputs = [o async for o in engine.generate("x", config)]
+    response = await run(engine, "x", config)
+    assert response.text == ("abSTOP" if include_stop else "ab") and response.finish_reason == "stop"
+    [choice] = response.choices
+    assert bytes(choice.token_ids) == b"abSTOP" and bytes(lp.token_id for lp in choice.logprobs) == b"abSTOP"
+    assert outputs[-1].completion_tokens == 6 == response.completion_tokens
