@@ -74,6 +74,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # the templates' enable_thinking switch ("none": off)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: with add_generation_prompt false, as core does anyway
     chat_template: str | None = None  # vLLM's per-request template: refused (a 400), never silently ignored

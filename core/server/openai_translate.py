@@ -175,6 +175,26 @@ def check_template_fields(req: ChatCompletionRequest) -> None:
                                   param="continue_final_message")
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's values (chat and Responses)
+
+
+def reasoning_switch(effort: Any, param: str) -> dict[str, Any] | None:
+    """A reasoning effort as the templates' enable_thinking switch: "none" turns thinking off, any other effort
+    on; an effort the API does not define is a 400 naming `param`."""
+    if effort is None:
+        return None
+    if effort not in REASONING_EFFORTS:
+        raise InvalidRequestError(f"{param} must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", param=param)
+    return {"enable_thinking": effort != "none"}
+
+
+def chat_template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The template switches of a chat request: its reasoning_effort's, under its own chat_template_kwargs
+    (which win)."""
+    switch = reasoning_switch(req.reasoning_effort, "reasoning_effort")
+    return {**switch, **(req.chat_template_kwargs or {})} if switch else req.chat_template_kwargs
+
+
 def check_tool_choice(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     """The tools to render into the prompt, checked; "none" hides them."""
     if req.tool_choice == "none":

@@ -20,6 +20,7 @@ from core.config import MAX_TOP_LOGPROBS
 from core.errors import InvalidRequestError, UnsupportedError
 from core.parsers import ToolCall
 from core.server.openai_protocol import ChatCompletionRequest
+from core.server.openai_translate import reasoning_switch
 from core.server.postprocess import ChatMessageParts
 
 STATELESS = "this server keeps no state between requests: send the whole conversation in `input`"
@@ -222,17 +223,9 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return dict(fmt)
 
 
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # the Responses API's values
-
-
 def _template_kwargs(reasoning: dict[str, Any] | None) -> dict[str, Any] | None:
-    """`reasoning.effort` "none" turns a reasoning template's thinking off; any other effort turns it on. An effort
-    the API does not define is a 400 naming it."""
-    effort = (reasoning or {}).get("effort")
-    if effort is not None and effort not in REASONING_EFFORTS:
-        raise InvalidRequestError(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
-                                  param="reasoning.effort")
-    return None if effort is None else {"enable_thinking": effort != "none"}
+    """`reasoning.effort` as chat's reasoning_effort: "none" turns a reasoning template's thinking off."""
+    return reasoning_switch((reasoning or {}).get("effort"), "reasoning.effort")
 
 
 # -- output ----------------------------------------------------------------------------------------

@@ -270,3 +270,21 @@ def test_included_logprobs_are_the_chat_paths(client: openai.OpenAI, model: str)
     assert [e.model_dump() for e in done.logprobs] == expected
     assert [e.model_dump() for e in events[-1].response.output[0].content[0].logprobs] == expected
     assert client.responses.create(**{**kwargs, "include": []}).output[0].content[0].logprobs == []
+
+
+def test_chat_reasoning_effort_is_read_as_the_responses_one(http: httpx.Client):
+    """Chat's reasoning_effort was ignored whatever its value (a bogus one answered 200)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "reasoning_effort": "bogus"}
+    assert_openai_error(http.post("/v1/chat/completions", json=body), 400, "reasoning_effort")
+    body["reasoning_effort"] = "minimal"
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_chat_reasoning_effort_none_turns_thinking_off(reasoning: openai.OpenAI):
+    def prompt_tokens(**kwargs: Any) -> int:
+        return reasoning.chat.completions.create(model="scripted", messages=ask("Hi."), **kwargs).usage.prompt_tokens
+
+    off = prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert prompt_tokens(reasoning_effort="none") == off != prompt_tokens(reasoning_effort="low") == prompt_tokens()
+    assert prompt_tokens(reasoning_effort="none", extra_body={"chat_template_kwargs": {"enable_thinking": True}}) \
+        == prompt_tokens()  # the request's own template switch wins
