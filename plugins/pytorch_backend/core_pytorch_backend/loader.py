@@ -54,8 +54,8 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("auto", "none", *QUANTIZE_MODES)
 # 2: the dequantized weights are optional (packed serving needs none); 3: head_dim from the file (gguf_config);
-# 4: rope base, rotated width and frequency divisors from the file
-GGUF_CACHE_VERSION = 4
+# 4: rope base, rotated width and frequency divisors from the file; 5: the experts' widths from the file
+GGUF_CACHE_VERSION = 5
 _COMPLETE_MARKER = ".complete"
 _WEIGHTS_MARKER = ".weights-complete"
 
@@ -439,7 +439,8 @@ def gguf_config(gguf: Path) -> Any:
     Qwen3's mapping in transformers 5.x: a file whose heads are not 128 wide got 128, and its q/k norms'
     weights did not fit), the rotary base (``{arch}.rope.freq_base``; StarCoder 2's and StableLM's: a
     StarCoder 2 file got the config class's default of 10,000, not its own) and the values of each head
-    rotary turns (``{arch}.rope.dimension_count``; StableLM's: the default quarter whatever the file said)."""
+    rotary turns (``{arch}.rope.dimension_count``; StableLM's: the default quarter whatever the file said),
+    and the experts' widths (``_experts_from_file``)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -453,6 +454,7 @@ def gguf_config(gguf: Path) -> Any:
                  gguf.name, key_length, architecture, config.head_dim)
         config.head_dim = key_length
     _rope_from_file(config, metadata, architecture, gguf.name)
+    _experts_from_file(config, metadata, architecture, gguf.name)
     _rope_factors_from_file(config, index.tensors, gguf.name)
     _longrope_from_file(config, index.tensors, metadata, architecture, gguf.name)
     return config
@@ -530,6 +532,22 @@ def _rope_from_file(config: Any, metadata: dict[str, Any], architecture: str, na
                  rotated, head_dim, architecture)
         factor = rotated / head_dim
         params["partial_rotary_factor"] = factor if int(head_dim * factor) == rotated else (rotated + 0.5) / head_dim
+
+
+#: llama.cpp's keys for the width of each routed and of the shared expert -> the HF config's fields
+EXPERT_WIDTHS = {"expert_feed_forward_length": "moe_intermediate_size",
+                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+
+
+def _experts_from_file(config: Any, metadata: dict[str, Any], architecture: str, name: str) -> None:
+    """The file's expert widths (``EXPERT_WIDTHS``) into the config fields the model has: transformers'
+    mappings for Qwen2-MoE and Qwen3-MoE read neither, so any width but the config class's default (768 for
+    Qwen3-MoE, 1408 for Qwen2-MoE) did not fit the file's expert tensors."""
+    for key, attribute in EXPERT_WIDTHS.items():
+        width = metadata.get(f"{architecture}.{key}")
+        if isinstance(width, int) and width > 0 and hasattr(config, attribute) and getattr(config, attribute) != width:
+            log.info("%s: %s %d from the file's %s.%s", name, attribute, width, architecture, key)
+            setattr(config, attribute, width)
 
 
 def _convert_gguf_metadata(gguf: Path, out: Path) -> None:

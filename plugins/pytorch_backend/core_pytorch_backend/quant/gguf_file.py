@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,19 +38,24 @@ from .affine import AffineWeight
 from .gguf_blocks import unpack
 from .gguf_index import TensorEntry, read_gguf_index
 
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2  # 2: expert stacks
 PROBE_COLUMNS = 8  # the random probe's columns: a row reordering moves whole rows, whatever their width
+#: llama.cpp's stacked experts of one layer: [experts, rows, columns], one expert's gate, up or down projection
+#: after another (Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek, MiniMax-M2...)
+EXPERT_STACK = re.compile(r"blk\.\d+\.ffn_(?P<projection>gate|up|down)_exps\.weight")
 
 
 @dataclass(frozen=True)
 class TensorStep:
     """What loading does with one GGUF tensor: yield it under ``name`` with its rows in ``order`` (None:
     as stored; no name: the model does not use it), or, ``processed``, run transformers' processor on its
-    dequantized values."""
+    dequantized values; or, for a stack of experts' ``projection`` ("gate", "up" or "down"), yield each
+    expert's slice as it is stored, under ``{name}.{expert}.{projection}_proj.weight``."""
 
     name: str = ""
     order: np.ndarray | None = None
     processed: bool = False
+    projection: str = ""
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,8 @@ class LoadPlan:
                 steps[gguf_name] = {"processed": True}
                 continue
             entry: dict[str, Any] = {"name": step.name}
+            if step.projection:
+                entry["projection"] = step.projection
             if step.order is not None:
                 order = step.order.tolist()
                 if order not in orders:
@@ -88,7 +96,8 @@ class LoadPlan:
                 steps[gguf_name] = TensorStep(processed=True)
             else:
                 order = entry.get("order")
-                steps[gguf_name] = TensorStep(str(entry["name"]), None if order is None else orders[order])
+                steps[gguf_name] = TensorStep(str(entry["name"]), None if order is None else orders[order],
+                                              projection=str(entry.get("projection", "")))
         return cls({str(k): str(v) for k, v in data["names"].items()}, steps)
 
 
@@ -111,15 +120,33 @@ def gguf_weights(gguf: Path, config: Any, names_cache: Path | None = None
             continue
         if not step.name:
             continue
-        codes = unpack(tensor.type_name, tensor.data) if len(tensor.shape) == 2 else None
-        if codes is not None:
-            yield step.name, codes if step.order is None else codes.rows(step.order)
-        elif tensor.type_name in SIXTEEN_BIT and len(tensor.shape) == 2:
-            values = _sixteen_bit(tensor)
-            yield step.name, values if step.order is None else values[torch.from_numpy(step.order)]
-        else:
-            values = np.array(_dequantized(tensor), dtype=np.float32)
-            yield step.name, torch.from_numpy(values if step.order is None else values[step.order])
+        if step.projection:
+            for expert, part in enumerate(_expert_slices(tensor)):
+                yield f"{step.name}.{expert}.{step.projection}_proj.weight", _as_stored(part, None)
+            continue
+        yield step.name, _as_stored(tensor, step.order)
+
+
+def _as_stored(tensor: TensorEntry, order: np.ndarray | None) -> torch.Tensor | AffineWeight:
+    """A tensor of the file with its rows in ``order`` (None: as stored): a 2-D block-quantized one as its
+    packed codes, a 2-D 16-bit one in its own dtype, any other as float32."""
+    codes = unpack(tensor.type_name, tensor.data) if len(tensor.shape) == 2 else None
+    if codes is not None:
+        return codes if order is None else codes.rows(order)
+    if tensor.type_name in SIXTEEN_BIT and len(tensor.shape) == 2:
+        values = _sixteen_bit(tensor)
+        return values if order is None else values[torch.from_numpy(order)]
+    values = np.array(_dequantized(tensor), dtype=np.float32)
+    return torch.from_numpy(values if order is None else values[order])
+
+
+def _expert_slices(tensor: TensorEntry) -> Iterator[TensorEntry]:
+    """Each expert's [rows, columns] of a stack of experts [experts, rows, columns], as a 2-D tensor of the
+    file (a block-quantized stack's data holds every expert's rows one after another)."""
+    experts, rows = tensor.shape[0], tensor.shape[1]
+    for expert in range(experts):
+        data = tensor.data[expert] if tensor.data.ndim == 3 else tensor.data[expert * rows : (expert + 1) * rows]
+        yield TensorEntry(tensor.name, tensor.type_name, tensor.shape[1:], data)
 
 
 SIXTEEN_BIT = {"F16": torch.float16, "BF16": torch.bfloat16}
@@ -208,7 +235,10 @@ def _names(architecture: str, config: Any, processor: Any) -> dict[str, str]:
 
 
 def _step(processor: Any, tensor: TensorEntry, names: dict[str, str]) -> TensorStep:
-    """What the processor does to ``tensor``, from probes (see the module docstring)."""
+    """What the processor does to ``tensor``, from probes (see the module docstring); a stack of experts
+    ``_expert_stack``'s step."""
+    if (stack := _expert_stack(tensor, names)) is not None:
+        return stack
     if len(tensor.shape) not in (1, 2):
         return TensorStep(processed=True)  # expert stacks and the like: too large to probe, and not reordered
     rows = tensor.shape[0]
@@ -230,6 +260,20 @@ def _step(processor: Any, tensor: TensorEntry, names: dict[str, str]) -> TensorS
     if order is None or result.shape != probe.shape or not np.array_equal(result, probe[order]):
         return TensorStep(processed=True)
     return TensorStep(name, None if np.array_equal(order, np.arange(rows)) else order)
+
+
+def _expert_stack(tensor: TensorEntry, names: dict[str, str]) -> TensorStep | None:
+    """The step of llama.cpp's stack of one layer's experts (``EXPERT_STACK``), each expert's slice kept as it
+    is stored (its rows are the expert's output features, as an HF checkpoint's ``experts.{e}.*_proj`` holds
+    them), under the model's experts module: the HF name the name map gives the stack (a fused
+    ``...experts.gate_up_proj`` / ``...experts.down_proj``, or ``...experts.gate_proj``...) less its last part.
+    None where the tensor is not such a stack or the model has no experts there."""
+    match = EXPERT_STACK.fullmatch(tensor.name)
+    hf_name = names.get(tensor.name) or names.get(tensor.name.removesuffix(".weight"))
+    if match is None or len(tensor.shape) != 3 or not hf_name:
+        return None
+    experts_module = hf_name.removesuffix(".weight").rpartition(".")[0]
+    return TensorStep(experts_module, projection=match["projection"])
 
 
 def _row_order(indices: np.ndarray, rows: int) -> np.ndarray | None:

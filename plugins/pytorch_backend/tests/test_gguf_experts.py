@@ -1,0 +1,140 @@
+"""MoE GGUF files (Qwen2-MoE, Qwen3-MoE) as llama.cpp's converter writes them: each layer's experts stacked
+in three tensors (``blk.N.ffn_gate_exps`` / ``ffn_up_exps`` [experts, width, hidden], ``ffn_down_exps``
+[experts, hidden, width]) and the experts' widths in ``{arch}.expert_feed_forward_length`` /
+``expert_shared_feed_forward_length``. Such a file failed to load (the stacks went to transformers'
+processor, which keeps its output to itself), and transformers' config mapping reads neither width."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from core_pytorch_backend import loader
+from core_pytorch_backend.quant.affine import AffineWeight
+from core_pytorch_backend.quant.gguf_file import gguf_weights
+
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
+#: the tiny checkpoints' experts (64 wide: whole Q8_0 blocks) and, for Qwen2-MoE, a shared expert of 48:
+#: neither is the config class's default, so a width the loader does not read from the file cannot fit
+SIZES = {"qwen3_moe": dict(vocab_size=49152, max_position_embeddings=512, moe_intermediate_size=64,
+                           mlp_only_layers=[], norm_topk_prob=True),  # as every Qwen3-MoE (and llama.cpp) has it
+         "qwen2_moe": dict(vocab_size=49152, max_position_embeddings=512, moe_intermediate_size=64)}
+EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def _moe_gguf(folder, tokenizer_source, target, arch: str, expert_type: str = "F32"):
+    """The checkpoint in ``folder`` as llama.cpp writes a ``arch`` GGUF: experts stacked per layer and
+    projection, stored as ``expert_type`` (F32 or Q8_0); every other tensor float32, the shared expert's
+    gate a vector."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    reader = gguf.GGUFReader(tokenizer_source)
+    writer = gguf.GGUFWriter(target, GGUF_ARCH[arch])
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "qwen3_moe":
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+    else:
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer."):
+            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
+    arch_id = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == GGUF_ARCH[arch])
+    names = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
+    stacks: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    for name, tensor in load_file(folder / "model.safetensors").items():
+        if match := EXPERT.fullmatch(name):
+            stacks.setdefault((int(match[1]), match[3]), {})[int(match[2])] = tensor.float().numpy()
+            continue
+        values = tensor.float().numpy()
+        if name.endswith("shared_expert_gate.weight"):
+            values = values[0]
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), values)
+    for (layer, projection), experts in sorted(stacks.items()):
+        stack = np.stack([experts[e] for e in range(len(experts))])
+        if expert_type == "F32":
+            writer.add_tensor(f"blk.{layer}.ffn_{projection}_exps.weight", stack)
+        else:
+            kind = gguf.GGMLQuantizationType[expert_type]
+            writer.add_tensor(f"blk.{layer}.ffn_{projection}_exps.weight", gguf.quants.quantize(stack, kind),
+                              raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+@pytest.fixture(params=sorted(GGUF_ARCH))
+def moe_checkpoint(request, make_tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("CORE_CACHE_DIR", str(tmp_path / "cache"))
+    arch = request.param
+    return arch, make_tiny_checkpoint(arch, tmp_path, **SIZES[arch])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["auto", "none"])
+def test_a_moe_gguf_loads_and_continues_as_transformers_does(moe_checkpoint, quantization, default_gguf_path,
+                                                             tmp_path):
+    """Both ways a GGUF file loads (its tensors read by core: ``auto``; by transformers' GGUF loader:
+    ``none``) give the experts of the file's widths, and greedy output equals transformers' float32
+    ``generate`` on the checkpoint the file was written from, token for token."""
+    from transformers import AutoModelForCausalLM
+
+    import core
+
+    arch, folder = moe_checkpoint
+    path = _moe_gguf(folder, default_gguf_path, tmp_path / f"tiny-{arch}.gguf", arch)
+    config = loader.gguf_config(path)
+    assert config.moe_intermediate_size == 64
+    if arch == "qwen2_moe":
+        assert config.shared_expert_intermediate_size == 48
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompt = [1, 504, 3458, 282, 4649, 314, 7042, 28, 284, 260] * 3
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+    with core.pipeline(str(path), quantization=quantization) as pipe:
+        response = pipe.infer(prompt, max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    assert list(response.token_ids) == expected.tolist()
+
+
+def test_quantized_expert_stacks_stay_packed_one_expert_at_a_time(moe_checkpoint, default_gguf_path, tmp_path):
+    """A Q8_0 stack of experts comes out of the file as each expert's own packed codes, under the name of
+    that expert's projection, holding exactly the values llama.cpp's dequantization gives its slice; and
+    the packed model serves them (no expert dequantized to a dense copy)."""
+    import gguf
+
+    arch, folder = moe_checkpoint
+    path = _moe_gguf(folder, default_gguf_path, tmp_path / f"tiny-{arch}-q8.gguf", arch, expert_type="Q8_0")
+    config = loader.gguf_config(path)
+    stacks = {t.name: t for t in gguf.GGUFReader(path).tensors if t.name.endswith("_exps.weight")}
+    experts = {name: weight for name, weight in gguf_weights(path, config) if EXPERT.fullmatch(name)}
+    assert len(experts) == 3 * config.num_experts * config.num_hidden_layers
+    for name, weight in experts.items():
+        layer, expert, projection = EXPERT.fullmatch(name).groups()
+        stack = stacks[f"blk.{layer}.ffn_{projection}_exps.weight"]
+        values = gguf.quants.dequantize(stack.data, stack.tensor_type)[int(expert)]
+        assert isinstance(weight, AffineWeight), name
+        np.testing.assert_array_equal(weight.dequantize(), values, err_msg=name)
+
+    loaded = loader.load_checkpoint(path)
+    for expert in loaded.model.model.layers[0].mlp.experts:
+        for projection in (expert.gate_up_proj, expert.down_proj):
+            assert not isinstance(projection.weight, torch.nn.Parameter)  # packed, not a dense copy
