@@ -275,7 +275,15 @@ class AsyncEngine:
 
     async def _pooled(self, prompts: list[list[int]]) -> list[Embedding]:
         check_embedding_inputs(prompts, self.model_info.max_model_len, self.model_info.vocab_size)
-        vectors = await self.backend.embed(prompts)
+        epoch = self.sessions.epoch
+        try:
+            vectors = await self.backend.embed(prompts)
+        except BackendError:
+            if self.sessions.epoch == epoch:
+                raise
+            # A sleep or shutdown (stop_all) aborted the backend's work: its 503 to retry, not a failure.
+            self._check_gate()
+            raise EngineUnavailableError("the engine was put to sleep while computing; retry") from None
         return [Embedding(vector, len(prompt)) for vector, prompt in zip(vectors, prompts, strict=True)]
 
     def _check_gate(self) -> None:

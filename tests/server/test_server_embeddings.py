@@ -10,7 +10,9 @@ from __future__ import annotations
 import base64
 import importlib.metadata
 import struct
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import httpx
 import openai
 import pytest
 from conftest import ServerSpec, run_server
-from server_helpers import assert_openai_error
+from server_helpers import assert_openai_error, metrics
 
 from core.pooling import cosine
 
@@ -155,8 +157,6 @@ def test_rerank_orders_documents_by_relevance(http: httpx.Client):
 
 
 def test_concurrent_requests_share_batches(client: openai.OpenAI, oracle: dict[str, list[float]]):
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(8) as pool:
         responses = list(pool.map(lambda t: client.embeddings.create(model="model", input=t), TEXTS * 4))
     for text, response in zip(TEXTS * 4, responses, strict=True):
@@ -194,6 +194,28 @@ def test_a_generating_model_embeds_with_its_last_token(server: Any):
         assert (torch.tensor(item.embedding) - expected).abs().max().item() < 1e-4
     assert by_ids.usage.prompt_tokens == len(ids)
     assert "embeddings use last-token pooling" in server.log()
+
+
+def test_an_embedding_stopped_by_a_sleep_is_a_503(server: Any):
+    """A sleep aborts the embeddings in flight: the client gets the 503 of a sleeping engine, to retry after
+    the wakeup, not a 500 (the soak met one, with nothing in the server log)."""
+    if server.spec.is_fake:
+        pytest.skip("the fake backend declares no pooling")
+    with httpx.Client(base_url=server.base_url, timeout=60.0) as http, ThreadPoolExecutor(1) as pool:
+        window = http.get("/v1/models").json()["data"][0]["max_model_len"]
+        inputs = [[first, *[5] * (window - 2)] for first in range(10, 74)]  # no two share a cached prefix
+        pending = pool.submit(http.post, "/v1/embeddings", json={"input": inputs})
+        deadline = time.monotonic() + 30
+        while not metrics(http)["core:num_requests_waiting"] and not pending.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not pending.done(), "the embeddings finished before the sleep: make them longer"
+        try:
+            assert http.post("/sleep").status_code == 200
+            error = assert_openai_error(pending.result(), 503)
+        finally:
+            http.post("/wakeup").raise_for_status()
+        assert error["code"] == "sleeping", error
+        assert http.post("/v1/embeddings", json={"input": "hi"}).status_code == 200
 
 
 @pytest.fixture(scope="module")
