@@ -39,6 +39,7 @@ from .models import BUILTIN_ARCHITECTURES, resolve_class
 from .native.half_weights import half_kernels, keep_sixteen_bit, pack_bfloat16, pack_exact_halves
 from .native.library import CpuKernels
 from .native.packed_weight import NativeWeight
+from .quant.affine import AffineWeight
 from .quant.attach import MODES as QUANTIZE_MODES
 from .quant.attach import attach_quantized, quantize_model
 from .quant.fp8_blocks import fp8_block_size, fp8_blocks_dequantized
@@ -375,16 +376,19 @@ def _gguf_file(path: Path) -> Path | None:
 
 
 def _open_gguf(gguf: Path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    """(config, tokenizer, dense float32 weights, {}) of a GGUF file: ``gguf_weights`` with each packed
+    tensor dequantized (exactly the values llama.cpp's dequantization gives: ``quant.gguf_blocks``), so a
+    dense load reads the file as the packed one does (the same names, row orders and expert stacks)."""
+    from transformers import AutoTokenizer
 
-    folder, name = str(gguf.parent), gguf.name
     config = gguf_config(gguf)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)  # only to map GGUF names to HF names
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
-    return config, tokenizer, iter(tensors.items()), {}
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return config, tokenizer, _dequantized(gguf_weights(gguf, config)), {}
+
+
+def _dequantized(weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, weight in weights:
+        yield name, torch.from_numpy(weight.dequantize()) if isinstance(weight, AffineWeight) else weight.float()
 
 
 def default_cache_dir() -> Path:
@@ -440,12 +444,13 @@ def gguf_config(gguf: Path) -> Any:
     weights did not fit), the rotary base (``{arch}.rope.freq_base``; StarCoder 2's and StableLM's: a
     StarCoder 2 file got the config class's default of 10,000, not its own) and the values of each head
     rotary turns (``{arch}.rope.dimension_count``; StableLM's: the default quarter whatever the file said),
-    and the experts' widths (``_experts_from_file``)."""
+    the experts' widths (``_experts_from_file``), and a Llama file's experts (``_mixtral_of_llama_file``)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     index = read_gguf_index(gguf)
     metadata, architecture = index.metadata, index.architecture
+    config = _mixtral_of_llama_file(config, metadata, architecture, gguf.name)
     key_length = metadata.get(f"{architecture}.attention.key_length")
     value_length = metadata.get(f"{architecture}.attention.value_length", key_length)
     if (isinstance(key_length, int) and key_length > 0 and key_length == value_length
@@ -532,6 +537,26 @@ def _rope_from_file(config: Any, metadata: dict[str, Any], architecture: str, na
                  rotated, head_dim, architecture)
         factor = rotated / head_dim
         params["partial_rotary_factor"] = factor if int(head_dim * factor) == rotated else (rotated + 0.5) / head_dim
+
+
+def _mixtral_of_llama_file(config: Any, metadata: dict[str, Any], architecture: str, name: str) -> Any:
+    """A Mixtral config where a ``llama`` file has experts (``llama.expert_count``: llama.cpp writes Mixtral,
+    and Mistral's other sparse models, as Llama with stacked experts), else ``config``: transformers maps
+    such a file to a dense Llama, whose MLPs the file does not have."""
+    experts = metadata.get(f"{architecture}.expert_count")
+    if architecture != "llama" or not isinstance(experts, int) or experts <= 0:
+        return config
+    from transformers import MixtralConfig
+
+    values = {key: value for key, value in config.to_dict().items()
+              if key not in ("model_type", "architectures", "transformers_version", "mlp_bias", "pretraining_tp")}
+    used = metadata.get(f"{architecture}.expert_used_count")
+    mixtral = MixtralConfig(**values, num_local_experts=experts,
+                            num_experts_per_tok=used if isinstance(used, int) and used > 0 else 2)
+    mixtral.architectures = ["MixtralForCausalLM"]
+    log.info("%s: a Llama file with %d experts, %d a token: read as Mixtral", name, experts,
+             mixtral.num_experts_per_tok)
+    return mixtral
 
 
 #: llama.cpp's keys for the width of each routed and of the shared expert -> the HF config's fields

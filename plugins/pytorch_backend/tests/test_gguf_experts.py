@@ -1,8 +1,9 @@
-"""MoE GGUF files (Qwen2-MoE, Qwen3-MoE) as llama.cpp's converter writes them: each layer's experts stacked
-in three tensors (``blk.N.ffn_gate_exps`` / ``ffn_up_exps`` [experts, width, hidden], ``ffn_down_exps``
-[experts, hidden, width]) and the experts' widths in ``{arch}.expert_feed_forward_length`` /
-``expert_shared_feed_forward_length``. Such a file failed to load (the stacks went to transformers'
-processor, which keeps its output to itself), and transformers' config mapping reads neither width."""
+"""MoE GGUF files (Qwen2-MoE, Qwen3-MoE, Mixtral) as llama.cpp's converter writes them: each layer's experts
+stacked in three tensors (``blk.N.ffn_gate_exps`` / ``ffn_up_exps`` [experts, width, hidden],
+``ffn_down_exps`` [experts, hidden, width]) and the experts' widths in ``{arch}.expert_feed_forward_length``
+/ ``expert_shared_feed_forward_length``; Mixtral as a ``llama`` file with ``llama.expert_count``. Such a file
+failed to load (the stacks went to transformers' processor, which keeps its output to itself; a Mixtral
+file was read as a dense Llama), and transformers' config mapping reads neither width."""
 
 from __future__ import annotations
 
@@ -16,13 +17,18 @@ from core_pytorch_backend import loader
 from core_pytorch_backend.quant.affine import AffineWeight
 from core_pytorch_backend.quant.gguf_file import gguf_weights
 
-GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
 #: the tiny checkpoints' experts (64 wide: whole Q8_0 blocks) and, for Qwen2-MoE, a shared expert of 48:
 #: neither is the config class's default, so a width the loader does not read from the file cannot fit
 SIZES = {"qwen3_moe": dict(vocab_size=49152, max_position_embeddings=512, moe_intermediate_size=64,
                            mlp_only_layers=[], norm_topk_prob=True),  # as every Qwen3-MoE (and llama.cpp) has it
-         "qwen2_moe": dict(vocab_size=49152, max_position_embeddings=512, moe_intermediate_size=64)}
+         "qwen2_moe": dict(vocab_size=49152, max_position_embeddings=512, moe_intermediate_size=64),
+         "mixtral": dict(vocab_size=49152, max_position_embeddings=512, intermediate_size=64, sliding_window=None)}
 EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+#: an expert's tensor in the checkpoint (Mixtral's: block_sparse_moe.experts.{e}.w1 / w3 / w2)
+CHECKPOINT_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                               r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+PROJECTION = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
 
 def _moe_gguf(folder, tokenizer_source, target, arch: str, expert_type: str = "F32"):
@@ -44,13 +50,17 @@ def _moe_gguf(folder, tokenizer_source, target, arch: str, expert_type: str = "F
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_expert_count(config.num_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
-    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "mixtral":
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    else:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if arch == "qwen3_moe":
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
-    else:
+    elif arch == "qwen2_moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     for name, field in reader.fields.items():
         if name.startswith("tokenizer."):
@@ -60,10 +70,10 @@ def _moe_gguf(folder, tokenizer_source, target, arch: str, expert_type: str = "F
     names = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
     stacks: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     for name, tensor in load_file(folder / "model.safetensors").items():
-        if match := EXPERT.fullmatch(name):
-            stacks.setdefault((int(match[1]), match[3]), {})[int(match[2])] = tensor.float().numpy()
+        if match := CHECKPOINT_EXPERT.fullmatch(name):
+            stacks.setdefault((int(match[1]), PROJECTION[match[3]]), {})[int(match[2])] = tensor.float().numpy()
             continue
-        values = tensor.float().numpy()
+        values = _as_llama_cpp_orders(name, tensor, config).float().numpy() if arch == "mixtral" else tensor.float().numpy()
         if name.endswith("shared_expert_gate.weight"):
             values = values[0]
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), values)
@@ -80,6 +90,16 @@ def _moe_gguf(folder, tokenizer_source, target, arch: str, expert_type: str = "F
     writer.write_tensors_to_file()
     writer.close()
     return target
+
+
+def _as_llama_cpp_orders(name: str, tensor: torch.Tensor, config) -> torch.Tensor:
+    """A Llama file's q/k rows in llama.cpp's rotary layout (the loader undoes it)."""
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    count = next((n for part, n in heads.items() if f".{part}." in name), None)
+    if count is None:
+        return tensor
+    return tensor.reshape(count, 2, tensor.shape[0] // count // 2, *tensor.shape[1:]).swapaxes(1, 2).reshape(
+        tensor.shape)
 
 
 @pytest.fixture(params=sorted(GGUF_ARCH))
@@ -103,7 +123,7 @@ def test_a_moe_gguf_loads_and_continues_as_transformers_does(moe_checkpoint, qua
     arch, folder = moe_checkpoint
     path = _moe_gguf(folder, default_gguf_path, tmp_path / f"tiny-{arch}.gguf", arch)
     config = loader.gguf_config(path)
-    assert config.moe_intermediate_size == 64
+    assert (config.intermediate_size if arch == "mixtral" else config.moe_intermediate_size) == 64
     if arch == "qwen2_moe":
         assert config.shared_expert_intermediate_size == 48
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -126,7 +146,8 @@ def test_quantized_expert_stacks_stay_packed_one_expert_at_a_time(moe_checkpoint
     config = loader.gguf_config(path)
     stacks = {t.name: t for t in gguf.GGUFReader(path).tensors if t.name.endswith("_exps.weight")}
     experts = {name: weight for name, weight in gguf_weights(path, config) if EXPERT.fullmatch(name)}
-    assert len(experts) == 3 * config.num_experts * config.num_hidden_layers
+    experts_per_layer = getattr(config, "num_local_experts", None) or config.num_experts
+    assert len(experts) == 3 * experts_per_layer * config.num_hidden_layers
     for name, weight in experts.items():
         layer, expert, projection = EXPERT.fullmatch(name).groups()
         stack = stacks[f"blk.{layer}.ffn_{projection}_exps.weight"]

@@ -269,8 +269,14 @@ def _expert_stack(tensor: TensorEntry, names: dict[str, str]) -> TensorStep | No
     ``...experts.gate_up_proj`` / ``...experts.down_proj``, or ``...experts.gate_proj``...) less its last part.
     None where the tensor is not such a stack or the model has no experts there."""
     match = EXPERT_STACK.fullmatch(tensor.name)
-    hf_name = names.get(tensor.name) or names.get(tensor.name.removesuffix(".weight"))
-    if match is None or len(tensor.shape) != 3 or not hf_name:
+    if match is None or len(tensor.shape) != 3:
+        return None
+    layer = tensor.name.partition(".ffn_")[0]  # a stack the name map misses (Mixtral's fused gate_up_proj) goes
+    candidates = (match["projection"], "down", "gate", "up")  # under the module its layer's other stacks map to
+    hf_name = next((names[key] for projection in candidates for key in (f"{layer}.ffn_{projection}_exps.weight",
+                                                                        f"{layer}.ffn_{projection}_exps")
+                    if key in names), None)
+    if not hf_name:
         return None
     experts_module = hf_name.removesuffix(".weight").rpartition(".")[0]
     return TensorStep(experts_module, projection=match["projection"])
