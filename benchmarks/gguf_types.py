@@ -3,6 +3,7 @@ memory, and llama-server on the same file.
 
     python benchmarks/gguf_types.py [--types Q4_K_M Q5_K_M Q6_K IQ4_XS Q3_K_S] [--tokens 2000] [--no-serve]
     python benchmarks/gguf_types.py --types F16 BF16     # 16-bit files (native/half_weights.py)
+    python benchmarks/gguf_types.py --files MODEL.gguf [--no-accuracy]   # any GGUF file (a MoE model...)
 
 Each file is made from the default model's Q4_1 GGUF by llama.cpp's own `llama-quantize` (built once, like
 the side-by-side harness's llama-server, under ~/.cache/core/bench/llama-cpp; `--allow-requantize`: the
@@ -86,14 +87,16 @@ def main() -> None:
     parser.add_argument("--types", nargs="+", default=["Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "Q3_K_S"])
     parser.add_argument("--tokens", type=int, default=2000, help="positions scored (default 2000)")
     parser.add_argument("--no-serve", action="store_true", help="accuracy only")
+    parser.add_argument("--files", nargs="+", type=Path, help="these GGUF files instead of --types made ones")
+    parser.add_argument("--no-accuracy", action="store_true", help="serving only")
     args = parser.parse_args()
 
-    source = default_gguf()
+    files = args.files or [made_file(kind, default_gguf()) for kind in args.types]
     rows = []
-    for kind in args.types:
-        gguf = made_file(kind, source)
-        agreement, ratio = accuracy(gguf, args.tokens)
-        row = [kind, tensor_types(gguf), f"{agreement:.4f}", f"{ratio:.4f}"]
+    for gguf in files:
+        kind = gguf.stem if args.files else gguf.stem.rsplit("-", 1)[-1]
+        scores = ["-", "-"] if args.no_accuracy else [f"{value:.4f}" for value in accuracy(gguf, args.tokens)]
+        row = [kind, tensor_types(gguf), *scores]
         if not args.no_serve:
             port = free_port()
             core = served(f"core-{kind}", [sys.executable, "-m", "core.cli", "serve", str(gguf), "--port", str(port),
