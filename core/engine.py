@@ -161,6 +161,7 @@ class AsyncEngine:
         config: GenerationConfig | None = None,
         *,
         session_id: str | None = None,
+        group: str | None = None,
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
@@ -172,12 +173,13 @@ class AsyncEngine:
         `inputs` is a prompt string, a list of token ids, or OpenAI-style messages; generation fields
         may also be given as keywords (max_new_tokens=8). The session exists from the call on (stamped
         with the epoch), so an abort by id or `stop_all` during preparation ends the request with
-        "abort"; a request that fails preparation raises its request error and leaves no session.
+        "abort"; a request that fails preparation raises its request error and leaves no session. `group`
+        is the id of the request this is one prompt of: aborting that id aborts it too.
         """
         reject_removed_keywords("generate", kwargs)
         self._check_gate()
         config = self._supported(merge_config(config, kwargs))
-        session = self.sessions.create(session_id)
+        session = self.sessions.create(session_id, group)
         try:
             prepared = await self.preparation.prepare(
                 inputs, config, add_generation_prompt=add_generation_prompt, tools=tools,
@@ -352,8 +354,9 @@ class AsyncEngine:
 
     # -- control ------------------------------------------------------------------------------------
 
-    async def abort(self, session_id: str) -> bool:
-        """Abort one request by id; False if no such request is in flight."""
+    async def abort(self, session_id: str) -> int:
+        """Abort one request by id (every prompt of a request prepared with that `group`); how many were
+        aborted (0: no such request is in flight)."""
         return await self.sessions.abort_id(session_id)
 
     async def abort_all(self) -> int:

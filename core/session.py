@@ -35,6 +35,7 @@ class Session:
     id: str
     epoch: int
     user_given: bool = False
+    group: str | None = None  # the client's id of a request of several prompts, one session each
     state: SessionState = SessionState.PENDING
     reached_backend: bool = False
     abort_sent: bool = False
@@ -64,15 +65,16 @@ class SessionManager:
     def ids(self) -> list[str]:
         return list(self._sessions)
 
-    def create(self, session_id: str | None = None) -> Session:
-        """A new session stamped with the current epoch; a user id already in flight is a conflict."""
+    def create(self, session_id: str | None = None, group: str | None = None) -> Session:
+        """A new session stamped with the current epoch; a user id already in flight is a conflict. `group`
+        names the request it is one prompt of, so that aborting that id reaches it (`abort_id`)."""
         if session_id is None:
             session = Session(f"req-{self._prefix}-{next(self._counter)}", self.epoch)
         else:
             _validate_session_id(session_id)
             if session_id in self._sessions:
                 raise SessionConflictError(f"session id {session_id!r} is already in flight", param="session_id")
-            session = Session(session_id, self.epoch, user_given=True)
+            session = Session(session_id, self.epoch, user_given=True, group=group)
         self._sessions[session.id] = session
         return session
 
@@ -112,17 +114,20 @@ class SessionManager:
             return True
         return False
 
-    async def abort_id(self, session_id: str) -> bool:
-        """Abort the session with this id; False when there is none."""
+    async def abort_id(self, session_id: str) -> int:
+        """Abort the session with this id, else every session of the group of that id (a request of several
+        prompts); how many (0: none is in flight)."""
         session = self._sessions.get(session_id)
-        if session is None:
-            return False
-        await self.abort(session)
-        return True
+        if session is not None:
+            await self.abort(session)
+            return 1
+        return await self._abort_many([s for s in self._sessions.values() if s.group == session_id])
 
     async def abort_all(self) -> int:
         """Abort every session in flight, in one backend call (`Backend.abort_many`); returns how many."""
-        sessions = list(self._sessions.values())
+        return await self._abort_many(list(self._sessions.values()))
+
+    async def _abort_many(self, sessions: list[Session]) -> int:
         to_backend = [session.id for session in sessions if self._mark_aborted(session)]
         if to_backend:
             await self._backend.abort_many(to_backend)

@@ -101,10 +101,11 @@ async def abort(request: Request) -> dict[str, Any]:
         return {"aborted": await engine.abort_all()}
     if body.request_id is None:
         raise InvalidRequestError('give "request_id" or "all": true', param="request_id")
-    if not await engine.abort(body.request_id):
+    aborted = await engine.abort(body.request_id)
+    if not aborted:
         raise RequestNotFoundError(f"no request {body.request_id!r} is in flight (it may have finished)",
                                    param="request_id")
-    return {"aborted": 1}
+    return {"aborted": aborted}
 
 
 # -- tokenizer -------------------------------------------------------------------------------------

@@ -180,9 +180,10 @@ async def start_route(request: Request, body_type: type[Body], plan: Callable[[B
         planned = with_adapter(state, plan(body), getattr(body, "model", None))
         with renamed_fields(planned.field_names):
             gate = state.postprocessors.prepare if planned.reasoning else None
+            group = request_id if len(planned.prompts) > 1 else None  # /abort by the id reaches them all
             streams = await start_requests(request, planned.prompts, planned.config,
                                            session_ids(request_id, len(planned.prompts)), gate=gate,
-                                           **planned.options)
+                                           group=group, **planned.options)
     return Started(body, planned, f"{id_prefix}{request_id or uuid.uuid4().hex}", [s.prepared for s in streams],
                    [state.metrics.track(s) for s in streams], planned.config.adapter or state.model_name)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import openai
@@ -77,6 +78,27 @@ def test_abort_by_id_ends_the_stream_and_frees_blocks(http: httpx.Client, long_t
     assert "'to-abort'" in error["message"]  # no longer in flight: named, not a silent {"aborted": 0}
     assert http.post("/abort", json={"all": True}).json() == {"aborted": 0}
     assert_openai_error(http.post("/abort", json={}), 400, "request_id")
+
+
+def test_abort_by_id_reaches_every_prompt_of_a_completions_list(http: httpx.Client, long_tokens: int):
+    """A list of prompts sent with a request id runs as one session per prompt (id-0, id-1, ...), and the
+    response is named after the id: aborting by that id stops them all (it answered 404 while both ran on)."""
+    answer: list[httpx.Response] = []
+    body = {"prompt": ["Once upon a time", "Tell me"], "max_tokens": long_tokens, "ignore_eos": True,
+            "request_id": "a-list"}
+    thread = threading.Thread(target=lambda: answer.append(http.post("/v1/completions", json=body)))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while metrics(http)["core:num_requests_running"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert http.post("/abort", json={"request_id": "a-list"}).json() == {"aborted": 2}
+    finally:
+        thread.join(30)
+    assert [c["finish_reason"] for c in answer[0].json()["choices"]] == ["abort", "abort"]
+    assert answer[0].json()["id"] == "cmpl-a-list"
+    wait_idle(http)
+    assert_openai_error(http.post("/abort", json={"request_id": "a-list"}), 404, "request_id")
 
 
 def test_tokenize_detokenize_round_trip(http: httpx.Client):
