@@ -5,11 +5,12 @@
 Starts `core serve` (the default model when no --model; arguments after `--` go to it) and runs
 `--rounds` identical rounds (same seed). A round sends `--requests` requests, at most `--concurrency`
 at once: chat, completions (a prompt string, token ids, or a list of two) and Anthropic messages,
-streamed or not, n up to 3, stop strings, sampled or greedy; about `--abort-fraction` of them are closed
-by the client at a random point. Under that load it sleeps the server at level 1, wakes it, then at level
+streamed or not, n up to 3, stop strings, sampled or greedy, and embeddings where the server computes
+them; about `--abort-fraction` of them are closed by the client at a random point. Under that load it sleeps the server at level 1, wakes it, then at level
 2, and wakes it again. It checks:
 
-- no 5xx but the 503 a request gets while the server sleeps, no connection reset, no 4xx;
+- no 5xx but the 503 a request gets while the server sleeps (embeddings a sleep aborts included), no
+  connection reset, no 4xx;
 - every stream well formed (core.testing.wire: one finish per choice, [DONE] / message_stop), and no
   finished text that still holds one of its stop strings;
 - after each round: running and waiting gauges and KV blocks in use back to their idle baseline, the
@@ -53,6 +54,8 @@ PROMPTS = ["Tell me a story about a robot.", "What is the capital of France?", "
            "Why is the sky blue?", "Say hello in Spanish."]
 GREEDY_PROMPT = "Describe a quiet morning in a small village."
 STOPS = [".", "\n", "e", " the", "!"]
+GENERATING_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages")
+EMBEDDINGS = "/v1/embeddings"
 IDLE_GAUGES = ("core:num_requests_running", "core:num_requests_waiting", "core:kv_cache_used_blocks")
 RSS_GROWTH_LIMIT = 0.10
 START_TIMEOUT_S = 180.0
@@ -176,13 +179,18 @@ class Planned:
         return [stops] if isinstance(stops, str) else list(stops)
 
 
-def plan_round(rng: random.Random, options: SoakOptions, prompt_ids: list[int]) -> list[Planned]:
-    """The round's requests, drawn from `rng` (the same seed plans the same round)."""
-    return [_plan_one(rng, options, prompt_ids) for _ in range(options.requests)]
+def plan_round(rng: random.Random, options: SoakOptions, prompt_ids: list[int],
+               routes: Sequence[str] = GENERATING_ROUTES) -> list[Planned]:
+    """The round's requests to `routes`, drawn from `rng` (the same seed plans the same round)."""
+    return [_plan_one(rng, options, prompt_ids, routes) for _ in range(options.requests)]
 
 
-def _plan_one(rng: random.Random, options: SoakOptions, prompt_ids: list[int]) -> Planned:
-    route = rng.choice(["/v1/chat/completions", "/v1/completions", "/v1/messages"])
+def _plan_one(rng: random.Random, options: SoakOptions, prompt_ids: list[int], routes: Sequence[str]) -> Planned:
+    route = rng.choice(routes)
+    if route == EMBEDDINGS:
+        inputs = rng.choice([[rng.choice(PROMPTS)], [prompt_ids], PROMPTS * rng.randint(1, 4)])
+        abort_after = rng.uniform(0.0, 0.5) if rng.random() < options.abort_fraction else None
+        return Planned(route, {"input": inputs}, len(inputs), abort_after)
     body: dict[str, Any] = {"max_tokens": rng.randint(1, options.max_tokens), "stream": rng.random() < 0.6}
     if rng.random() < 0.5:
         body["temperature"], body["seed"] = rng.choice([0.7, 1.0]), rng.randint(0, 1000)
@@ -262,6 +270,9 @@ def _check_whole(planned: Planned, response: httpx.Response) -> Outcome:
         return _check_status(planned, response.status_code, response.content)
     body = response.json()
     outcome = Outcome("200", received_at=time.monotonic())
+    if planned.route == EMBEDDINGS:
+        outcome.problems += _embedding_problems(body, planned.choices)
+        return outcome
     if planned.route == "/v1/messages":
         outcome.problems += wire.check_anthropic_body(body)
         outcome.finish_reasons.append(body.get("stop_reason"))
@@ -272,6 +283,15 @@ def _check_whole(planned: Planned, response: httpx.Response) -> Outcome:
         texts = [(c.get("message") or {}).get("content") or c.get("text") or "" for c in body.get("choices", ())]
     outcome.problems += _stop_string_problems(planned, texts)
     return outcome
+
+
+def _embedding_problems(body: Any, inputs: int) -> list[str]:
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list) or [item.get("index") for item in data] != list(range(inputs)):
+        return [f"{EMBEDDINGS}: not {inputs} embeddings in order: {body!r:.200}"]
+    if not all(item.get("embedding") and all(isinstance(v, float) for v in item["embedding"]) for item in data):
+        return [f"{EMBEDDINGS}: an embedding is not a list of floats: {body!r:.200}"]
+    return []
 
 
 def _check_stream(planned: Planned, text: str, complete: bool) -> Outcome:
@@ -319,6 +339,12 @@ async def greedy_outputs(http: httpx.AsyncClient, max_tokens: int) -> list[str]:
         response.raise_for_status()
     return [chat.json()["choices"][0]["message"]["content"], text.json()["choices"][0]["text"],
             "".join(block.get("text", "") for block in anthropic.json()["content"])]
+
+
+async def served_routes(http: httpx.AsyncClient) -> tuple[str, ...]:
+    """The generating routes, and the embeddings route where the server computes embeddings."""
+    embeds = (await http.post(EMBEDDINGS, json={"input": PROMPTS[0]})).status_code == 200
+    return GENERATING_ROUTES + ((EMBEDDINGS,) if embeds else ())
 
 
 async def scrape(http: httpx.AsyncClient) -> dict[str, float]:
@@ -403,11 +429,12 @@ async def soak_rounds(server: ServeProcess, options: SoakOptions, report: SoakRe
     async with httpx.AsyncClient(base_url=server.base_url, timeout=REQUEST_TIMEOUT_S, limits=limits) as http:
         prompt_ids = (await http.post("/tokenize", json={"prompt": PROMPTS[0]})).json()["tokens"]
         reference = await greedy_outputs(http, options.max_tokens)
+        routes = await served_routes(http)
         baseline = await scrape(http)
         for index in range(options.rounds):
             figures = RoundFigures(rss_before_kib=server.rss_kib())
             began = time.monotonic()
-            plan = plan_round(random.Random(options.seed), options, prompt_ids)
+            plan = plan_round(random.Random(options.seed), options, prompt_ids, routes)
             report.failures += [f"round {index + 1}: {p}" for p in await run_round(http, plan, options.concurrency,
                                                                                    figures)]
             report.failures += [f"round {index + 1}: {p}" for p in await wait_idle(http, baseline)]
