@@ -41,7 +41,7 @@ from .native.library import CpuKernels
 from .native.packed_weight import NativeWeight
 from .quant.affine import AffineWeight
 from .quant.attach import MODES as QUANTIZE_MODES
-from .quant.attach import attach_quantized, quantize_model
+from .quant.attach import attach_quantized, attaching_as_loaded, quantize_model
 from .quant.fp8_blocks import fp8_block_size, fp8_blocks_dequantized
 from .quant.gguf_file import gguf_weights
 from .quant.gguf_index import TensorEntry, read_gguf_index
@@ -149,7 +149,9 @@ def load_checkpoint(
         weights = keep_sixteen_bit(weights)  # a GGUF file's F16 / BF16 tensors packed as they are
     with torch.inference_mode():
         native = kernel.native if kernel is not None else None
-        attach_quantized(model, model.load_weights(weights) or {}, torch_dtype, native, halves)
+        with attaching_as_loaded(model, torch_dtype, native, halves):
+            left = model.load_weights(weights) or {}
+        attach_quantized(model, left, torch_dtype, native, halves)
         if quantization in QUANTIZE_MODES:
             count = quantize_model(model, quantization, torch_dtype, native)
             log.info("quantized %d linear layers to %s at load", count, quantization)

@@ -187,6 +187,38 @@ def test_default_model_gets_its_model_card_sampling_defaults(default_model, tmp_
     assert generation_defaults(tmp_path / "other.gguf") == {} and generation_defaults(None) == {}
 
 
+def test_a_gguf_files_layers_are_packed_as_their_tensors_arrive(default_gguf_path, monkeypatch):
+    """Each layer is packed as soon as its last tensor has been read (``quant.attach.attaching_as_loaded``),
+    so the file's unpacked codes (a byte a weight) are never all staged at once: by the time the last
+    tensor of the file is read every earlier layer is packed, and nothing is left for the end."""
+    from core_pytorch_backend.layers.quantized import Int4Weight
+    from core_pytorch_backend.native.packed_weight import NativeWeight
+    from core_pytorch_backend.quant import gguf_file
+
+    read = gguf_file.gguf_weights
+    packed_before_last: list[int] = []
+    model_box: list = []
+
+    def watched(*args, **kwargs):
+        items = list(read(*args, **kwargs))
+        yield from items[:-1]
+        model = model_box[0]
+        packed_before_last.append(sum(isinstance(m, (NativeWeight, Int4Weight)) for m in model.modules()))
+        yield items[-1]
+
+    build = loader.build_model
+    monkeypatch.setattr(loader, "gguf_weights", watched)
+    monkeypatch.setattr(loader, "build_model", lambda *a, **k: model_box.append(build(*a, **k)) or model_box[-1])
+    left_at_the_end: list[int] = []
+    attach = loader.attach_quantized
+    monkeypatch.setattr(loader, "attach_quantized", lambda model, shards, *a: (left_at_the_end.append(len(shards)),
+                                                                             attach(model, shards, *a)))
+    loaded = load_checkpoint(default_gguf_path)
+    layers = loaded.model.config.num_hidden_layers
+    assert left_at_the_end == [0]
+    assert packed_before_last[0] >= layers * 3  # at least qkv, gate_up and down of every layer
+
+
 def test_gguf_second_load_uses_the_cache(default_model, default_gguf_path, monkeypatch):
     def no_parse(*_a, **_k):
         raise AssertionError("the GGUF was parsed again despite a cached conversion")

@@ -25,7 +25,7 @@ from ..layers import (
 )
 from ..native.half_weights import HalfWeight
 from ..quant.affine import AffineWeight
-from ..quant.attach import QuantizedShards
+from ..quant.attach import QuantizedShards, attach_when_complete
 
 # (fused module, HF module, shard) for HF's separate projections that we keep merged.
 STACKED_PARAMS = (
@@ -262,7 +262,8 @@ class LlamaForCausalLM(nn.Module):
 
         A tensor may come as an ``AffineWeight`` (a GGUF tensor kept quantized) or a ``HalfWeight`` (a
         16-bit tensor kept so): it is not copied into its dense parameter but returned, by parameter name
-        and shard, for ``quant.attach`` to pack.
+        and shard, for ``quant.attach`` to pack (packed at once when its last shard arrives, within
+        ``quant.attach.attaching_as_loaded``).
         """
         params = dict(self.named_parameters())
         pending = {name: {None} for name in params}
@@ -282,6 +283,8 @@ class LlamaForCausalLM(nn.Module):
                     else:
                         module.load_shard(param_name, tensor, shard)
             _mark_loaded(pending, target, shard, module)
+            if not pending[target]:
+                attach_when_complete(quantized, target)
         missing = sorted(name for name, left in pending.items() if left)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")

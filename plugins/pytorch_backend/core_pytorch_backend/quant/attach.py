@@ -11,6 +11,9 @@ the packed version; the loader says which kernel (``quant.kernel_choice``) and d
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import nn
@@ -63,6 +66,32 @@ def attach_quantized(model: nn.Module, quantized: QuantizedShards, kernel_dtype:
             _attach(module, weight, dtype, kernel_dtype, native)
             if isinstance(module, VocabEmbedding) and tied_head is not None:
                 _attach(tied_head, weight, dtype, kernel_dtype, native)  # the tied LM head multiplies by the same codes
+
+
+#: while ``attaching_as_loaded``: attaches one entry of a model's quantized shards
+_ATTACH_NOW: ContextVar[Callable[[QuantizedShards], None] | None] = ContextVar("attach_now", default=None)
+
+
+@contextmanager
+def attaching_as_loaded(model: nn.Module, kernel_dtype: torch.dtype, native: CpuKernels | None,
+                        halves: CpuKernels | None = None) -> Iterator[None]:
+    """Within the block, a model's ``load_weights`` attaches each parameter's quantized shards
+    (``attach_quantized``) as soon as the last of them arrives (``attach_when_complete``), instead of
+    returning them all at the end: a file's unpacked codes (a byte a weight, whatever its bits) are then never
+    all staged at once, only a layer's (a Q4_K_M MoE file of 545 MB peaked at 2.06 GB of RSS while loading)."""
+    token = _ATTACH_NOW.set(lambda shards: attach_quantized(model, shards, kernel_dtype, native, halves))
+    try:
+        yield
+    finally:
+        _ATTACH_NOW.reset(token)
+
+
+def attach_when_complete(quantized: QuantizedShards, target: str) -> None:
+    """Attach ``target``'s shards now (taken out of ``quantized``) where ``attaching_as_loaded`` is on; a
+    model's ``load_weights`` calls it once every shard of ``target`` has arrived."""
+    attach = _ATTACH_NOW.get()
+    if attach is not None and target in quantized:
+        attach({target: quantized.pop(target)})
 
 
 def _whole(shards: dict[str | None, AffineWeight | HalfWeight], names: list) -> AffineWeight | HalfWeight | None:
