@@ -106,7 +106,7 @@ def chat_generation_config(req: ChatCompletionRequest, forced_call: StructuredOu
 def completion_generation_config(req: CompletionRequest) -> GenerationConfig:
     """GenerationConfig for a text-completion request (logprobs is the number of alternatives)."""
     check_stream_options(req)
-    if req.max_tokens == 0 and not req.echo:
+    if req.max_tokens is not None and req.max_tokens < (0 if req.echo else 1):
         raise InvalidRequestError("max_tokens must be at least 1 (0 is allowed with echo)", param="max_tokens")
     if req.suffix:
         raise UnsupportedError("suffix is not supported", param="suffix")

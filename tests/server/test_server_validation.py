@@ -59,6 +59,8 @@ CHAT_ERRORS = [
 COMPLETION_ERRORS = [
     ({"logprobs": 21}, "logprobs"),
     ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),  # was a 200 of one token (a fuzz of field values found it)
+    ({"max_tokens": -5, "echo": True}, "max_tokens"),
     ({"seed": 2**64}, "seed"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, "a"]}, "prompt"),
