@@ -55,7 +55,8 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("auto", "none", *QUANTIZE_MODES)
 # 2: the dequantized weights are optional (packed serving needs none); 3: head_dim from the file (gguf_config);
-# 4: rope base, rotated width and frequency divisors from the file; 5: the experts' widths from the file
+# 4: rope base, rotated width and frequency divisors from the file; 5: the experts' widths and gpt-oss's
+# window from the file
 GGUF_CACHE_VERSION = 5
 _COMPLETE_MARKER = ".complete"
 _WEIGHTS_MARKER = ".weights-complete"
@@ -569,12 +570,18 @@ EXPERT_WIDTHS = {"expert_feed_forward_length": "moe_intermediate_size",
 def _experts_from_file(config: Any, metadata: dict[str, Any], architecture: str, name: str) -> None:
     """The file's expert widths (``EXPERT_WIDTHS``) into the config fields the model has: transformers'
     mappings for Qwen2-MoE and Qwen3-MoE read neither, so any width but the config class's default (768 for
-    Qwen3-MoE, 1408 for Qwen2-MoE) did not fit the file's expert tensors."""
+    Qwen3-MoE, 1408 for Qwen2-MoE) did not fit the file's expert tensors; and gpt-oss's sliding window
+    (transformers' mapping looks for ``gpt-oss.sliding_window``, where llama.cpp writes
+    ``gpt-oss.attention.sliding_window``: any window but the class's 128 was lost)."""
     for key, attribute in EXPERT_WIDTHS.items():
         width = metadata.get(f"{architecture}.{key}")
         if isinstance(width, int) and width > 0 and hasattr(config, attribute) and getattr(config, attribute) != width:
             log.info("%s: %s %d from the file's %s.%s", name, attribute, width, architecture, key)
             setattr(config, attribute, width)
+    window = metadata.get(f"{architecture}.attention.sliding_window")  # gpt-oss's: transformers reads another key
+    if isinstance(window, int) and window > 0 and getattr(config, "sliding_window", None) not in (None, window):
+        log.info("%s: sliding_window %d from the file's %s.attention.sliding_window", name, window, architecture)
+        config.sliding_window = window
 
 
 def _convert_gguf_metadata(gguf: Path, out: Path) -> None:

@@ -159,3 +159,140 @@ def test_quantized_expert_stacks_stay_packed_one_expert_at_a_time(moe_checkpoint
     for expert in loaded.model.model.layers[0].mlp.experts:
         for projection in (expert.gate_up_proj, expert.down_proj):
             assert not isinstance(projection.weight, torch.nn.Parameter)  # packed, not a dense copy
+
+
+def _gpt_oss_gguf(folder, tokenizer_source, target, expert_type: str = "F32"):
+    """The gpt-oss checkpoint in ``folder`` as llama.cpp's converter writes it: each layer's fused,
+    interleaved ``gate_up_proj`` [experts, hidden, 2 x width] split into gate and up stacks [experts, width,
+    hidden], ``down_proj`` transposed, the biases split alike; the stacks as ``expert_type`` (F32 or MXFP4)."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    reader = gguf.GGUFReader(tokenizer_source)
+    writer = gguf.GGUFWriter(target, "gpt-oss")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_expert_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_count(config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_sliding_window(config.sliding_window)
+    for name, field in reader.fields.items():
+        if name.startswith("tokenizer."):
+            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, config.num_hidden_layers)
+    kind = gguf.GGMLQuantizationType[expert_type] if expert_type != "F32" else None
+    for name, tensor in load_file(folder / "model.safetensors").items():
+        values = tensor.float().numpy()
+        layer = name.split(".")[2] if ".mlp.experts." in name else None
+        if name.endswith("experts.gate_up_proj"):
+            stacks = {"gate": values[:, :, 0::2].transpose(0, 2, 1), "up": values[:, :, 1::2].transpose(0, 2, 1)}
+        elif name.endswith("experts.down_proj"):
+            stacks = {"down": values.transpose(0, 2, 1)}
+        elif name.endswith("experts.gate_up_proj_bias"):
+            for projection, part in (("gate", values[:, 0::2]), ("up", values[:, 1::2])):
+                writer.add_tensor(f"blk.{layer}.ffn_{projection}_exps.bias", np.ascontiguousarray(part))
+            continue
+        elif name.endswith("experts.down_proj_bias"):
+            writer.add_tensor(f"blk.{layer}.ffn_down_exps.bias", values)
+            continue
+        else:
+            writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")) + (
+                ".weight" if name.endswith(".sinks") else ""), values)
+            continue
+        for projection, stack in stacks.items():
+            stack = np.ascontiguousarray(stack)
+            tensor_name = f"blk.{layer}.ffn_{projection}_exps.weight"
+            if kind is None:
+                writer.add_tensor(tensor_name, stack)
+            else:
+                writer.add_tensor(tensor_name, gguf.quants.quantize(stack, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+def _gpt_oss_checkpoint(folder):
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    from core_pytorch_backend.testing import reinit_
+
+    config = GptOssConfig(vocab_size=49152, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                          num_experts_per_tok=2, sliding_window=8, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    reinit_(model, seed=0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.mul_(10)  # sinks of a few units, as trained ones are
+    model.save_pretrained(folder)
+    return model
+
+
+def _greedy(path, quantization: str, prompt: list[int]) -> list[int]:
+    import core
+
+    with core.pipeline(str(path), quantization=quantization) as pipe:
+        return list(pipe.infer(prompt, max_new_tokens=12, temperature=0.0, ignore_eos=True).token_ids)
+
+
+PROMPT = [1, 504, 3458, 282, 4649, 314, 7042, 28, 284, 260] * 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["auto", "none"])
+def test_a_gpt_oss_gguf_continues_as_transformers_does(quantization, default_gguf_path, tmp_path, monkeypatch):
+    """gpt-oss as llama.cpp writes it (gate and up stacks split from the fused, interleaved ``gate_up_proj``,
+    the experts' biases stacked alike, the sinks as ``attn_sinks``): greedy output equals transformers'
+    float32 ``generate`` on the checkpoint, token for token, both ways the file loads."""
+    monkeypatch.setenv("CORE_CACHE_DIR", str(tmp_path / "cache"))
+    reference = _gpt_oss_checkpoint(tmp_path / "hf").eval()
+    path = _gpt_oss_gguf(tmp_path / "hf", default_gguf_path, tmp_path / "tiny-gpt-oss.gguf")
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)[0, len(PROMPT):]
+    assert _greedy(path, quantization, PROMPT) == expected.tolist()
+
+
+@pytest.mark.slow
+def test_an_mxfp4_gpt_oss_gguf_keeps_its_experts_packed_and_exact(default_gguf_path, tmp_path, monkeypatch):
+    """MXFP4 expert stacks (gpt-oss's GGUF files) unpack into 8-bit codes whose values are exactly llama.cpp's
+    dequantization of each expert's slice; read dense, the file continues a prompt as transformers does on
+    the checkpoint whose experts are those values."""
+    import gguf
+
+    monkeypatch.setenv("CORE_CACHE_DIR", str(tmp_path / "cache"))
+    reference = _gpt_oss_checkpoint(tmp_path / "hf").eval()
+    path = _gpt_oss_gguf(tmp_path / "hf", default_gguf_path, tmp_path / "tiny-gpt-oss-mxfp4.gguf", "MXFP4")
+    stacks = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in gguf.GGUFReader(path).tensors
+              if t.name.endswith("_exps.weight")}
+    config = loader.gguf_config(path)
+    experts = {name: weight for name, weight in gguf_weights(path, config) if EXPERT.fullmatch(name)}
+    assert len(experts) == 3 * config.num_local_experts * config.num_hidden_layers
+    for name, weight in experts.items():
+        layer, expert, projection = EXPERT.fullmatch(name).groups()
+        assert isinstance(weight, AffineWeight), name
+        np.testing.assert_array_equal(weight.dequantize(), stacks[f"blk.{layer}.ffn_{projection}_exps.weight"][
+            int(expert)], err_msg=name)
+    with torch.no_grad():  # the checkpoint's experts as the file holds them
+        for index, layer in enumerate(reference.model.layers):
+            gate, up, down = (torch.from_numpy(stacks[f"blk.{index}.ffn_{p}_exps.weight"]) for p in ("gate", "up",
+                                                                                                   "down"))
+            layer.mlp.experts.gate_up_proj[:, :, 0::2] = gate.transpose(1, 2)
+            layer.mlp.experts.gate_up_proj[:, :, 1::2] = up.transpose(1, 2)
+            layer.mlp.experts.down_proj.copy_(down.transpose(1, 2))
+        expected = reference.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)[0, len(PROMPT):]
+    assert _greedy(path, "none", PROMPT) == expected.tolist()
+    _greedy(path, "auto", PROMPT)  # served packed

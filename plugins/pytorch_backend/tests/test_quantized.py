@@ -76,6 +76,18 @@ def test_gguf_super_block_codes_give_the_gguf_packages_dequantized_values(name):
     assert codes.bits == {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q3_K": 3, "Q2_K": 2}.get(name, 8)
 
 
+def test_mxfp4_blocks_give_the_gguf_packages_dequantized_values_bit_for_bit():
+    """gpt-oss's MXFP4: any nibbles under any exponent byte up to 240 (subnormal scales included; above, the
+    8-bit codes' products would overflow where no trained weight goes), exactly gguf's values."""
+    raw = RNG.integers(0, 256, size=(16, 4, 17), dtype=np.uint8)
+    raw[..., 0] = RNG.integers(0, 241, size=(16, 4), dtype=np.uint8)
+    raw[0, :, 0] = [0, 1, 2, 127]
+    raw = raw.reshape(16, 4 * 17)
+    codes = unpack("MXFP4", raw)
+    np.testing.assert_array_equal(codes.dequantize(), dequantize(raw, GGMLQuantizationType.MXFP4))
+    assert codes.group_size == 32 and codes.bits == 8
+
+
 def test_unsupported_gguf_types_are_not_unpacked():
     assert unpack("IQ2_XXS", np.zeros((1, 66), np.uint8)) is None
     assert unpack("F16", np.zeros((1, 4), np.uint8)) is None

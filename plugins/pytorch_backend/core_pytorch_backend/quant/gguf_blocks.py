@@ -13,6 +13,9 @@ layouts; ``gguf.quants.dequantize`` is the oracle the tests compare against):
 - IQ4_NL, IQ4_XS: 4-bit indices into 16 fixed non-uniform levels (int8 values), under fp16 ``d`` per
   32 inputs, or per 256 with a 6-bit scale per 32 (``d * (ls - 32)``): the level itself, shifted by 128,
   is an 8-bit code.
+- MXFP4 (gpt-oss's experts): 32 4-bit indices into e2m1's levels, doubled to integers (ggml's
+  ``kvalues_mxfp4``), under an e8m0 exponent ``e`` per block: ``w = 2^(e - 128) * level`` (ggml's
+  ``e8m0_to_fp32_half``); the doubled level, shifted by 128, is an 8-bit code, as IQ4's.
 - Q6_K, Q3_K, Q2_K: 256 codes of 6, 3 or 2 bits under a scale per 16 inputs (Q2_K also a min):
   ``w = d * sc * (q - 32)``, ``w = d * (sc - 32) * (q - 4)``, ``w = d * sc * q - dmin * mn``, in groups of
   16 (the native kernel folds each half of its 32-input groups with its own scale and offset).
@@ -165,6 +168,20 @@ def unpack_iq4_xs(raw: np.ndarray) -> AffineWeight:
     return AffineWeight(q, scale, -128 * scale, 8, QK)
 
 
+# MXFP4's 16 levels doubled (ggml's kvalues_mxfp4), shifted to unsigned 8-bit codes: w = scale * (code - 128)
+MXFP4_CODES = (np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]) + 128).astype(np.uint8)
+
+
+def unpack_mxfp4(raw: np.ndarray) -> AffineWeight:
+    """A block's exponent byte ``e`` and 16 bytes of nibbles (low first, as Q4_0's); its scale
+    ``2^(e - 128)`` as ggml's ``e8m0_to_fp32_half`` builds it, bit by bit (subnormal below e = 2)."""
+    blocks, rows = _blocks(raw, 17)
+    e = blocks[..., 0].astype(np.uint32)
+    d = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32).view(np.float32)
+    q = MXFP4_CODES[_nibbles(blocks[..., 1:])].reshape(rows, -1)
+    return AffineWeight(q, d, -128 * d, 8, QK)
+
+
 def unpack_q6_k(raw: np.ndarray) -> AffineWeight:
     """6-bit codes under a scale per 16 inputs, ``w = d * sc * (q - 32)`` (ggml's dequantize_row_q6_K: a
     super-block's 128 bytes of low nibbles, 64 bytes of two high bits each, 16 signed 8-bit scales ``sc``
@@ -217,7 +234,8 @@ def unpack_q3_k(raw: np.ndarray) -> AffineWeight:
 
 UNPACKERS = {"Q4_0": unpack_q4_0, "Q4_1": unpack_q4_1, "Q8_0": unpack_q8_0, "Q4_K": unpack_q4_k,
              "Q5_0": unpack_q5_0, "Q5_1": unpack_q5_1, "Q5_K": unpack_q5_k, "IQ4_NL": unpack_iq4_nl,
-             "IQ4_XS": unpack_iq4_xs, "Q6_K": unpack_q6_k, "Q3_K": unpack_q3_k, "Q2_K": unpack_q2_k}
+             "IQ4_XS": unpack_iq4_xs, "Q6_K": unpack_q6_k, "Q3_K": unpack_q3_k, "Q2_K": unpack_q2_k,
+             "MXFP4": unpack_mxfp4}
 
 
 def unpack(type_name: str, raw: np.ndarray) -> AffineWeight | None:

@@ -38,11 +38,11 @@ from .affine import AffineWeight
 from .gguf_blocks import unpack
 from .gguf_index import TensorEntry, read_gguf_index
 
-PLAN_FORMAT = 2  # 2: expert stacks
+PLAN_FORMAT = 3  # 2: expert stacks; 3: a module-less parameter's `.weight` name
 PROBE_COLUMNS = 8  # the random probe's columns: a row reordering moves whole rows, whatever their width
-#: llama.cpp's stacked experts of one layer: [experts, rows, columns], one expert's gate, up or down projection
-#: after another (Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek, MiniMax-M2...)
-EXPERT_STACK = re.compile(r"blk\.\d+\.ffn_(?P<projection>gate|up|down)_exps\.weight")
+#: llama.cpp's stacked experts of one layer: [experts, rows, columns] weights (and gpt-oss's [experts, rows]
+#: biases), one expert's gate, up or down projection after another (Qwen2/3-MoE, Mixtral, gpt-oss...)
+EXPERT_STACK = re.compile(r"blk\.\d+\.ffn_(?P<projection>gate|up|down)_exps\.(?P<kind>weight|bias)")
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class TensorStep:
     """What loading does with one GGUF tensor: yield it under ``name`` with its rows in ``order`` (None:
     as stored; no name: the model does not use it), or, ``processed``, run transformers' processor on its
     dequantized values; or, for a stack of experts' ``projection`` ("gate", "up" or "down"), yield each
-    expert's slice as it is stored, under ``{name}.{expert}.{projection}_proj.weight``."""
+    expert's slice as it is stored, under ``{name}.{expert}.{projection}_proj.{weight or bias}``."""
 
     name: str = ""
     order: np.ndarray | None = None
@@ -121,8 +121,9 @@ def gguf_weights(gguf: Path, config: Any, names_cache: Path | None = None
         if not step.name:
             continue
         if step.projection:
+            kind = tensor.name.rpartition(".")[2]
             for expert, part in enumerate(_expert_slices(tensor)):
-                yield f"{step.name}.{expert}.{step.projection}_proj.weight", _as_stored(part, None)
+                yield f"{step.name}.{expert}.{step.projection}_proj.{kind}", _as_stored(part, None)
             continue
         yield step.name, _as_stored(tensor, step.order)
 
@@ -141,11 +142,13 @@ def _as_stored(tensor: TensorEntry, order: np.ndarray | None) -> torch.Tensor | 
 
 
 def _expert_slices(tensor: TensorEntry) -> Iterator[TensorEntry]:
-    """Each expert's [rows, columns] of a stack of experts [experts, rows, columns], as a 2-D tensor of the
-    file (a block-quantized stack's data holds every expert's rows one after another)."""
-    experts, rows = tensor.shape[0], tensor.shape[1]
-    for expert in range(experts):
-        data = tensor.data[expert] if tensor.data.ndim == 3 else tensor.data[expert * rows : (expert + 1) * rows]
+    """Each expert's part of a stack of experts ([experts, rows, columns] weights, [experts, rows] biases) as a
+    tensor of the file of its own (F32 / F16 data comes shaped; other types' as [rows, bytes a row], every
+    expert's rows one after another)."""
+    shaped = tensor.type_name in ("F32", "F16")
+    rows = int(np.prod(tensor.shape[1:-1]))  # an expert's rows of bytes (1 for a bias)
+    for expert in range(tensor.shape[0]):
+        data = tensor.data[expert] if shaped else tensor.data[expert * rows : (expert + 1) * rows]
         yield TensorEntry(tensor.name, tensor.type_name, tensor.shape[1:], data)
 
 
@@ -231,6 +234,8 @@ def _names(architecture: str, config: Any, processor: Any) -> dict[str, str]:
             processor.perform_fallback_tensor_mapping(names, suffix, "", hf_name)
         else:
             names[gguf_name + suffix] = hf_name
+            if not suffix:  # a parameter without a module (gpt-oss's sinks): llama.cpp names it as a weight
+                names.setdefault(gguf_name + ".weight", hf_name)
     return names
 
 
@@ -269,7 +274,7 @@ def _expert_stack(tensor: TensorEntry, names: dict[str, str]) -> TensorStep | No
     ``...experts.gate_up_proj`` / ``...experts.down_proj``, or ``...experts.gate_proj``...) less its last part.
     None where the tensor is not such a stack or the model has no experts there."""
     match = EXPERT_STACK.fullmatch(tensor.name)
-    if match is None or len(tensor.shape) != 3:
+    if match is None or len(tensor.shape) != (3 if match["kind"] == "weight" else 2):
         return None
     layer = tensor.name.partition(".ffn_")[0]  # a stack the name map misses (Mixtral's fused gate_up_proj) goes
     candidates = (match["projection"], "down", "gate", "up")  # under the module its layer's other stacks map to
