@@ -31,17 +31,12 @@ CHECKPOINT_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\
 PROJECTION = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
 
-def _moe_gguf(folder, tokenizer_source, target, arch: str, expert_type: str = "F32"):
-    """The checkpoint in ``folder`` as llama.cpp writes a ``arch`` GGUF: experts stacked per layer and
-    projection, stored as ``expert_type`` (F32 or Q8_0); every other tensor float32, the shared expert's
-    gate a vector."""
+def _writer(target, architecture: str, config, tokenizer_source):
+    """A GGUF writer for ``architecture`` with the keys every file here states (sizes, heads, rotary base,
+    norm epsilon, experts a token) and the tokenizer fields of the GGUF ``tokenizer_source``."""
     import gguf
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(folder)
-    reader = gguf.GGUFReader(tokenizer_source)
-    writer = gguf.GGUFWriter(target, GGUF_ARCH[arch])
+    writer = gguf.GGUFWriter(target, architecture)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -51,6 +46,43 @@ def _moe_gguf(folder, tokenizer_source, target, arch: str, expert_type: str = "F
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_expert_used_count(config.num_experts_per_tok)
+    for name, field in gguf.GGUFReader(tokenizer_source).fields.items():
+        if name.startswith("tokenizer."):
+            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
+    return writer
+
+
+def _add_stack(writer, name: str, stack: np.ndarray, expert_type: str) -> None:
+    """A stack of experts as llama.cpp stores it: F32, or quantized to ``expert_type``."""
+    import gguf
+
+    stack = np.ascontiguousarray(stack)
+    if expert_type == "F32":
+        writer.add_tensor(name, stack)
+    else:
+        kind = gguf.GGMLQuantizationType[expert_type]
+        writer.add_tensor(name, gguf.quants.quantize(stack, kind), raw_dtype=kind)
+
+
+def _finish(writer, target):
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+def _moe_gguf(folder, tokenizer_source, target, arch: str, expert_type: str = "F32"):
+    """The checkpoint in ``folder`` as llama.cpp writes a ``arch`` GGUF: experts stacked per layer and
+    projection, stored as ``expert_type`` (F32 or Q8_0); every other tensor float32, the shared expert's
+    gate a vector."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    writer = _writer(target, GGUF_ARCH[arch], config, tokenizer_source)
     if arch == "mixtral":
         writer.add_expert_count(config.num_local_experts)
         writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
@@ -62,10 +94,6 @@ def _moe_gguf(folder, tokenizer_source, target, arch: str, expert_type: str = "F
         writer.add_value_length(config.head_dim)
     elif arch == "qwen2_moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    for name, field in reader.fields.items():
-        if name.startswith("tokenizer."):
-            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
     arch_id = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == GGUF_ARCH[arch])
     names = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
     stacks: dict[tuple[int, str], dict[int, np.ndarray]] = {}
@@ -79,17 +107,8 @@ def _moe_gguf(folder, tokenizer_source, target, arch: str, expert_type: str = "F
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), values)
     for (layer, projection), experts in sorted(stacks.items()):
         stack = np.stack([experts[e] for e in range(len(experts))])
-        if expert_type == "F32":
-            writer.add_tensor(f"blk.{layer}.ffn_{projection}_exps.weight", stack)
-        else:
-            kind = gguf.GGMLQuantizationType[expert_type]
-            writer.add_tensor(f"blk.{layer}.ffn_{projection}_exps.weight", gguf.quants.quantize(stack, kind),
-                              raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return target
+        _add_stack(writer, f"blk.{layer}.ffn_{projection}_exps.weight", stack, expert_type)
+    return _finish(writer, target)
 
 
 def _as_llama_cpp_orders(name: str, tensor: torch.Tensor, config) -> torch.Tensor:
@@ -170,28 +189,13 @@ def _gpt_oss_gguf(folder, tokenizer_source, target, expert_type: str = "F32"):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder)
-    reader = gguf.GGUFReader(tokenizer_source)
-    writer = gguf.GGUFWriter(target, "gpt-oss")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
+    writer = _writer(target, "gpt-oss", config, tokenizer_source)
     writer.add_expert_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_expert_count(config.num_local_experts)
-    writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_sliding_window(config.sliding_window)
-    for name, field in reader.fields.items():
-        if name.startswith("tokenizer."):
-            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, config.num_hidden_layers)
-    kind = gguf.GGMLQuantizationType[expert_type] if expert_type != "F32" else None
     for name, tensor in load_file(folder / "model.safetensors").items():
         values = tensor.float().numpy()
         layer = name.split(".")[2] if ".mlp.experts." in name else None
@@ -211,17 +215,8 @@ def _gpt_oss_gguf(folder, tokenizer_source, target, expert_type: str = "F32"):
                 ".weight" if name.endswith(".sinks") else ""), values)
             continue
         for projection, stack in stacks.items():
-            stack = np.ascontiguousarray(stack)
-            tensor_name = f"blk.{layer}.ffn_{projection}_exps.weight"
-            if kind is None:
-                writer.add_tensor(tensor_name, stack)
-            else:
-                writer.add_tensor(tensor_name, gguf.quants.quantize(stack, kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return target
+            _add_stack(writer, f"blk.{layer}.ffn_{projection}_exps.weight", stack, expert_type)
+    return _finish(writer, target)
 
 
 def _gpt_oss_checkpoint(folder):
