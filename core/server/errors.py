@@ -154,6 +154,8 @@ def renamed_fields(prefixes: Mapping[str, str]) -> Iterator[None]:
 
 async def _on_core_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, CoreError)
+    if exc.code is ErrorCode.INTERNAL:  # its body says "see the server log": the log says which request and why
+        log.error("internal error on %s %s: %s", request.method, request.url.path, exc)
     return error_response(protocol_of(request.scope), exc)
 
 

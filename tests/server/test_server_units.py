@@ -152,6 +152,23 @@ async def test_dead_engine_is_503_and_unexpected_errors_are_generic_500s():
         assert (await http.post("/v1/completions", json={"prompt": "x"})).status_code == 503
 
 
+async def test_an_internal_core_error_is_logged_with_its_route(caplog):
+    """A CoreError of the internal kind (a BackendError) answers the generic 500, whose body points at the
+    server log; the log then holds a line naming the route and the error (it held nothing)."""
+    from core.errors import BackendError
+
+    engine = AsyncEngine(FakeBackend())
+    transport = httpx.ASGITransport(app=build_app(engine), raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+        engine.tokenize = lambda *a, **k: (_ for _ in ()).throw(BackendError("the KV cache was gone"))
+        with caplog.at_level("ERROR", logger="core.server.errors"):
+            response = await http.post("/tokenize", json={"prompt": "x"})
+        assert response.status_code == 500
+        assert any("/tokenize" in r.getMessage() and "the KV cache was gone" in r.getMessage()
+                   for r in caplog.records)
+    await engine.close()
+
+
 async def test_a_real_backend_whose_engine_loop_died_is_unhealthy(tiny_llama_checkpoint, monkeypatch):
     from core.config import EngineConfig
 
