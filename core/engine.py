@@ -83,6 +83,7 @@ class AsyncEngine:
         self._transition = asyncio.Lock()  # one sleep or wakeup at a time
         self._draining = False
         self._closed = False
+        self._pooling = 0  # embed / classify_pairs calls in the backend now (they have no session)
 
     @classmethod
     def from_config(cls, config: EngineConfig, plugins: Any = None) -> AsyncEngine:
@@ -278,6 +279,7 @@ class AsyncEngine:
     async def _pooled(self, prompts: list[list[int]]) -> list[Embedding]:
         check_embedding_inputs(prompts, self.model_info.max_model_len, self.model_info.vocab_size)
         epoch = self.sessions.epoch
+        self._pooling += 1
         try:
             vectors = await self.backend.embed(prompts)
         except BackendError:
@@ -286,6 +288,8 @@ class AsyncEngine:
             # A sleep or shutdown (stop_all) aborted the backend's work: its 503 to retry, not a failure.
             self._check_gate()
             raise EngineUnavailableError("the engine was put to sleep while computing; retry") from None
+        finally:
+            self._pooling -= 1
         return [Embedding(vector, len(prompt)) for vector, prompt in zip(vectors, prompts, strict=True)]
 
     def _check_gate(self) -> None:
@@ -412,15 +416,23 @@ class AsyncEngine:
         """Text for token ids."""
         return self.tokenizer.decode(list(token_ids))
 
+    @property
+    def requests_in_flight(self) -> int:
+        """Generation requests (sessions) and embedding / scoring calls in the backend now."""
+        return len(self.sessions) + self._pooling
+
     async def drain(self, timeout: float) -> int:
-        """Stop accepting requests (EngineUnavailableError), let those in flight finish for up to
-        `timeout` seconds, then abort the rest; returns how many were aborted. For a graceful shutdown."""
+        """Stop accepting requests (EngineUnavailableError), let those in flight (embeddings and scores
+        too) finish for up to `timeout` seconds, then abort the rest; returns how many generation requests
+        were aborted. For a graceful shutdown."""
         self._draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while len(self.sessions) and loop.time() < deadline:
+        while self.requests_in_flight and loop.time() < deadline:
             await asyncio.sleep(DRAIN_POLL_SECONDS)
-        return await self.abort_all() if len(self.sessions) else 0
+        if not self.requests_in_flight:
+            return 0
+        return await (self.stop_all() if self._pooling else self.abort_all())  # stop_all reaches the pooling too
 
     async def close(self) -> None:
         """Abort everything and close the backend. Idempotent; the backend is closed even if the abort

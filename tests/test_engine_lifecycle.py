@@ -94,3 +94,32 @@ async def test_the_reported_state_is_the_backends(engine):
         assert (await http.post("/wakeup")).json() == {"is_sleeping": False, "asleep": []}
         assert not engine.backend.is_sleeping
         assert (await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status_code == 200
+
+
+class _SlowEmbeddings(FakeBackend):
+    """The fake backend with a pooling model whose embeddings take a while."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        from core.pooling import PoolingConfig
+
+        self.pooling = PoolingConfig(method="mean")
+        self.seconds = seconds
+
+    async def embed(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
+        await asyncio.sleep(self.seconds)
+        return [[float(len(prompt)), 1.0] for prompt in prompts]
+
+
+async def test_a_drain_lets_embeddings_in_flight_finish():
+    """A graceful shutdown (``drain``) waits for embeddings in the backend as for generation requests: they
+    have no session, and the drain ended at once while one was computing (the server then closed the
+    engine under it: a 503 where it had the time to finish)."""
+    engine = AsyncEngine(_SlowEmbeddings(0.5))
+    embedding = asyncio.create_task(engine.embed([[1, 2, 3]]))
+    await asyncio.sleep(0.05)
+    assert engine.requests_in_flight == 1
+    assert await engine.drain(5.0) == 0
+    assert embedding.done() and len(embedding.result()) == 1
+    assert engine.requests_in_flight == 0
+    await engine.close()

@@ -74,7 +74,7 @@ class _Server(uvicorn.Server):
         for server in self.servers:
             server.close()  # stop accepting connections
         log.info("draining: waiting up to %g s for %d request(s) in flight", self._shutdown_timeout,
-                 len(self._engine.sessions))
+                 self._engine.requests_in_flight)
         aborted = await self._engine.drain(self._shutdown_timeout)
         if aborted:
             log.warning("shutdown timeout: aborted %d request(s) still in flight", aborted)
