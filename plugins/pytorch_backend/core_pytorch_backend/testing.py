@@ -211,3 +211,42 @@ def fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tens
             codes[rows, cols] = weight[rows, cols] / scale[i, j]
             exact[rows, cols] = codes[rows, cols].to(torch.float8_e4m3fn).float() * scale[i, j]
     return codes.to(torch.float8_e4m3fn), scale, exact
+
+
+def gguf_writer(target: Path, architecture: str, config: Any, tokenizer_source: Path) -> Any:
+    """A GGUF writer for ``architecture`` holding the keys every file llama.cpp writes states (layers, context,
+    widths, attention heads) and the tokenizer fields of the GGUF ``tokenizer_source``: a test adds its
+    architecture's own keys (the KV heads among them) and its tensors, then ``finish_gguf``."""
+    import gguf
+
+    writer = gguf.GGUFWriter(target, architecture)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    for name, field in gguf.GGUFReader(tokenizer_source).fields.items():
+        if name.startswith("tokenizer."):
+            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
+    return writer
+
+
+def finish_gguf(writer: Any, target: Path) -> Path:
+    """Write ``gguf_writer``'s file out and close it; returns its path."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+def llama_cpp_qk_rows(name: str, tensor: torch.Tensor, config: Any) -> torch.Tensor:
+    """A Llama checkpoint tensor's rows as llama.cpp's converter writes them: q / k projections' rows in its
+    rotary layout (each head's halves interleaved; the loader undoes it), any other tensor as it is."""
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    count = next((n for part, n in heads.items() if f".{part}." in name), None)
+    if count is None:
+        return tensor
+    return tensor.reshape(count, 2, tensor.shape[0] // count // 2, *tensor.shape[1:]).swapaxes(1, 2).reshape(
+        tensor.shape)

@@ -16,6 +16,7 @@ import torch
 from core_pytorch_backend import loader
 from core_pytorch_backend.quant.affine import AffineWeight
 from core_pytorch_backend.quant.gguf_file import gguf_weights
+from core_pytorch_backend.testing import finish_gguf, gguf_writer, llama_cpp_qk_rows
 
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
 #: the tiny checkpoints' experts (64 wide: whole Q8_0 blocks) and, for Qwen2-MoE, a shared expert of 48:
@@ -32,24 +33,13 @@ PROJECTION = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "
 
 
 def _writer(target, architecture: str, config, tokenizer_source):
-    """A GGUF writer for ``architecture`` with the keys every file here states (sizes, heads, rotary base,
-    norm epsilon, experts a token) and the tokenizer fields of the GGUF ``tokenizer_source``."""
-    import gguf
-
-    writer = gguf.GGUFWriter(target, architecture)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
+    """``testing.gguf_writer`` with the keys every file here states besides (KV heads, rotary base, norm
+    epsilon, experts a token)."""
+    writer = gguf_writer(target, architecture, config, tokenizer_source)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_expert_used_count(config.num_experts_per_tok)
-    for name, field in gguf.GGUFReader(tokenizer_source).fields.items():
-        if name.startswith("tokenizer."):
-            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
     return writer
 
 
@@ -63,14 +53,6 @@ def _add_stack(writer, name: str, stack: np.ndarray, expert_type: str) -> None:
     else:
         kind = gguf.GGMLQuantizationType[expert_type]
         writer.add_tensor(name, gguf.quants.quantize(stack, kind), raw_dtype=kind)
-
-
-def _finish(writer, target):
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return target
 
 
 def _moe_gguf(folder, tokenizer_source, target, arch: str, expert_type: str = "F32"):
@@ -101,24 +83,14 @@ def _moe_gguf(folder, tokenizer_source, target, arch: str, expert_type: str = "F
         if match := CHECKPOINT_EXPERT.fullmatch(name):
             stacks.setdefault((int(match[1]), PROJECTION[match[3]]), {})[int(match[2])] = tensor.float().numpy()
             continue
-        values = _as_llama_cpp_orders(name, tensor, config).float().numpy() if arch == "mixtral" else tensor.float().numpy()
+        values = llama_cpp_qk_rows(name, tensor, config).float().numpy() if arch == "mixtral" else tensor.float().numpy()
         if name.endswith("shared_expert_gate.weight"):
             values = values[0]
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), values)
     for (layer, projection), experts in sorted(stacks.items()):
         stack = np.stack([experts[e] for e in range(len(experts))])
         _add_stack(writer, f"blk.{layer}.ffn_{projection}_exps.weight", stack, expert_type)
-    return _finish(writer, target)
-
-
-def _as_llama_cpp_orders(name: str, tensor: torch.Tensor, config) -> torch.Tensor:
-    """A Llama file's q/k rows in llama.cpp's rotary layout (the loader undoes it)."""
-    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
-    count = next((n for part, n in heads.items() if f".{part}." in name), None)
-    if count is None:
-        return tensor
-    return tensor.reshape(count, 2, tensor.shape[0] // count // 2, *tensor.shape[1:]).swapaxes(1, 2).reshape(
-        tensor.shape)
+    return finish_gguf(writer, target)
 
 
 @pytest.fixture(params=sorted(GGUF_ARCH))
@@ -216,7 +188,7 @@ def _gpt_oss_gguf(folder, tokenizer_source, target, expert_type: str = "F32"):
             continue
         for projection, stack in stacks.items():
             _add_stack(writer, f"blk.{layer}.ffn_{projection}_exps.weight", stack, expert_type)
-    return _finish(writer, target)
+    return finish_gguf(writer, target)
 
 
 def _gpt_oss_checkpoint(folder):

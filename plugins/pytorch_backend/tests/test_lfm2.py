@@ -17,6 +17,8 @@ from core_pytorch_backend.testing import (
     assert_greedy_matches,
     assert_logits_close,
     built_once,
+    finish_gguf,
+    gguf_writer,
     hf_greedy,
     ours_and_transformers,
     paged_greedy,
@@ -187,30 +189,17 @@ def _lfm2_gguf(hf_folder: Path, tokenizer_source: Path, target: Path) -> Path:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(hf_folder)
-    writer = gguf.GGUFWriter(target, "lfm2")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
+    writer = gguf_writer(target, "lfm2", config, tokenizer_source)
     writer.add_head_count_kv([0 if t == "conv" else config.num_key_value_heads for t in config.layer_types])
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.norm_eps)
     writer.add_vocab_size(config.vocab_size)
     writer.add_shortconv_l_cache(config.conv_L_cache)
-    for name, field in gguf.GGUFReader(tokenizer_source).fields.items():
-        if name.startswith("tokenizer."):
-            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, config.num_hidden_layers)
     for name, tensor in load_file(hf_folder / "model.safetensors").items():
         tensor = tensor[:, 0] if name.endswith("conv.conv.weight") else tensor
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return target
+    return finish_gguf(writer, target)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from core_pytorch_backend import loader
 from core_pytorch_backend.loader import default_model_path, load_checkpoint
 from core_pytorch_backend.models import BUILTIN_ARCHITECTURES
 from core_pytorch_backend.models.llama import LlamaForCausalLM
+from core_pytorch_backend.testing import finish_gguf, gguf_writer, llama_cpp_qk_rows
 
 
 def _params(model):
@@ -342,19 +343,9 @@ def _tiny_gguf(hf_folder, tokenizer_source, target, architecture: str, hyperpara
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(hf_folder)
-    reader = gguf.GGUFReader(tokenizer_source)
-    writer = gguf.GGUFWriter(target, architecture)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
+    writer = gguf_writer(target, architecture, config, tokenizer_source)
     writer.add_head_count_kv(config.num_key_value_heads)
     hyperparameters(writer, config)
-    for name, field in reader.fields.items():
-        if name.startswith("tokenizer."):
-            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
     arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == architecture)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for name, tensor in load_file(hf_folder / "model.safetensors").items():
@@ -362,11 +353,7 @@ def _tiny_gguf(hf_folder, tokenizer_source, target, architecture: str, hyperpara
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
     for name, array in (extra or {}).items():
         writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return target
+    return finish_gguf(writer, target)
 
 
 def _qwen3_gguf(hf_folder, tokenizer_source, target):
@@ -501,17 +488,9 @@ def test_a_llama_3_gguf_applies_its_rotary_divisors_as_transformers_applies_llam
         writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
         writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
 
-    def interleaved(name, tensor, config):  # llama.cpp's q/k rows for its rotary layout (the loader undoes it)
-        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
-        count = next((n for part, n in heads.items() if f".{part}." in name), None)
-        if count is None:
-            return tensor
-        return tensor.reshape(count, 2, tensor.shape[0] // count // 2, *tensor.shape[1:]).swapaxes(1, 2).reshape(
-            tensor.shape)
-
     divisors = np.array(_llama3_divisors(AutoConfig.from_pretrained(folder)), dtype=np.float32)
     path = _tiny_gguf(folder, default_gguf_path, tmp_path / "llama3.gguf", "llama", keys,
-                      extra={"rope_freqs.weight": divisors}, reorder=interleaved)
+                      extra={"rope_freqs.weight": divisors}, reorder=llama_cpp_qk_rows)
     assert loader.gguf_config(path).rope_parameters["rope_freq_factors"] == divisors.tolist()
     _assert_served_as_transformers_runs(folder, path)
 
