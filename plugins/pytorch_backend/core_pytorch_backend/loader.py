@@ -447,7 +447,8 @@ def gguf_config(gguf: Path) -> Any:
     weights did not fit), the rotary base (``{arch}.rope.freq_base``; StarCoder 2's and StableLM's: a
     StarCoder 2 file got the config class's default of 10,000, not its own) and the values of each head
     rotary turns (``{arch}.rope.dimension_count``; StableLM's: the default quarter whatever the file said),
-    the experts' widths (``_experts_from_file``), and a Llama file's experts (``_mixtral_of_llama_file``)."""
+    the experts' widths (``_experts_from_file``), gpt-oss's window (``_sliding_window_from_file``), and a
+    Llama file's experts (``_mixtral_of_llama_file``)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -463,6 +464,7 @@ def gguf_config(gguf: Path) -> Any:
         config.head_dim = key_length
     _rope_from_file(config, metadata, architecture, gguf.name)
     _experts_from_file(config, metadata, architecture, gguf.name)
+    _sliding_window_from_file(config, metadata, architecture, gguf.name)
     _rope_factors_from_file(config, index.tensors, gguf.name)
     _longrope_from_file(config, index.tensors, metadata, architecture, gguf.name)
     return config
@@ -570,15 +572,18 @@ EXPERT_WIDTHS = {"expert_feed_forward_length": "moe_intermediate_size",
 def _experts_from_file(config: Any, metadata: dict[str, Any], architecture: str, name: str) -> None:
     """The file's expert widths (``EXPERT_WIDTHS``) into the config fields the model has: transformers'
     mappings for Qwen2-MoE and Qwen3-MoE read neither, so any width but the config class's default (768 for
-    Qwen3-MoE, 1408 for Qwen2-MoE) did not fit the file's expert tensors; and gpt-oss's sliding window
-    (transformers' mapping looks for ``gpt-oss.sliding_window``, where llama.cpp writes
-    ``gpt-oss.attention.sliding_window``: any window but the class's 128 was lost)."""
+    Qwen3-MoE, 1408 for Qwen2-MoE) did not fit the file's expert tensors."""
     for key, attribute in EXPERT_WIDTHS.items():
         width = metadata.get(f"{architecture}.{key}")
         if isinstance(width, int) and width > 0 and hasattr(config, attribute) and getattr(config, attribute) != width:
             log.info("%s: %s %d from the file's %s.%s", name, attribute, width, architecture, key)
             setattr(config, attribute, width)
-    window = metadata.get(f"{architecture}.attention.sliding_window")  # gpt-oss's: transformers reads another key
+
+
+def _sliding_window_from_file(config: Any, metadata: dict[str, Any], architecture: str, name: str) -> None:
+    """The file's ``{arch}.attention.sliding_window`` where the config has a window: transformers' mapping for
+    gpt-oss looks for ``gpt-oss.sliding_window``, so any window but the class's 128 was lost."""
+    window = metadata.get(f"{architecture}.attention.sliding_window")
     if isinstance(window, int) and window > 0 and getattr(config, "sliding_window", None) not in (None, window):
         log.info("%s: sliding_window %d from the file's %s.attention.sliding_window", name, window, architecture)
         config.sliding_window = window

@@ -8,7 +8,7 @@ from typing import Any
 
 from .llama import DecoderSpec, layer_types_windows
 from .qwen2 import Qwen2ForCausalLM
-from .sparse_moe import QwenMoeModel, experts_one_by_one, without_empty_shared_expert
+from .sparse_moe import QwenMoeModel, without_empty_shared_expert
 
 
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
@@ -23,5 +23,4 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
                            sliding_windows=layer_types_windows(config))
 
     def load_weights(self, weights):
-        """Qwen2's, a shared expert of size 0 skipped and stacked experts (transformers' GGUF loader's) split."""
-        return super().load_weights(experts_one_by_one(without_empty_shared_expert(weights, self.config)))
+        return super().load_weights(without_empty_shared_expert(weights, self.config))

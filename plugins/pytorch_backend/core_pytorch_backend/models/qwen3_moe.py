@@ -1,8 +1,7 @@
 """Qwen3-MoE: Qwen3 whose MLP is, in every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``, a
 sparse mixture of ``num_experts`` experts of ``moe_intermediate_size`` (models/sparse_moe.py), each token
 through its ``num_experts_per_tok`` best, renormalized when ``norm_topk_prob``. Checkpoint names
-``mlp.gate`` (the router) and ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``, or the experts
-stacked (``mlp.experts.gate_up_proj`` / ``down_proj``)."""
+``mlp.gate`` (the router) and ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from typing import Any
 
 from .llama import DecoderSpec
 from .qwen3 import Qwen3ForCausalLM
-from .sparse_moe import QwenMoeModel, experts_one_by_one
+from .sparse_moe import QwenMoeModel
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
@@ -26,7 +25,3 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         window = getattr(config, "sliding_window", None)
         return DecoderSpec(qkv_bias=bias, qk_norm=True, sliding_windows=(window,) * config.num_hidden_layers,
                            o_bias=bias)
-
-    def load_weights(self, weights):
-        """Qwen3's, stacked experts (transformers' GGUF loader's ``experts.gate_up_proj``) split one by one."""
-        return super().load_weights(experts_one_by_one(weights))
