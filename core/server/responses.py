@@ -57,9 +57,10 @@ async def create_response(request: Request) -> Response:
         return EventStreamResponse(guarded_events(events, lambda exc: _error_event(stream, exc), None),
                                    headers=headers, closing=[source])
     [result] = await until_disconnected(request, collect_all([source]))
-    output = rp.output_items(post.final(result.text), _logprobs(state, result.choices[0].logprobs))
+    status = rp.status_of(result.finish_reason)
+    output = rp.output_items(post.final(result.text), _logprobs(state, result.choices[0].logprobs), status)
     usage = rp.usage(result.prompt_tokens, result.completion_tokens, result.cached_tokens)
-    return JSONResponse(describe(rp.status_of(result.finish_reason), output, usage), headers=headers)
+    return JSONResponse(describe(status, output, usage), headers=headers)
 
 
 def _plan(req: rp.ResponsesRequest, call_format: ToolCallFormat | None) -> Plan:
@@ -91,11 +92,11 @@ async def _events(state: ServerState, describe: _Describe, stream: ResponseEvent
         for event in stream.events(pieces, _logprobs(state, out.logprobs)):
             yield _sse(event)
         last = out
-    for event in stream.finish():
-        yield _sse(event)
     status = rp.status_of(last.finish_reason if last else None)
+    for event in stream.finish(status):
+        yield _sse(event)
     usage = rp.usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens) if last else rp.usage(0, 0)
-    yield _sse(stream.event(f"response.{status}", response=describe(status, stream.output, usage)))
+    yield _sse(stream.event(rp.end_event(status), response=describe(status, stream.output, usage)))
 
 
 def _logprobs(state: ServerState, entries: Sequence[TokenLogprob] | None) -> list[dict[str, Any]]:

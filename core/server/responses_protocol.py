@@ -238,8 +238,8 @@ def item_id(prefix: str) -> str:
 
 def message_item(item: str, text: str, status: str = "completed",
                  logprobs: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
-    """An assistant message item holding one output_text part."""
-    content = [output_text_part(text, logprobs)] if status == "completed" else []
+    """An assistant message item holding one output_text part (none while it is in progress)."""
+    content = [] if status == "in_progress" else [output_text_part(text, logprobs)]
     return {"id": item, "type": "message", "status": status, "role": "assistant", "content": content}
 
 
@@ -260,13 +260,16 @@ def function_call_item(item: str, call_id: str, name: str, arguments: str, statu
             "arguments": arguments}
 
 
-def output_items(parts: ChatMessageParts, logprobs: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+def output_items(parts: ChatMessageParts, logprobs: Sequence[dict[str, Any]] = (),
+                 status: str = "completed") -> list[dict[str, Any]]:
     """The output of a whole response: reasoning, the message (with the logprobs of every output token, as
-    vLLM gives them), then each function call."""
+    vLLM gives them), then each function call; the last item is "incomplete" in a response of `status`
+    other than "completed" (the model was writing it when it stopped)."""
     items = [reasoning_item(item_id("rs"), parts.reasoning_content)] if parts.reasoning_content else []
     if parts.content or not parts.tool_calls:
         items.append(message_item(item_id("msg"), parts.content or "", logprobs=logprobs))
     items += [_call_item(call) for call in parts.tool_calls]
+    items[-1]["status"] = item_status(status)  # a message or a function call: the one it was writing last
     return items
 
 
@@ -282,8 +285,21 @@ def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict
 
 
 def status_of(finish_reason: str | None) -> str:
-    """A response that hit its token limit is incomplete; otherwise it completed."""
-    return "incomplete" if finish_reason == "length" else "completed"
+    """The Responses status of the engine's finish reason: "completed" only when the model stopped (an eos or
+    stop token, a stop string); "incomplete" at the token limit (incomplete_details says max_output_tokens);
+    "cancelled" when it was aborted (/abort, a sleep, a shutdown's drain) or ended without a finish reason."""
+    return {"stop": "completed", "length": "incomplete"}.get(finish_reason or "", "cancelled")
+
+
+def item_status(status: str) -> str:
+    """The status of the output item being written when a response of `status` ended."""
+    return "completed" if status == "completed" else "incomplete"
+
+
+def end_event(status: str) -> str:
+    """The event that ends a stream of a response of `status`: the API defines three (completed, incomplete,
+    failed), none for a cancelled response, which did not complete either."""
+    return "response.completed" if status == "completed" else "response.incomplete"
 
 
 def response_object(response_id: str, created: int, model: str, req: ResponsesRequest, *, status: str,

@@ -58,12 +58,13 @@ class ResponseEvents:
                 out.append(self._delta(piece.text))
         return out
 
-    def finish(self) -> list[Event]:
-        """Close the open item; a response that had none gets one empty message."""
+    def finish(self, status: str = "completed") -> list[Event]:
+        """Close the open item, as `rp.item_status(status)` of a response of `status`; a response that had
+        none gets one empty message."""
         opened = self._start(StreamPiece("content")) if not self.output and self._open is None else []
         if self._open is not None and self._open.kind == "message":
             self._open.logprobs += self._logprobs
-        return opened + self._close()
+        return opened + self._close(rp.item_status(status))
 
     def _start(self, piece: StreamPiece) -> list[Event]:
         kind, index = _item_kind(piece), len(self.output)
@@ -89,17 +90,17 @@ class ResponseEvents:
         item.logprobs += logprobs
         return self.event("response.output_text.delta", **self._where(), delta=text, logprobs=logprobs)
 
-    def _close(self) -> list[Event]:
+    def _close(self, status: str = "completed") -> list[Event]:
         item = self._open
         if item is None:
             return []
         if item.kind == "function_call":
-            done = rp.function_call_item(item.id, item.call_id, item.name, item.text)
+            done = rp.function_call_item(item.id, item.call_id, item.name, item.text, status)
             out = [self.event("response.function_call_arguments.done", item_id=item.id, output_index=item.index,
                               name=item.name, arguments=item.text)]
         else:
             message = item.kind == "message"
-            done = rp.message_item(item.id, item.text, logprobs=item.logprobs) if message \
+            done = rp.message_item(item.id, item.text, status, item.logprobs) if message \
                 else rp.reasoning_item(item.id, item.text)
             text_done = self.event(f"response.{'output' if message else 'reasoning'}_text.done",
                                    **self._where(), text=item.text, **({"logprobs": item.logprobs} if message else {}))

@@ -5,6 +5,8 @@ server in SERVER_SPECS; tools and reasoning on the scripted backend (as in test_
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +14,7 @@ import httpx
 import openai
 import pytest
 from conftest import ServerSpec, run_server
-from server_helpers import assert_openai_error
+from server_helpers import assert_openai_error, metrics
 from test_server_tools import ENV, QWEN3_AUTO, QWEN25_TEMPLATE, TOOLS, ask
 
 from core.testing.parse import parse_sse
@@ -60,7 +62,7 @@ def test_the_token_limit_makes_it_incomplete(client: openai.OpenAI, model: str):
                                           max_tokens=2, **GREEDY)
     if chat.choices[0].finish_reason == "length":
         assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
-        assert response.usage.output_tokens == 2
+        assert response.usage.output_tokens == 2 and response.output[-1].status == "incomplete"
 
 
 def test_stream_events_in_the_documented_order(client: openai.OpenAI, model: str):
@@ -288,3 +290,44 @@ def test_chat_reasoning_effort_none_turns_thinking_off(reasoning: openai.OpenAI)
     assert prompt_tokens(reasoning_effort="none") == off != prompt_tokens(reasoning_effort="low") == prompt_tokens()
     assert prompt_tokens(reasoning_effort="none", extra_body={"chat_template_kwargs": {"enable_thinking": True}}) \
         == prompt_tokens()  # the request's own template switch wins
+
+
+
+def test_an_aborted_response_is_cancelled_not_completed(client: openai.OpenAI, http: httpx.Client, model: str,
+                                                        long_tokens: int):
+    """An abort (/abort, a sleep, a shutdown's drain) stops the response before it finished: it was reported
+    "completed", as if the model had ended it."""
+    answer: list[Any] = []
+    create = dict(model=model, input="Talk.", max_output_tokens=long_tokens, extra_body={"ignore_eos": True},
+                  extra_headers={"X-Request-Id": "resp-to-abort"})
+    thread = threading.Thread(target=lambda: answer.append(client.responses.create(**create)))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while metrics(http)["core:num_requests_running"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert http.post("/abort", json={"request_id": "resp-to-abort"}).json() == {"aborted": 1}
+    finally:
+        thread.join(30)
+    [response] = answer
+    assert response.id == "resp_resp-to-abort" and response.usage.output_tokens < long_tokens
+    assert response.status == "cancelled" and response.incomplete_details is None
+    assert response.output[-1].status == "incomplete"
+
+
+def test_an_aborted_stream_ends_cancelled_not_completed(client: openai.OpenAI, http: httpx.Client, model: str,
+                                                        long_tokens: int):
+    """A stream ends with one of three events (completed, incomplete, failed): an aborted one ends
+    `response.incomplete`, its response "cancelled" (it ended `response.completed`)."""
+    stream = client.responses.create(model=model, input="Talk.", max_output_tokens=long_tokens, stream=True,
+                                     extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": "to-abort"})
+    events = []
+    for event in stream:
+        if event.type == "response.output_text.delta" and events[-1].type != event.type:  # the first delta
+            http.post("/abort", json={"request_id": "to-abort"}).raise_for_status()
+        events.append(event)
+    last = events[-1]
+    assert last.type == "response.incomplete" and last.response.status == "cancelled"
+    assert last.response.incomplete_details is None
+    [item] = last.response.output
+    assert item.status == "incomplete" and events[-2].item.status == "incomplete"  # output_item.done
