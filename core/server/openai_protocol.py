@@ -3,14 +3,28 @@
 Every optional field defaults to None, meaning "the client did not send it": the translation layer
 passes only sent fields on, so the model's generation_config supplies the rest. Types are strict (a
 string where a number belongs is a 400 naming the field); ranges are checked once, by GenerationConfig.
-Unknown fields are accepted and ignored, as OpenAI-compatible servers do.
+Unknown fields are accepted and ignored, as OpenAI-compatible servers do. Names the API restricts (a
+function's, a json_schema format's) are checked by `check_name`, wherever the routes read them.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from core.errors import InvalidRequestError
+
+NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def check_name(name: Any, param: str) -> None:
+    """A function's or a json_schema response format's name as OpenAI accepts it (1 to 64 letters, digits,
+    underscores and dashes); anything else is a 400 naming `param`."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise InvalidRequestError(f"{param} must be 1 to 64 letters, digits, underscores or dashes, got {name!r}",
+                                  param=param)
 
 
 class StreamOptions(BaseModel):

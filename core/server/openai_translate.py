@@ -16,7 +16,7 @@ from core.config import GenerationConfig
 from core.errors import InvalidRequestError, UnsupportedError
 from core.parsers import ToolCall, ToolCallFormat
 from core.server import structured_fields as sf
-from core.server.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from core.server.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, check_name
 from core.server.postprocess import ChatMessageParts, StreamPiece
 from core.structured_output import StructuredOutput
 
@@ -196,13 +196,15 @@ def chat_template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
 
 
 def check_tool_choice(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    """The tools to render into the prompt, checked; "none" hides them."""
-    if req.tool_choice == "none":
-        return None
-    if req.tool_choice in (None, "auto", "required") or isinstance(req.tool_choice, dict):
-        return validate_tools(req.tools)
-    raise InvalidRequestError('tool_choice must be "auto", "none", "required" or {"type": "function", '
-                              f'"function": {{"name": ...}}}}, got {req.tool_choice!r}', param="tool_choice")
+    """The tools to render into the prompt, checked (their names as OpenAI allows them, whatever tool_choice
+    says); "none" hides them."""
+    if req.tool_choice not in (None, "auto", "none", "required") and not isinstance(req.tool_choice, dict):
+        raise InvalidRequestError('tool_choice must be "auto", "none", "required" or {"type": "function", '
+                                  f'"function": {{"name": ...}}}}, got {req.tool_choice!r}', param="tool_choice")
+    tools = validate_tools(req.tools)
+    for i, tool in enumerate(tools or ()):
+        check_name(tool["function"]["name"], f"tools[{i}].function.name")
+    return None if req.tool_choice == "none" else tools
 
 
 def forced_tool_call(req: ChatCompletionRequest, tools: list[dict[str, Any]] | None,

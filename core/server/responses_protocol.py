@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from core.config import MAX_TOP_LOGPROBS
 from core.errors import InvalidRequestError, UnsupportedError
 from core.parsers import ToolCall
-from core.server.openai_protocol import ChatCompletionRequest
+from core.server.openai_protocol import ChatCompletionRequest, check_name
 from core.server.openai_translate import reasoning_switch
 from core.server.postprocess import ChatMessageParts
 
@@ -192,7 +192,8 @@ def _text(content: Any, param: str) -> str:
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Responses' flat function tools as chat function tools; other tool types are a 400."""
+    """Responses' flat function tools as chat function tools; another tool type, or a name OpenAI refuses, is a
+    400."""
     if not tools:
         return None
     chat = []
@@ -200,6 +201,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         if tool.get("type") != "function":
             raise UnsupportedError(f"tools[{i}]: only function tools are supported, got {tool.get('type')!r}",
                                    param=f"tools[{i}].type")
+        check_name(tool.get("name"), f"tools[{i}].name")
         chat.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
                                                       if tool.get(k) is not None}})
     return chat

@@ -125,6 +125,11 @@ def test_json_schema_format_needs_structured_output(http: httpx.Client):
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "tools": [{"type": "function", "name": "get weather"}]}, "tools[0].name"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f" * 65}]}, "tools[0].name"),
+    ({"input": "x", "tools": [{"type": "function"}]}, "tools[0].name"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+     "tool_choice"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
 ])
 def test_invalid_requests_name_the_field(http: httpx.Client, body: dict[str, Any], param: str):

@@ -49,6 +49,13 @@ CHAT_ERRORS = [
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
     ({"tools": [{"type": "function", "function": {"name": 7}}]}, "tools[0].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools[0].function.parameters"),
+    # a function name OpenAI refuses (^[a-zA-Z0-9_-]{1,64}$): it was rendered into the prompt as it came
+    ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "weather.get"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f" * 65}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "none"}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     # the removed interactive-state fields are rejected by name
     ({"sequence_start": True}, "sequence_start"),
     ({"sequence_end": True}, "sequence_end"),
