@@ -2,7 +2,8 @@
 
 Every optional field defaults to None, meaning "the client did not send it": the translation layer
 passes only sent fields on, so the model's generation_config supplies the rest. Types are strict (a
-string where a number belongs is a 400 naming the field); ranges are checked once, by GenerationConfig.
+string where a number belongs is a 400 naming the field); ranges are checked once, by GenerationConfig,
+but where OpenAI's is narrower (`Temperature`: 0 to 2, where GenerationConfig takes up to 10,000 as vLLM does).
 Unknown fields are accepted and ignored, as OpenAI-compatible servers do. Names the API restricts (a
 function's, a json_schema format's) are checked by `check_name`, wherever the routes read them.
 """
@@ -10,13 +11,14 @@ function's, a json_schema format's) are checked by `check_name`, wherever the ro
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from core.errors import InvalidRequestError
 
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+Temperature = Annotated[float | None, Field(ge=0.0, le=2.0)]  # OpenAI's range (Anthropic's is 0 to 1)
 
 
 def check_name(name: Any, param: str) -> None:
@@ -44,7 +46,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
     n: int | None = None
-    temperature: float | None = None
+    temperature: Temperature = None
     top_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = None

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from core.config import MAX_TOP_LOGPROBS
 from core.errors import InvalidRequestError, UnsupportedError
 from core.parsers import ToolCall
-from core.server.openai_protocol import ChatCompletionRequest, check_name
+from core.server.openai_protocol import ChatCompletionRequest, Temperature, check_name
 from core.server.openai_translate import reasoning_switch
 from core.server.postprocess import ChatMessageParts
 
@@ -45,7 +45,7 @@ class ResponsesRequest(BaseModel):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = None
-    temperature: float | None = None
+    temperature: Temperature = None
     top_p: float | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

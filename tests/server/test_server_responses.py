@@ -131,6 +131,8 @@ def test_json_schema_format_needs_structured_output(http: httpx.Client):
     ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
      "tool_choice"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "temperature": 2.5}, "temperature"),
+    ({"input": "x", "top_p": 1.5}, "top_p"),
 ])
 def test_invalid_requests_name_the_field(http: httpx.Client, body: dict[str, Any], param: str):
     assert_openai_error(http.post("/v1/responses", json=body), 400, param)

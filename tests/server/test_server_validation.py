@@ -12,6 +12,9 @@ COMPLETION = {"prompt": "hello", "max_tokens": 4}
 CHAT_ERRORS = [
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ({"temperature": -1}, "temperature"),
+    ({"temperature": 2.5}, "temperature"),  # OpenAI's range is 0 to 2 (GenerationConfig's reaches 10,000)
+    ({"top_p": 1.5}, "top_p"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"seed": 2**63}, "seed"),
@@ -65,6 +68,7 @@ CHAT_ERRORS = [
 
 COMPLETION_ERRORS = [
     ({"logprobs": 21}, "logprobs"),
+    ({"temperature": 3}, "temperature"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": -1}, "max_tokens"),  # was a 200 of one token (a fuzz of field values found it)
     ({"max_tokens": -5, "echo": True}, "max_tokens"),
