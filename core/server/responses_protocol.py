@@ -214,13 +214,15 @@ def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, An
 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
-    """`text.format` as chat's `response_format` (json_schema's fields move under `json_schema`)."""
+    """`text.format` as chat's `response_format` (json_schema's fields, its required name among them, move under
+    `json_schema`)."""
     fmt = (text or {}).get("format")
     if fmt is not None and not isinstance(fmt, dict):
         raise InvalidRequestError("text.format must be an object", param="text.format")
     if not fmt or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_schema":
+        check_name(fmt.get("name"), "text.format.name")
         return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
     return dict(fmt)
 

@@ -1,7 +1,7 @@
 """The protocols' structured-output fields as a core.structured_output.StructuredOutput.
 
 OpenAI: ``response_format`` ``{"type": "json_object"}`` and ``{"type": "json_schema", "json_schema":
-{"name", "schema", "strict"}}``; vLLM's extras ``structured_outputs: {json, regex, choice, grammar,
+{"name", "schema", "strict"}}`` (the name required, as OpenAI's); vLLM's extras ``structured_outputs: {json, regex, choice, grammar,
 json_object}`` and the older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``.
 Anthropic: ``output_config.format`` ``{"type": "json_schema", "schema"}``.
 A forced tool call (OpenAI ``tool_choice: "required"`` or a named function, Anthropic ``{"type": "any"}``
@@ -18,6 +18,7 @@ from typing import Any
 from core.errors import InvalidRequestError, UnsupportedError
 from core.forced_tool_call import PLAIN_JSON_CALL, ForcedToolCall
 from core.parsers import ToolCallFormat
+from core.server.openai_protocol import check_name
 from core.structured_output import StructuredOutput
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -41,6 +42,7 @@ def response_format_constraint(response_format: Mapping[str, Any] | None) -> Str
     if not isinstance(spec, Mapping) or not isinstance(spec.get("schema", {}), (Mapping, bool)):
         raise InvalidRequestError("response_format.json_schema must be an object with a schema object",
                                   param="response_format.json_schema")
+    check_name(spec.get("name"), "response_format.json_schema.name")  # required by OpenAI, though unused here
     schema = spec.get("schema", {"type": "object"})
     return StructuredOutput(json=schema, param="response_format.json_schema.schema")
 

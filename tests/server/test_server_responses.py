@@ -132,6 +132,8 @@ def test_json_schema_format_needs_structured_output(http: httpx.Client):
      "tool_choice"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "temperature": 2.5}, "temperature"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a/b", "schema": {}}}}, "text.format.name"),
     ({"input": "x", "top_p": 1.5}, "top_p"),
 ])
 def test_invalid_requests_name_the_field(http: httpx.Client, body: dict[str, Any], param: str):
