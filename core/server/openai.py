@@ -108,12 +108,13 @@ async def chat_completions(request: Request) -> Response:
                                 body_request_id=lambda req: req.request_id)
     req, response_id, [source] = started.body, started.response_id, started.sources
     post = state.postprocessors.for_prepared(started.prepared[0])
+    calls = tr.reports_tool_calls(req)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(_chat_events(state, response_id, started.model, source, post, include_usage), response_id,
-                       [source])
+        return _stream(_chat_events(state, response_id, started.model, source, post, include_usage, calls),
+                       response_id, [source])
     [result] = await until_disconnected(request, collect_all([source]))
-    return JSONResponse(chat_response(state, response_id, started.model, result, post),
+    return JSONResponse(chat_response(state, response_id, started.model, result, post, calls),
                         headers={"X-Request-Id": response_id})
 
 
@@ -129,14 +130,15 @@ def chat_plan(req: ChatCompletionRequest, call_format: ToolCallFormat | None = N
 
 
 def chat_response(state: ServerState, response_id: str, model: str, result: EngineResponse,
-                  post: ChatPostprocessor) -> dict[str, Any]:
-    """A whole `chat.completion` object."""
+                  post: ChatPostprocessor, calls: bool = True) -> dict[str, Any]:
+    """A whole `chat.completion` object; `calls`: a choice that called tools finishes "tool_calls"
+    (`openai_translate.reports_tool_calls`)."""
     choices = []
     for c in result.choices:
         parts = post.final(c.text)
+        finish = tr.finish_reason(c.finish_reason, tool_calls=calls and bool(parts.tool_calls))
         choices.append({"index": c.index, "message": tr.chat_message(parts),
-                        "logprobs": tr.chat_logprobs(c.logprobs, state.engine.detokenize),
-                        "finish_reason": tr.finish_reason(c.finish_reason, tool_calls=bool(parts.tool_calls)),
+                        "logprobs": tr.chat_logprobs(c.logprobs, state.engine.detokenize), "finish_reason": finish,
                         "stop_reason": c.stop_reason})
     response = {"id": response_id, "object": "chat.completion", "created": int(time.time()),
                 "model": model, "choices": choices,
@@ -147,7 +149,7 @@ def chat_response(state: ServerState, response_id: str, model: str, result: Engi
 
 
 async def _chat_events(state: ServerState, response_id: str, model: str, source: AsyncIterator[RequestOutput],
-                       post: ChatPostprocessor, include_usage: bool) -> AsyncIterator[str]:
+                       post: ChatPostprocessor, include_usage: bool, calls: bool) -> AsyncIterator[str]:
     created = int(time.time())
     started: set[int] = set()
     totals = _Totals()
@@ -157,7 +159,7 @@ async def _chat_events(state: ServerState, response_id: str, model: str, source:
             role = tr.chat_delta_choice(out.index, {"role": "assistant", "content": ""})
             yield sse_data(tr.chat_chunk(response_id, created, model, [role]))
         deltas = tr.chat_deltas(post.delta(out.index, out.text, finished=out.finish_reason is not None))
-        finish = tr.finish_reason(out.finish_reason, tool_calls=post.called_tools(out.index))
+        finish = tr.finish_reason(out.finish_reason, tool_calls=calls and post.called_tools(out.index))
         logprobs = tr.chat_logprobs(out.logprobs, state.engine.detokenize)
         for delta in deltas[:-1]:
             yield sse_data(tr.chat_chunk(response_id, created, model, [tr.chat_delta_choice(out.index, delta)]))

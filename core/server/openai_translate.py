@@ -239,10 +239,17 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]],
 
 
 def finish_reason(reason: str | None, *, tool_calls: bool = False) -> str | None:
-    """The engine's finish reason as OpenAI's; "abort" stays "abort" (as in vLLM)."""
+    """The engine's finish reason as OpenAI's: "stop" is "tool_calls" when the choice called tools that
+    `reports_tool_calls`; "abort" stays "abort" (as in vLLM)."""
     if reason == "stop" and tool_calls:
         return "tool_calls"
     return reason
+
+
+def reports_tool_calls(req: ChatCompletionRequest) -> bool:
+    """Whether a choice that called tools finishes "tool_calls": not under a named tool_choice, whose call
+    OpenAI (and vLLM) end "stop"; under auto and required it does."""
+    return not isinstance(req.tool_choice, dict)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:

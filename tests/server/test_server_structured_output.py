@@ -170,7 +170,8 @@ def test_forced_tool_calls_validate(client, tool_choice, stream):
         out = client.chat.completions.create(**args)
         finish = out.choices[0].finish_reason
         found = [(c.function.name, c.function.arguments) for c in out.choices[0].message.tool_calls or ()]
-    assert finish == "tool_calls" and len(found) == 1, (finish, found)
+    # OpenAI ends a call it was told to make by name "stop" (vLLM too), any other call "tool_calls"
+    assert finish == ("stop" if isinstance(tool_choice, dict) else "tool_calls") and len(found) == 1, (finish, found)
     name, arguments = found[0]
     if isinstance(tool_choice, dict):
         assert name == "get_time"
@@ -332,7 +333,8 @@ def test_forced_tool_calls_without_a_tool_call_parser(plain_server: RunningServe
             found = [(call.function.name, call.function.arguments) for call in out.choices[0].message.tool_calls]
         # tool_choice auto on the same server: no parser reads anything, the text is content
         auto = c.chat.completions.create(**{**args, "tool_choice": "auto", "max_tokens": 20})
-    assert finish == "tool_calls" and len(found) == 1, (finish, found)
+    # OpenAI ends a call it was told to make by name "stop" (vLLM too), any other call "tool_calls"
+    assert finish == ("stop" if isinstance(tool_choice, dict) else "tool_calls") and len(found) == 1, (finish, found)
     name, arguments = found[0]
     assert name == "get_time" or not isinstance(tool_choice, dict)
     jsonschema.validate(json.loads(arguments), {"get_weather": WEATHER, "get_time": TIME}[name]["function"]["parameters"])
