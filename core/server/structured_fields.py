@@ -1,8 +1,9 @@
 """The protocols' structured-output fields as a core.structured_output.StructuredOutput.
 
 OpenAI: ``response_format`` ``{"type": "json_object"}`` and ``{"type": "json_schema", "json_schema":
-{"name", "schema", "strict"}}`` (the name required, as OpenAI's); vLLM's extras ``structured_outputs: {json, regex, choice, grammar,
-json_object}`` and the older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``.
+{"name", "schema", "strict"}}`` (the name required, as OpenAI's); vLLM's extras ``structured_outputs: {json,
+regex, choice, grammar, json_object}`` and the older ``guided_json``, ``guided_regex``, ``guided_choice``,
+``guided_grammar``.
 Anthropic: ``output_config.format`` ``{"type": "json_schema", "schema"}``.
 A forced tool call (OpenAI ``tool_choice: "required"`` or a named function, Anthropic ``{"type": "any"}``
 or ``{"type": "tool"}``) becomes a JSON constraint in the tool-call parser's own format (its
