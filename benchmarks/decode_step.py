@@ -53,13 +53,13 @@ def build(dtype: str, max_seqs: int, eager: bool = False, amx_rows: str = "promp
 
 
 def python_expert_loops(model: torch.nn.Module) -> None:
-    """Every sparse MoE block of ``model`` mixes its experts in Python (sparse_moe.mix_experts), as before
-    native/expert_mix.py."""
+    """Every sparse MoE block of ``model`` routes in torch and mixes its experts in Python (sparse_moe.mix_experts),
+    as before native/expert_mix.py (and MoE layers then take the modules, not the native decode stack)."""
     from core_pytorch_backend.models.sparse_moe import SparseMoeBlock
 
     for module in model.modules():
         if isinstance(module, SparseMoeBlock):
-            module.native_mix = lambda hidden, weights, chosen: None
+            module.native_kernel = lambda device: None
 
 
 def stub_matmuls(model: torch.nn.Module) -> None:
@@ -184,6 +184,8 @@ def main() -> None:
     for (*_, experts), (runner, _) in built.items():
         if experts == "python":
             python_expert_loops(runner.model)
+            if runner.decode_path is not None:
+                runner.decode_path.release()  # described again: its MoE layers then take the modules
     for runner, _ in built.values():
         if args.stub_matmuls:
             stub_matmuls(runner.model)

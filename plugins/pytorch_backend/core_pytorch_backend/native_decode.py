@@ -16,7 +16,9 @@ them), Granite's (what the attention and the MLP add to the residual times its m
 layers (and OLMo 3's and EXAONE 4's over them: only the attention's and the MLP's outputs normalised; OLMo's q and
 k norms over all heads at once) or one of Gemma's (``models.gemma``, ``gemma2``, ``gemma3``: float32 norms of 1 +
 w, GELU-tanh, Gemma 2 and 3's norms of the attention's and the MLP's outputs, Gemma 3's rotary table per layer
-type; Gemma 2's soft-capped attention scores are not taken) built on the native op set, with every projection a
+type; Gemma 2's soft-capped attention scores are not taken), and the sparse MoE models over Llama's layer (Qwen2-MoE,
+Qwen3-MoE, Mixtral, Granite MoE: an MoE layer's block is ``native/expert_mix.py``'s one call, router included, which
+the modules' forward calls too) built on the native op set, with every projection a
 ``NativeWeight`` (GGUF quants, ``--quantization int8|int4``), float32 or bfloat16 activations, a float32, bfloat16
 or int8 KV cache, and no hooks (tensor parallel ranks all-reduce in hooks). Steps with a prefill chunk, M-RoPE
 positions or bidirectional image spans, and steps whose rows carry LoRA adapters (the runner routes those
@@ -49,9 +51,12 @@ from core_pytorch_backend.models.gemma3 import (
     GemmaRMSNorm,
 )
 from core_pytorch_backend.models.granite import GraniteDecoderLayer, GraniteModel
+from core_pytorch_backend.models.granitemoe import GraniteMoeDecoderLayer, GraniteMoeModel
 from core_pytorch_backend.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+from core_pytorch_backend.models.mixtral import MixtralDecoderLayer, MixtralModel
 from core_pytorch_backend.models.olmo2 import Olmo2Attention, Olmo2DecoderLayer, Olmo2Model
 from core_pytorch_backend.models.olmo3 import Olmo3Model
+from core_pytorch_backend.models.sparse_moe import QwenMoeDecoderLayer, QwenMoeModel, SparseMoeBlock
 from core_pytorch_backend.native import tile_rows
 from core_pytorch_backend.native.library import CpuKernels, available
 from core_pytorch_backend.native.packed_struct import Packed, packed_of
@@ -73,7 +78,8 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 class _Layer(ctypes.Structure):  # core_layer
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("attn_out_norm", _P),
                 ("mlp_out_norm", _P), ("cos", _P), ("sin", _P), ("qkv", Packed), ("o", Packed), ("gate_up", Packed),
-                ("down", Packed), ("k_cache", _P), ("v_cache", _P), ("window", _L), ("scale", _F), ("rope", _I)]
+                ("down", Packed), ("k_cache", _P), ("v_cache", _P), ("window", _L), ("scale", _F), ("rope", _I),
+                ("moe", _P)]
 
 
 class _Decoder(ctypes.Structure):  # core_decoder
@@ -114,6 +120,9 @@ class _Family:
 
 _FAMILIES = {LlamaModel: _Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, "pre"),
              GraniteModel: _Family(GraniteDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, "pre", scaled=True),
+             QwenMoeModel: _Family(QwenMoeDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, "pre"),
+             MixtralModel: _Family(MixtralDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, "pre"),
+             GraniteMoeModel: _Family(GraniteMoeDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, "pre", scaled=True),
              Olmo2Model: _Family(Olmo2DecoderLayer, Olmo2Attention, LlamaMLP, RMSNorm, "post"),
              Olmo3Model: _Family(Olmo2DecoderLayer, Olmo2Attention, LlamaMLP, RMSNorm, "post"),
              Exaone4Model: _Family(Exaone4DecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, "post"),
@@ -137,7 +146,7 @@ class _Plan:
     dtype: torch.dtype
     decoder: _Decoder
     layers: Any  # ctypes array of _Layer
-    keep: list[torch.Tensor]  # every tensor a pointer above reads (biases converted to float32 among them)
+    keep: list[Any]  # every tensor a pointer above reads (biases converted to float32 among them), MoE blocks' structs
     group_rows: int  # the row-group path's units as described (decoder.group_rows is 0 for a step whose rows
     # are not independent: AttentionMetadata.rows_independent)
 
@@ -234,7 +243,8 @@ def describe(model: nn.Module) -> _Plan:
     _no_hooks(model)
     layers = list(decoder.layers)
     first = layers[0]
-    attention, mlp = first.self_attn, first.mlp
+    attention = first.self_attn
+    dense = next((layer.mlp for layer in layers if type(layer.mlp) is family.mlp), None)  # None: every MLP an MoE
     rotary = _rotary_of(layers)
     width_norm = next(n for n in family.norms(first).values() if n is not None)  # one of the hidden width
     dtype = width_norm.weight.dtype  # the activations' (a step whose embeddings differ takes the modules)
@@ -246,16 +256,16 @@ def describe(model: nn.Module) -> _Plan:
     heads, kv_heads, head_dim = attention.attn.num_heads, attention.attn.num_kv_heads, attention.head_dim
     if head_dim > MAX_HEAD_DIM or heads // kv_heads > MAX_GROUP:
         raise DoesNotFit(f"{head_dim}-wide heads in groups of {heads // kv_heads}")
-    act = _ACTIVATIONS.get(type(mlp.act_fn))
+    act = ACT_SILU if dense is None else _ACTIVATIONS.get(type(dense.act_fn))
     if act is None:
-        raise DoesNotFit(f"the MLP's {type(mlp.act_fn).__name__} (silu or GELU-tanh)")
+        raise DoesNotFit(f"the MLP's {type(dense.act_fn).__name__} (silu or GELU-tanh)")
     qkv = attention.qkv_proj.weight
     if not isinstance(qkv, NativeWeight):
         raise DoesNotFit("layer 0's qkv_proj is not a native packed weight")
     group_rows = row_group_rows(qkv.kernels)
-    keep: list[torch.Tensor] = []
+    keep: list[Any] = []
     spec = _Decoder(hidden=width_norm.weight.shape[0], heads=heads, kv_heads=kv_heads,
-                    head_dim=head_dim, rotary_dim=rotary.rotary_dim, inter=mlp.down_proj.input_size,
+                    head_dim=head_dim, rotary_dim=rotary.rotary_dim, inter=1 if dense is None else dense.down_proj.input_size,
                     dtype=DTYPE_CODES[dtype],
                     cache_dtype=CACHE_CODES[cache.dtype], table_dtype=DTYPE_CODES[rotary.cos_cache.dtype],
                     norm_float=int(family.norm is GemmaRMSNorm), act=act,
@@ -303,9 +313,12 @@ def row_group_from(group_rows: int) -> int:
 def _describe_layer(layer: nn.Module, index: int, family: _Family, spec: _Decoder, first_rotary: RotaryEmbedding,
                     cache: torch.Tensor, keep: list[torch.Tensor]) -> _Layer:
     attention, mlp = layer.self_attn, layer.mlp
-    if (type(layer) is not family.layer or type(attention) is not family.attention or type(mlp) is not family.mlp
-            or _ACTIVATIONS.get(type(mlp.act_fn)) != spec.act):
-        raise DoesNotFit(f"layer {index} is not its family's decoder layer with layer 0's activation")
+    moe = _moe_block(mlp, index, spec, keep) if type(mlp) is SparseMoeBlock else None
+    if (type(layer) is not family.layer or type(attention) is not family.attention
+            or (moe is None and (type(mlp) is not family.mlp or _ACTIVATIONS.get(type(mlp.act_fn)) != spec.act))):
+        raise DoesNotFit(f"layer {index} is not its family's decoder layer with the dense layers' activation")
+    if moe is None and mlp.down_proj.input_size != spec.inter:
+        raise DoesNotFit(f"layer {index}'s MLP is not as wide as the other dense layers'")
     if family.scaled and _F(layer.residual_multiplier).value != spec.branch_scale:
         raise DoesNotFit(f"layer {index}'s residual_multiplier differs from layer 0's")
     attn = attention.attn
@@ -321,9 +334,20 @@ def _describe_layer(layer: nn.Module, index: int, family: _Family, spec: _Decode
                   k_norm=weights["k"], attn_out_norm=weights["attn_out"], mlp_out_norm=weights["mlp_out"],
                   cos=_ptr(rotary.cos_cache, keep), sin=_ptr(rotary.sin_cache, keep),
                   qkv=_packed(attention.qkv_proj, index, keep), o=_packed(attention.o_proj, index, keep),
-                  gate_up=_packed(mlp.gate_up_proj, index, keep), down=_packed(mlp.down_proj, index, keep),
+                  gate_up=Packed() if moe else _packed(mlp.gate_up_proj, index, keep),
+                  down=Packed() if moe else _packed(mlp.down_proj, index, keep),
                   k_cache=_ptr(attn.k_cache, keep), v_cache=_ptr(attn.v_cache, keep), window=attn.sliding_window or 0,
-                  scale=attn.scale, rope=int(attention.rotary_emb is not None))
+                  scale=attn.scale, rope=int(attention.rotary_emb is not None), moe=moe)
+
+
+def _moe_block(block: SparseMoeBlock, index: int, spec: _Decoder, keep: list[Any]) -> int:
+    """The pointer the C layer reads for a sparse MoE block: its core_moe (native/expert_mix.py), kept alive."""
+    kernel = block.native_kernel(torch.device("cpu"))
+    if kernel is None or kernel.moe is None or DTYPE_CODES[kernel.router_dtype] != spec.dtype:
+        raise DoesNotFit(f"layer {index}'s MoE block is not one native call (packed experts, a float router of the "
+                         "activations' dtype)")
+    keep.append(kernel)
+    return ctypes.addressof(kernel.moe)
 
 
 def _norm_weight(norm: nn.Module | None, family: _Family, spec: _Decoder, index: int,

@@ -1,11 +1,14 @@
-"""A sparse MoE block's experts in one native call (native/expert_mix.py, csrc/moe_mix.c).
+"""A sparse MoE block in one native call (native/expert_mix.py, csrc/moe_mix.c).
 
-Its oracle is models.sparse_moe.mix_experts over the same packed weights: equal bit for bit in a step without
-prompt rows; with prompt rows, each token's rows on the loop its own row takes (the prompt loop for a prompt
-token's), which the oracle here spells out expert by expert.
+The experts' oracle is models.sparse_moe.mix_experts over the same packed weights: equal bit for bit in a step
+without prompt rows; with prompt rows, each token's rows on the loop its own row takes (the prompt loop for a prompt
+token's), which the oracle here spells out expert by expert. The whole block's (routing in C too) is the block's
+torch routing and shared expert: the same experts chosen, the weights and outputs within float rounding.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -19,7 +22,9 @@ from core_pytorch_backend.native.library import available
 from core_pytorch_backend.quant.kernel_choice import PackedKernel
 
 pytestmark = pytest.mark.skipif(available() is None, reason="the native kernels do not build here")
-ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe"]
+ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared"]
+# shared experts 64 wide, whose down projection int4's groups of 32 pack (the tiny configs' 48 stay float: F.linear)
+PACKED_SHARED = {"qwen2_moe": dict(shared_expert_intermediate_size=64), "granitemoeshared": dict(shared_intermediate_size=64)}
 
 
 @pytest.fixture
@@ -68,19 +73,100 @@ def test_the_experts_in_one_call_are_mix_experts_bit_for_bit(tiny_checkpoint_fac
             hidden, weights, chosen = _inputs(block, tokens, blocks[0].gate.weight.dtype, seed=tokens + index)
             mixed = block.native_mix(hidden, weights, chosen)
             assert torch.equal(mixed, mix_experts(block.experts, hidden, weights, chosen)), (tokens, index)
-            _assert_forward_takes_it(block, hidden)
 
 
-def _assert_forward_takes_it(block: SparseMoeBlock, hidden: torch.Tensor) -> None:
-    """The block's forward calls the native mix (counted), and gives what it gives with mix_experts instead."""
-    ids, mix = block._native_mix
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_whole_block_in_one_call_routes_as_torch_and_mixes_what_it_chose(tiny_checkpoint_factory, native_packed,
+                                                                             arch, dtype):
+    """Routing in C (softmax, top_k, renormalized; Granite's softmax of the top_k logits) chooses the experts torch
+    chooses, with its weights to float rounding; the block's output is the native mix of that choice (bit for bit)
+    plus the shared expert (Qwen2-MoE's behind its sigmoid gate, Granite MoE Shared's ungated), and the forward
+    takes it, within rounding of the modules' torch routing and shared expert."""
+    blocks = _blocks(tiny_checkpoint_factory(arch, **PACKED_SHARED.get(arch, {})), "int4", dtype)
+    kernels = [b.native_kernel(torch.device("cpu")) for b in blocks]
+    assert blocks and all(k is not None and k.moe is not None for k in kernels)
+    loose = dict(rtol=2e-2, atol=2e-2) if dtype == "bfloat16" else dict(rtol=1e-4, atol=1e-5)
+    for tokens in (1, 3, 17, 40):
+        for index, (block, kernel) in enumerate(zip(blocks, kernels, strict=True)):
+            hidden, weights, chosen = _inputs(block, tokens, block.gate.weight.dtype, seed=tokens + index)
+            hidden = hidden[_untied(block, hidden)]  # a tie at the k-th logit: torch.topk's pick is its own
+            weights, chosen = block.routing(hidden)
+            c_weights, c_chosen = kernel.route(hidden)
+            experts = len(block.experts)
+            torch.testing.assert_close(_dense(c_weights, c_chosen, experts), _dense(weights, chosen, experts), **loose)
+            assert torch.equal(_dense(c_weights, c_chosen, experts) > 0, _dense(weights, chosen, experts) > 0)
+            whole = kernel.block(hidden)
+            if block.shared_expert is None:
+                assert torch.equal(whole, kernel.mix(hidden, c_weights, c_chosen)), (tokens, index)
+            _assert_forward_takes_it(block, hidden, whole, loose)
+
+
+def _untied(block: SparseMoeBlock, hidden: torch.Tensor) -> torch.Tensor:
+    """The tokens whose k-th and (k + 1)-th largest router logits differ (bfloat16 logits often tie)."""
+    logits = torch.nn.functional.linear(hidden, block.gate.weight, block.gate.bias).float()
+    if block.top_k == logits.shape[1]:
+        return torch.ones(hidden.shape[0], dtype=torch.bool)
+    best = logits.topk(block.top_k + 1, dim=-1).values
+    return best[:, -2] != best[:, -1]
+
+
+def _dense(weights: torch.Tensor, chosen: torch.Tensor, experts: int) -> torch.Tensor:
+    """Each token's weight for every expert [T, experts] (0: not chosen), whatever the order of its choices."""
+    return torch.zeros(chosen.shape[0], experts).scatter(1, chosen, weights.float())
+
+
+def _assert_forward_takes_it(block: SparseMoeBlock, hidden: torch.Tensor, whole: torch.Tensor, loose: dict) -> None:
+    """The block's forward is the one native call (its result, counted), and within rounding of the modules' torch
+    routing, mix_experts and shared expert."""
+    ids, kernel = block._native
     calls = []
-    block._native_mix = (ids, lambda *args: calls.append(args) or mix(*args))
+    block._native = (ids, _Counting(kernel, calls))
     through_native = block(hidden)
-    block._native_mix = (ids, None)  # described as not fitting: mix_experts
+    block._native = (ids, None)  # described as not fitting: torch and mix_experts
     through_python = block(hidden)
-    block._native_mix = (ids, mix)
-    assert len(calls) == 1 and torch.equal(through_native, through_python)
+    block._native = (ids, kernel)
+    assert len(calls) == 1 and torch.equal(through_native, whole)
+    torch.testing.assert_close(through_native, through_python, **loose)
+
+
+class _Counting:
+    def __init__(self, kernel: ExpertMix, calls: list) -> None:
+        self.kernel, self.calls = kernel, calls
+
+    def block(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        self.calls.append(hidden)
+        return self.kernel.block(hidden)
+
+
+@contextlib.contextmanager
+def _threads(count: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_experts_shared_among_threads_give_the_bits_of_one_thread(tiny_checkpoint_factory, native_packed, arch, dtype):
+    """With two experts' rows a thread or more, each thread runs whole experts and the sums follow in expert order:
+    the bits one thread gives, prompt rows on the prompt loop included."""
+    block = _blocks(tiny_checkpoint_factory(arch, **PACKED_SHARED.get(arch, {})), "int4", dtype)[0]
+    kernel = block.native_kernel(torch.device("cpu"))
+    for tokens in (1, 9, 40):
+        hidden, weights, chosen = _inputs(block, tokens, block.gate.weight.dtype, seed=tokens)
+        rows = tile_rows.rows_of([(0, tokens // 2)], tokens) if tokens > 1 else None
+        with contextlib.ExitStack() as marks:
+            if rows is not None and kernel.prompt_loop:
+                marks.enter_context(tile_rows.prompt_token_rows(rows))
+            with _threads(1):
+                alone = kernel.block(hidden), kernel.mix(hidden, weights, chosen)
+            with _threads(2):
+                shared = kernel.block(hidden), kernel.mix(hidden, weights, chosen)
+        assert all(torch.equal(a, b) for a, b in zip(alone, shared, strict=True)), tokens
 
 
 @pytest.mark.skipif(available() is None or available().prompt_loop is None, reason="no prompt loop on this CPU")

@@ -32,6 +32,8 @@ BLOCK = 4
 TABLES = [[7, 3, 12, 20, 21, 22, 23, 24, 25, 26], [0, 9, 4, 30, 31, 32, 33, 34, 35, 36],
           [5, 1, 14, 40, 41, 42, 43, 44, 45, 46]]
 PROMPT_LENS = [5, 17, 26]  # Mistral's tiny window is 12: the longer ones attend to a window
+# shared experts 64 wide, whose down projection int4's groups of 32 pack (the tiny configs' 48 stay float: F.linear)
+PACKED_SHARED = {"qwen2_moe": dict(shared_expert_intermediate_size=64), "granitemoeshared": dict(shared_intermediate_size=64)}
 
 
 @pytest.fixture
@@ -79,13 +81,16 @@ def _decode_both_ways(runner: ModelRunner, steps: int = 12) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3", "phi3-partial-rotary",
-                                  "granite", "olmo2", "olmo3", "exaone4", "gemma", "gemma3_text", "gemma2-no-softcap"])
+                                  "granite", "olmo2", "olmo3", "exaone4", "gemma", "gemma3_text", "gemma2-no-softcap",
+                                  "qwen3_moe", "qwen2_moe", "mixtral", "granitemoe", "granitemoeshared"])
 def test_the_stack_gives_the_modules_hidden_states_bit_for_bit(tiny_checkpoint_factory, native_packed, arch,
                                                                  quantization, dtype):
     """Granite's multipliers, OLMo 2 / 3's and EXAONE 4's post-norm layers (OLMo's q / k norms over all heads) and
     Gemma's decoders too: float32 norms of 1 + w (core_rms_norm_float), GELU-tanh * up, Gemma 2 and 3's norms of
-    the attention's and the MLP's outputs, Gemma 3's sliding layers with their own rotary table."""
-    overrides = {}
+    the attention's and the MLP's outputs, Gemma 3's sliding layers with their own rotary table. The sparse MoE
+    models' blocks (a dense layer among them in Qwen3-MoE's, Qwen2-MoE's gated and Granite MoE Shared's ungated
+    shared experts) run routing and experts in moe_mix.c's one call, from the modules and from the stack alike."""
+    overrides = PACKED_SHARED.get(arch, {})
     if arch == "gemma2-no-softcap":  # Gemma 2's layers without its soft-capped scores (which take the modules)
         arch, overrides = "gemma2", dict(attn_logit_softcapping=None)
     if arch == "phi3-partial-rotary":  # Phi-4-mini's: rotary on the first three quarters of each head
@@ -112,7 +117,7 @@ def test_the_stack_over_an_int8_kv_cache_gives_the_modules_bits(tiny_checkpoint_
 
 @pytest.mark.parametrize("group_rows", [1, 2])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen3_moe"])
 def test_the_row_group_path_gives_the_modules_hidden_states_bit_for_bit(tiny_checkpoint_factory, native_packed,
                                                                           monkeypatch, arch, dtype, group_rows):
     """Steps of 3 rows cut into groups of 1 (three) or 2 (two, one short): each thread takes one layer of
@@ -332,8 +337,10 @@ def test_models_it_does_not_take_are_refused_at_start_with_the_reason(tiny_check
     assert reference.decode_path is None and "native op set" in caplog.text
     gemma2 = _runner(_load(tiny_checkpoint_factory("gemma2"), "int8"))  # soft-capped attention scores: the modules
     assert gemma2.decode_path is None
-    for moe in ("qwen3_moe", "qwen2_moe", "mixtral"):  # sparse experts: the modules
-        assert _runner(_load(tiny_checkpoint_factory(moe), "int8")).decode_path is None
+    assert _runner(_load(tiny_checkpoint_factory("olmoe"), "int8")).decode_path is None  # OLMoE's attention
+    with caplog.at_level(logging.INFO, logger="core_pytorch_backend.native_decode"):  # a shared expert int4 leaves
+        assert _runner(_load(tiny_checkpoint_factory("qwen2_moe"), "int4")).decode_path is None  # float: modules
+    assert "layer 0's MoE block is not one native call" in caplog.text
     packed = _load(path, "int8")
     assert make_native_decode(packed, device=CPU, enabled=False) is None  # --enforce-eager
     runner = ModelRunner(packed, block_size=BLOCK, num_blocks=64, device=CPU, dtype=torch.float32)

@@ -33,22 +33,28 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.normalize, self.softmax_of_top_k = top_k, normalize, softmax_of_top_k
         self.shared_expert = LlamaMLP(config, ops, shared_size, bias=shared_bias) if shared_size else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared_size and shared_gate else None
-        self._native_mix: tuple[tuple[int, int], Any] | None = None  # (_weight_ids(), ExpertMix or None)
+        self._native: tuple[tuple[int, int], Any] | None = None  # (_weight_ids(), ExpertMix or None)
 
     def make_expert(self, config: Any, ops: Any, size: int) -> nn.Module:
         """One routed expert: a SwiGLU ``LlamaMLP`` (gpt-oss's have biases and a clamped SwiGLU)."""
         return LlamaMLP(config, ops, size)
 
-    def native_mix(self, hidden: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor | None:
-        """mix_experts' result in one native call (native/expert_mix.py) where the experts are packed CPU weights,
-        else None. Described on the first call, and again whenever an expert's weight was replaced."""
-        described = self._native_mix
+    def native_kernel(self, device: torch.device) -> Any:
+        """The block as one native call (native/expert_mix.py's ExpertMix: ``block`` the whole block, ``mix`` the
+        experts alone) where the experts are packed CPU weights, else None. Described on the first call, and again
+        whenever an expert's weight was replaced."""
+        described = self._native
         if described is None or described[0] != self._weight_ids():
             from ..native.expert_mix import ExpertMix
 
-            described = self._native_mix = (self._weight_ids(),
-                                             ExpertMix.of(self.experts) if hidden.device.type == "cpu" else None)
-        return None if described[1] is None else described[1](hidden, weights, chosen)
+            described = self._native = (self._weight_ids(),
+                                        ExpertMix.of_block(self) if device.type == "cpu" else None)
+        return described[1]
+
+    def native_mix(self, hidden: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor | None:
+        """mix_experts' result in one native call where the experts are packed CPU weights, else None."""
+        kernel = self.native_kernel(hidden.device)
+        return None if kernel is None else kernel.mix(hidden, weights, chosen)
 
     def _weight_ids(self) -> tuple[int, int]:
         """The first expert's weight and where its values are: a wakeup that reloads the model builds new modules,
@@ -69,8 +75,12 @@ class SparseMoeBlock(nn.Module):
         return weights.to(hidden.dtype), chosen
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        kernel = self.native_kernel(hidden.device)
+        out = None if kernel is None else kernel.block(hidden)  # routed, mixed and the shared expert added in C
+        if out is not None:
+            return out
         weights, chosen = self.routing(hidden)
-        out = self.native_mix(hidden, weights, chosen)
+        out = None if kernel is None else kernel.mix(hidden, weights, chosen)
         if out is None:
             out = mix_experts(self.experts, hidden, weights, chosen)
         if self.shared_expert_gate is not None:

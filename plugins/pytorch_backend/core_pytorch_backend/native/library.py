@@ -60,6 +60,10 @@ SIGNATURES: dict[str, list] = {
     # x, dtype, T, H, top k, chosen int64 [T, k], weights [T, k] (x's dtype), tiled uint8 [T] (or NULL), experts,
     # gate_up core_packed [experts], down core_packed [experts], inter, out [T, H] (csrc/moe_mix.c)
     "core_moe_mix": [_P, _I, _L, _L, _L, _P, _P, _P, _L, _P, _P, _L, _P],
+    # core_moe (csrc/common.h), x, dtype, T, H, tiled uint8 [T] (or NULL), all tiled, out [T, H] (csrc/moe_mix.c)
+    "core_moe_block": [_P, _P, _I, _L, _L, _P, _I, _P],
+    # core_moe, x, dtype, T, H, weights [T, k] (x's dtype), chosen int64 [T, k]
+    "core_moe_route": [_P, _P, _I, _L, _L, _P, _P],
     # logits, dtype, rows, vocabulary, out int64 [rows] (csrc/argmax.c)
     "core_argmax_rows": [_P, _I, _L, _L, _P],
     # q, k, v, g, beta, state, (sequence, head) pairs, Dk, Dv, out: float32 (csrc/delta_rule.c)

@@ -232,6 +232,20 @@ typedef struct { /* one weight in packed_linear.c's layout (decoder_stack.c, moe
     int32_t bits, group, scale_dtype; /* group: the inputs a scale covers (packed_linear.c) */
 } core_packed;
 
+/* A sparse mixture-of-experts block (models/sparse_moe.py's SparseMoeBlock) as moe_mix.c runs it whole: the router,
+ * each token's top_k experts (SwiGLU MLPs of packed weights) and a shared expert (native/expert_mix.py, decoder_stack.c) */
+typedef struct {
+    const void *router;               /* [experts, hidden] of the activations' dtype */
+    const float *router_bias;         /* [experts] float32, or NULL */
+    const core_packed *gate_up, *down; /* [experts] each: expert e's [2 inter, hidden] and [hidden, inter] */
+    const core_packed *shared;        /* [2]: the shared expert's gate_up and down, or NULL: none */
+    const void *shared_gate;          /* [hidden] of the activations' dtype: the shared expert's output times
+                                         sigmoid(x . shared_gate) (Qwen2-MoE); NULL: added as it is */
+    int64_t experts, top_k, inter;
+    int32_t normalize;                /* 1: the top_k probabilities renormalized to sum to 1 */
+    int32_t softmax_of_top_k;         /* 1: the weights are the softmax of the top_k logits alone (Granite MoE) */
+} core_moe;
+
 /* The exported kernels, for a file that composes them (decoder_stack.c, chunk_attention.c); library.py
  * documents them. */
 int core_packed_linear(const void *x, int x_dtype, int64_t m, int64_t k, const uint8_t *codes, int bits,
@@ -244,6 +258,8 @@ int core_packed_linear_tiles_silu(const void *x, int x_dtype, int64_t m, int64_t
                                   int group, int64_t n, int64_t kp, const void *scale, const void *offset,
                                   int scale_dtype, const float *bias, void *y, int y_dtype);
 int core_packed_uses_amx(void);
+int core_moe_block(const core_moe *moe, const void *x, int dtype, int64_t tokens, int64_t hidden, const uint8_t *tiled,
+                   int all_tiled, void *out);
 int core_half_linear(const void *x, int x_dtype, int64_t m, int64_t k, const uint16_t *w, int w_dtype, int64_t n,
                      int64_t kp, const float *bias, void *y, int y_dtype, int reference);
 #define HALF_TILE_BLOCKS 4 /* weight blocks of half_linear.c's tile, the most core_half_bf16_blocks takes */

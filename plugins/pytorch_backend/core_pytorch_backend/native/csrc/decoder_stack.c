@@ -13,7 +13,8 @@
  * their own base). Granite's (models/granite.py) multiplies what the attention and the MLP add to the residual
  * by residual_multiplier (branch_scale). OLMo 2 and 3's and EXAONE 4's post-norm layers (models/olmo2.py) have
  * only the output norms: no input_norm and no post_norm (the attention and the MLP read the residual stream as it
- * is), and OLMo's q and k norms span all heads at once (qk_norm_whole).
+ * is), and OLMo's q and k norms span all heads at once (qk_norm_whole). The sparse MoE models over Llama's layer
+ * (Qwen2-MoE, Qwen3-MoE, Mixtral, Granite MoE) have a core_moe_block (moe_mix.c) where the MLP is, routing included.
  *
  * The model and its layers are described once (core_decoder, core_layer: pointers into the weights and
  * KV caches, which decoder_stack.py keeps alive and rebuilds when they move); a step passes its rows.
@@ -41,10 +42,11 @@ typedef struct {
     int64_t window;          /* sliding window, 0: none */
     float scale;             /* softmax scale */
     int32_t rope;            /* 1: rotary on q and k; 0: none (SmolLM3's no-rope layers) */
+    const core_moe *moe;     /* the MLP a sparse MoE block (moe_mix.c; gate_up and down unused), or NULL */
 } core_layer;
 
 typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, inter;
+    int64_t hidden, heads, kv_heads, head_dim, inter; /* inter: the dense MLPs' (the widest; MoE layers' own) */
     int64_t rotary_dim; /* each head's rotated values (partial_rotary_factor: fewer than head_dim; the rest as is) */
     int32_t dtype, cache_dtype, table_dtype; /* dtype: the activations' (and the norm weights', but norm_float) */
     int32_t norm_float; /* 1: norm weights float32, multiplied in float32 and rounded once (Gemma: 1 + w) */
@@ -204,8 +206,12 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
     if (L->attn_out_norm) CHECK(norm(m, r->hidden, tokens, h, NULL, L->attn_out_norm, r->hidden, NULL));
     if (m->branch_scale != 1.f) scale_rows(m, r->hidden, tokens, h);
     CHECK(branch_input(m, L->post_norm, 0, r, b->normed, &input));
-    CHECK(packed_gated(&L->gate_up, input, m->dtype, tokens, h, m->tiles, m->act, b->gate_up, b->act));
-    CHECK(linear(m, &L->down, b->act, tokens, m->inter, r->hidden));
+    if (L->moe) {
+        CHECK(core_moe_block(L->moe, input, m->dtype, tokens, h, NULL, m->tiles, r->hidden));
+    } else {
+        CHECK(packed_gated(&L->gate_up, input, m->dtype, tokens, h, m->tiles, m->act, b->gate_up, b->act));
+        CHECK(linear(m, &L->down, b->act, tokens, m->inter, r->hidden));
+    }
     if (L->mlp_out_norm) CHECK(norm(m, r->hidden, tokens, h, NULL, L->mlp_out_norm, r->hidden, NULL));
     if (m->branch_scale != 1.f) scale_rows(m, r->hidden, tokens, h);
     return OK;
