@@ -262,7 +262,10 @@ def describe(model: nn.Module) -> _Plan:
     qkv = attention.qkv_proj.weight
     if not isinstance(qkv, NativeWeight):
         raise DoesNotFit("layer 0's qkv_proj is not a native packed weight")
-    group_rows = row_group_rows(qkv.kernels)
+    # row groups would run each MoE block once a group, reading every chosen expert's weights once a group: one
+    # call of all the rows, whose experts the threads share (csrc/moe_mix.c)
+    moe = any(type(layer.mlp) is SparseMoeBlock for layer in layers)
+    group_rows = 0 if moe else row_group_rows(qkv.kernels)
     keep: list[Any] = []
     spec = _Decoder(hidden=width_norm.weight.shape[0], heads=heads, kv_heads=kv_heads,
                     head_dim=head_dim, rotary_dim=rotary.rotary_dim, inter=1 if dense is None else dense.down_proj.input_size,
