@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,9 @@ class AttentionMetadata:
     # Per-step scratch an op set fills at the first layer and reuses in the others (index tensors,
     # masks): this object lives for one forward step.
     op_cache: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # What each attention layer calls before it runs: it raises to drop a step whose requests are all being
+    # aborted (step_interrupt.py). Set by the runner for the step it runs; never copied to another rank.
+    interrupt: Callable[[], None] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -42,6 +42,7 @@ from core_pytorch_backend.pooled_prompt import PooledPrompt
 from core_pytorch_backend.request_state import RequestState
 from core_pytorch_backend.sampling_batch import SamplingParams
 from core_pytorch_backend.speculative import make_speculative_decoder
+from core_pytorch_backend.step_interrupt import StepInterrupt
 
 log = logging.getLogger(__name__)
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -154,10 +155,11 @@ class PytorchBackend(Backend):
         self.lora = self._start_adapters(loaded, config.adapters)
         speculative = (make_speculative_decoder(config.speculative, self.model_info.vocab_size)
                        if config.speculative is not None else None)
+        interrupt = StepInterrupt() if self.tp is None else None  # ranks must run each step to its end together
         runner = ModelRunner(loaded.model, block_size=config.block_size, num_blocks=num_blocks,
                              device=self.device, dtype=loaded.dtype, kv_cache_dtype=kv_dtype,
                              decode_path=decode_path, lora_step=self.lora.step if self.lora else None,
-                             tile_rule=self.options.amx_rows)
+                             tile_rule=self.options.amx_rows, interrupt=interrupt)
         if runner.marks_tile_rows:
             loop = {"amx": "the AMX tiles", "vectors": "AVX512-BF16 vectors"}[tile_rows.prompt_loop_of(loaded.model)]
             log.info("packed matmuls' prompt loop on %s: %s", loop, tile_rows.RULES[self.options.amx_rows])
@@ -169,7 +171,7 @@ class PytorchBackend(Backend):
                                enable_prefix_caching=config.enable_prefix_caching, state_snapshots=snapshots,
                                sample_kernel=getattr(self.ops, "sample_tokens", None),
                                argmax_kernel=getattr(self.ops, "argmax_rows", None), adapters=self.lora,
-                               speculative=speculative)
+                               speculative=speculative, interrupt=interrupt)
         log.info("KV cache: %d blocks of %d tokens (%d tokens) on %s, %s", num_blocks, config.block_size,
                  num_blocks * config.block_size, self.device, kv_int8.describe(kv_dtype))
         if self.device.type == "cpu":
@@ -286,21 +288,22 @@ class PytorchBackend(Backend):
                 yield item
         finally:
             if not state.channel.closed:
-                await asyncio.shield(asyncio.wrap_future(self.loop.call(lambda: self.loop.abort(state.session_id))))
+                aborting = self.loop.call_aborting(lambda: self.loop.abort(state.session_id), [state.session_id])
+                await asyncio.shield(asyncio.wrap_future(aborting))
 
     async def abort(self, session_id: str) -> None:
-        await asyncio.wrap_future(self.loop.call(lambda: self.loop.abort(session_id)))
+        await asyncio.wrap_future(self.loop.call_aborting(lambda: self.loop.abort(session_id), [session_id]))
 
     async def abort_many(self, session_ids: Sequence[str]) -> None:
         """All of them in one command: done within one engine step, however many there are."""
         ids = list(session_ids)
-        await asyncio.wrap_future(self.loop.call(lambda: self.loop.abort_many(ids)))
+        await asyncio.wrap_future(self.loop.call_aborting(lambda: self.loop.abort_many(ids), ids))
 
     async def end(self, session_id: str) -> EndResult:
         return await asyncio.wrap_future(self.loop.call(lambda: self.loop.end(session_id)))
 
     async def sleep(self, level: int) -> None:
-        await asyncio.wrap_future(self.loop.call(lambda: self.loop.sleep(level)))
+        await asyncio.wrap_future(self.loop.call_aborting(lambda: self.loop.sleep(level), None))
 
     async def wakeup(self, tags: Sequence[str]) -> None:
         await asyncio.wrap_future(self.loop.call(lambda: self.loop.wakeup(tags, self._reload_model)))

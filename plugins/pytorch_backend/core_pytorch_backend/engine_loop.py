@@ -12,11 +12,12 @@ aborts what is in flight and forgets the cached blocks, and hands the memory to 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ from core_pytorch_backend.request_state import RequestState
 from core_pytorch_backend.sampling import ArgmaxKernel, SampleKernel, SamplingBatch, SamplingRow, sample
 from core_pytorch_backend.speculative import SpeculativeDecoder
 from core_pytorch_backend.step_inputs import PromptRows, StepInputs, StepLogits, narrowed
+from core_pytorch_backend.step_interrupt import StepInterrupt, StepInterrupted
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_SECONDS = 0.5  # also how long the loop is idle, after steps, before it trims the heap
@@ -58,8 +60,10 @@ class EngineLoop:
     def __init__(self, runner: ModelRunner, *, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_prefix_caching: bool, state_snapshots: int = 0,
                  sample_kernel: SampleKernel | None = None, argmax_kernel: ArgmaxKernel | None = None,
-                 adapters: AdapterManager | None = None, speculative: SpeculativeDecoder | None = None) -> None:
+                 adapters: AdapterManager | None = None, speculative: SpeculativeDecoder | None = None,
+                 interrupt: StepInterrupt | None = None) -> None:
         self.runner = runner
+        self.interrupt = interrupt  # the runner's too: aborts stop the forward pass they empty (None: never)
         self.speculative = speculative  # proposals verified each step (speculative/); None: off
         self.adapters = adapters  # LoRA slots (lora/manager.py); None: adapters are off
         self._adapter_slots: dict[str, tuple[str, int]] = {}  # session id -> (adapter, slot) while in flight
@@ -100,9 +104,26 @@ class EngineLoop:
             self._commands.put((fn, future))
         return future
 
+    def call_aborting(self, fn: Callable[[], Any], session_ids: Collection[str] | None) -> concurrent.futures.Future:
+        """`call(fn)` for a command that aborts `session_ids` (None: every request): a forward pass whose
+        requests all have an abort queued stops at its next attention layer, so the aborts run without
+        waiting for the step to end (step_interrupt.py)."""
+        interrupt = self.interrupt
+        if interrupt is None:
+            return self.call(fn)
+        interrupt.aborting(session_ids)
+
+        def command() -> Any:
+            try:
+                return fn()
+            finally:
+                interrupt.aborted(session_ids)
+
+        return self.call(command)
+
     def stop(self) -> None:
         if self._thread.is_alive():
-            self.call(self._shutdown).result(timeout=60)
+            self.call_aborting(self._shutdown, None).result(timeout=60)
             self._thread.join(timeout=60)
 
     @property
@@ -341,6 +362,8 @@ class EngineLoop:
         sampler, prompt scoring or pooling request by request on the same forward (`_record_each`)."""
         try:
             inputs, step = self._forward(chunks)
+        except StepInterrupted:
+            return  # its requests are all being aborted: the command that aborts them runs next
         except Exception as exc:
             self._isolate_failure(chunks, exc)
             return
@@ -373,7 +396,18 @@ class EngineLoop:
         recurrent model's states (which running it again would advance twice)."""
         inputs = self.runner.prepare(chunks, self._scoring_prompts(chunks), self._pooling_positions(chunks),
                                      self._chunk_adapter_slots(chunks))
-        return inputs, self.runner.forward(inputs)
+        with self._interruptible(chunks):
+            return inputs, self.runner.forward(inputs)
+
+    def _interruptible(self, chunks: list[ScheduledSequence]) -> contextlib.AbstractContextManager[None]:
+        """The forward pass of `chunks`, marked with the requests an abort must cover to stop it: all but the
+        embeddings, whose chunks can run again (not a recurrent model's, whose states advance)."""
+        if self.interrupt is None:
+            return contextlib.nullcontext()
+        recurrent = self.runner.has_recurrent_state
+        owners = {state.session_id for state in map(self._owner, chunks)
+                  if state is not None and (state.pooling is None or recurrent)}
+        return self.interrupt.step(owners)
 
     def _outputs(self, inputs: StepInputs, step: StepLogits) -> Outputs:
         """The prompt scores, the hidden states to pool and the sampler's tokens of a forward pass: no

@@ -39,6 +39,7 @@ from core_pytorch_backend.lora.layers import LoraStep
 from core_pytorch_backend.multimodal_inputs import with_images
 from core_pytorch_backend.native import tile_rows
 from core_pytorch_backend.step_inputs import PromptRows, StepInputs, StepLogits, prompt_rows_of, rows_in
+from core_pytorch_backend.step_interrupt import StepInterrupt
 
 log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_GIB = 1.0
@@ -108,13 +109,17 @@ class ModelRunner:
     :param tile_rule: where the model has packed weights whose kernels have AMX tiles, which rows of each
         forward pass are marked for their tile loop (native/tile_rows.py: ``prompt``, a step's prompt-token
         rows; ``all``, every row); the native decode stack takes a step whose rows are all marked or none.
+    :param interrupt: lets an abort stop a forward pass between two attention layers (step_interrupt.py);
+        None: every forward pass runs to its end.
     """
 
     def __init__(self, model: torch.nn.Module, *, block_size: int, num_blocks: int, device: torch.device,
                  dtype: torch.dtype, kv_cache_dtype: torch.dtype | None = None,
                  decode_path: Callable[[torch.nn.Module], DecodePath | None] | None = None,
-                 lora_step: LoraStep | None = None, tile_rule: str = "prompt") -> None:
+                 lora_step: LoraStep | None = None, tile_rule: str = "prompt",
+                 interrupt: StepInterrupt | None = None) -> None:
         self.model = model
+        self.interrupt = interrupt
         if tile_rule not in tile_rows.RULES:
             raise ValueError(f"tile_rule must be one of {', '.join(tile_rows.RULES)}, got {tile_rule!r}")
         self.marks_tile_rows = tile_rows.has_tiled_weights(model)
@@ -340,6 +345,8 @@ class ModelRunner:
         if self.kv_caches is None:
             raise RuntimeError("the KV cache is released (the backend is asleep)")
         extra = {} if inputs.embed_overrides is None else {"embed_overrides": inputs.embed_overrides}
+        if self.interrupt is not None:
+            inputs.meta.interrupt = self.interrupt.check
         tiled = (tile_rows.marked(self.tile_rule, inputs.prompt_token_spans, inputs.input_ids.shape[0])
                  if self.marks_tile_rows else None)
         with tile_rows.prompt_token_rows(tiled):

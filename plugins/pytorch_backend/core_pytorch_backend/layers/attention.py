@@ -84,6 +84,8 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q [T, Hq * D], k and v [T, Hkv * D] (None in a layer reading another's cache) -> [T, Hq * D]."""
+        if meta.interrupt is not None:
+            meta.interrupt()  # raises when every request of the step was aborted (step_interrupt.py)
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError(
                 f"attention layer {self.layer_index} has no KV cache bound: the runner must call "
