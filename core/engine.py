@@ -278,6 +278,7 @@ class AsyncEngine:
 
     async def _pooled(self, prompts: list[list[int]]) -> list[Embedding]:
         check_embedding_inputs(prompts, self.model_info.max_model_len, self.model_info.vocab_size)
+        self._check_gate()  # again: a sleep may have begun while the texts were tokenized (its epoch is this one)
         epoch = self.sessions.epoch
         self._pooling += 1
         try:

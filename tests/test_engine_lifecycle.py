@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from core.engine import AsyncEngine
+from core.errors import BackendError, EngineSleepingError
 from core.response import collect
 from core.server.app import build_app
 from core.testing.contract import assert_idle, wait_idle
@@ -123,3 +124,55 @@ async def test_a_drain_lets_embeddings_in_flight_finish():
     assert embedding.done() and len(embedding.result()) == 1
     assert engine.requests_in_flight == 0
     await engine.close()
+
+
+class _SleepAbortsEmbeddings(FakeBackend):
+    """A pooling fake whose sleep aborts whatever embeddings reach it while it frees (as the pytorch backend's
+    engine loop does) and frees until the test lets it finish."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from core.pooling import PoolingConfig
+
+        self.pooling = PoolingConfig(method="mean")
+        self.freeing, self.freed = asyncio.Event(), asyncio.Event()
+
+    async def embed(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
+        if self.freeing.is_set():
+            raise BackendError("the embedding request was aborted before its prompt was computed")
+        return [[float(len(prompt)), 1.0] for prompt in prompts]
+
+    async def sleep(self, level: int) -> None:
+        self.freeing.set()
+        await self.freed.wait()
+        await super().sleep(level)
+
+
+async def test_an_embedding_tokenized_while_a_sleep_began_is_a_503():
+    """Text inputs are tokenized off the event loop after the gate check: a sleep that began meanwhile (its
+    epoch already moved on) aborted the embedding in the backend, and the client got a 500 (found by the
+    soak). The gate is checked again before the backend is called: the 503 of a sleeping engine."""
+    backend = _SleepAbortsEmbeddings()
+    engine = AsyncEngine(backend)
+    tokenizing = asyncio.Event()
+    off_loop = engine.preparation.off_loop
+
+    async def held_off_loop(function, *args, **kwargs):
+        await tokenizing.wait()
+        return await off_loop(function, *args, **kwargs)
+
+    engine.preparation.off_loop = held_off_loop
+    try:
+        embedding = asyncio.ensure_future(engine.embed(["hello"]))
+        await asyncio.sleep(0.01)  # past the gate, tokenizing
+        sleeping = asyncio.ensure_future(engine.sleep(1))
+        await asyncio.wait_for(backend.freeing.wait(), 5)
+        tokenizing.set()
+        with pytest.raises(EngineSleepingError):
+            await asyncio.wait_for(embedding, 5)
+        backend.freed.set()
+        await sleeping
+    finally:
+        tokenizing.set()
+        backend.freed.set()
+        await engine.close()
