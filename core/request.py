@@ -8,6 +8,7 @@ worker threads. The removed interactive-mode keywords are rejected here by name.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
@@ -18,6 +19,7 @@ from core.config import GenerationConfig
 from core.content_format import AUTO, apply_content_format, resolve_content_format
 from core.errors import ContextTooLongError, InvalidRequestError, UnsupportedError
 from core.media import ImageSource, MediaPolicy, extract_images, load_images
+from core.prompt_bound import TokenBound, token_bound
 from core.session import Session
 from core.special_tokens import ContentGuard
 from core.structured_output import Constraint, ConstraintCompiler, StructuredOutput, no_engine_error
@@ -179,15 +181,17 @@ class RequestPreparer:
         encoded = self.encode(inputs, **render_options)
         return encoded.token_ids, encoded.is_chat
 
-    def encode(self, inputs: Inputs, **render_options: Any) -> Encoded:
-        """Prompt token ids and text, whether the inputs were chat messages, and their images' inputs."""
+    def encode(self, inputs: Inputs, *, max_tokens: int | None = None, **render_options: Any) -> Encoded:
+        """Prompt token ids and text, whether the inputs were chat messages, and their images' inputs. A text
+        certainly longer than `max_tokens` tokens is refused before it is tokenized (`_refuse_if_too_long`)."""
         if isinstance(inputs, str):
+            self._refuse_if_too_long(inputs, max_tokens)
             return Encoded(tuple(self.tokenizer.encode(inputs, add_special_tokens=True)), inputs, False)
         if is_message_list(inputs):
             rendered, sources = extract_images(validate_messages(inputs))
             if sources:
                 return self._multimodal(rendered, sources, render_options)
-            return self._encode_chat(inputs, render_options)
+            return self._encode_chat(inputs, render_options, max_tokens)
         if isinstance(inputs, Sequence) and inputs and all(_is_token(t) for t in inputs):
             self._check_token_ids(inputs, "prompt")
             return Encoded(tuple(inputs), "", False)
@@ -196,15 +200,35 @@ class RequestPreparer:
             param="prompt",
         )
 
-    def _encode_chat(self, messages: Any, render_options: Mapping[str, Any]) -> Encoded:
+    def _encode_chat(self, messages: Any, render_options: Mapping[str, Any], max_tokens: int | None) -> Encoded:
         """Rendered and tokenized; control strings in the messages' text stay text (the guard)."""
         tools, mark = validate_tools(render_options.get("tools")), None
         if self.guard is not None:
             (messages, tools), mark = self.guard.mark((messages, tools))
         text = self.render(messages, **{**render_options, "tools": tools})
+        self._refuse_if_too_long(text, max_tokens, ignored=mark or "")
         add_special = self.template is not None and self.template.encode_with_special_tokens
         ids = tuple(ContentGuard.encode(self.tokenizer, text, mark, add_special))
         return Encoded(ids, text.replace(mark, "") if mark else text, True)
+
+    @functools.cached_property
+    def token_bound(self) -> TokenBound | None:
+        """The tokenizer's least tokens for a text (core.prompt_bound), read once, when a text first needs it."""
+        return token_bound(self.tokenizer)
+
+    def _refuse_if_too_long(self, text: str, max_tokens: int | None, ignored: str = "") -> None:
+        """ContextTooLongError for a text that cannot be `max_tokens` tokens or fewer, told without tokenizing
+        it (`ignored`: characters removed before tokenizing). A text it lets pass may still be too long."""
+        if max_tokens is None or len(text) <= max_tokens or self.token_bound is None:
+            return  # (the bound is never above the text's length)
+        least = self.token_bound.min_tokens(text, ignored)
+        if least > max_tokens:
+            raise ContextTooLongError(
+                f"the prompt has at least {least} tokens ({len(text)} characters; no token of this model stands "
+                f"for more than {self.token_bound.most_chars}) but the model's context window is "
+                f"{self.model.max_model_len} tokens and at least one token must be generated; shorten the prompt",
+                param="prompt",
+            )
 
     def _multimodal(self, rendered: list[dict[str, Any]], sources: list[ImageSource],
                     render_options: Mapping[str, Any]) -> Encoded:
@@ -231,7 +255,10 @@ class RequestPreparer:
 
     def prepare(self, inputs: Inputs, config: GenerationConfig, **render_options: Any) -> PreparedRequest:
         """Everything the backend needs, or a clear request error."""
-        encoded = self._truncated(self.encode(inputs, **render_options), config.truncate_prompt_tokens)
+        # a prompt that cannot fit is refused before it is tokenized, unless it is to be truncated
+        longest = self.model.max_model_len - 1 if config.truncate_prompt_tokens is None else None
+        encoded = self._truncated(self.encode(inputs, max_tokens=longest, **render_options),
+                                  config.truncate_prompt_tokens)
         prompt = encoded.token_ids
         if not prompt:
             raise InvalidRequestError("the prompt is empty after tokenization", param="prompt")
