@@ -8,12 +8,20 @@ character reaches a token: the normalizer shrinks the text by a known factor at 
 drops nothing, and the model gives every character a token (a byte-level alphabet, byte fallback, or an
 unknown token that is not fused). `token_bound` reads those rules from a Hugging Face fast tokenizer's JSON;
 any rule it does not know gives no bound, and such a model's prompts are tokenized to be measured.
+
+A byte-level vocabulary without a normalizer gives a tighter bound, byte by byte: a token of m bytes holds
+only bytes that some piece of m bytes or more holds, so a byte b weighs at least 1 / (the longest piece
+holding b) of a token. Long pieces are runs of spaces, dashes or newlines; a letter's longest piece is a few
+times shorter, so prose is bounded about five times tighter than by the longest piece alone (SmolLM2: 5,257
+tokens at least for this README's 23,030, against 838). Bytes are counted by weight tier (powers of two),
+one pass over the text a tier.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 # The most characters one character decomposes into (Unicode 14, checked by the tests): a text of n characters
@@ -33,11 +41,14 @@ class TokenBound:
     :param chars_per_token: the most characters of the (normalized) text one token stands for.
     :param shrink: the most characters of the text that one character of its normalized form stands for.
     :param dropped: characters the model may drop (ASCII bytes missing from a byte-level vocabulary).
+    :param byte_tiers: (n, the bytes no piece of more than n bytes holds), for the byte-by-byte bound of a
+        byte-level vocabulary without a normalizer (none: only the characters' bound).
     """
 
     chars_per_token: int
     shrink: int = 1
     dropped: str = ""
+    byte_tiers: tuple[tuple[int, bytes], ...] = ()
 
     @property
     def most_chars(self) -> int:
@@ -48,7 +59,15 @@ class TokenBound:
         """The fewest tokens `text` can be, not counting the characters in `ignored` (removed before it is
         tokenized)."""
         kept = len(text) - sum(text.count(c) for c in set(self.dropped + ignored))
-        return -(-kept // self.most_chars)
+        least = -(-kept // self.most_chars)
+        if not self.byte_tiers:
+            return least
+        for c in set(ignored):
+            text = text.replace(c, "")
+        data = text.encode("utf-8", "ignore")  # (a lone surrogate, which no tokenizer takes, counts nothing)
+        tokens = sum((Fraction(len(data) - len(data.translate(None, tier)), n) for n, tier in self.byte_tiers),
+                     Fraction(0))
+        return max(least, -(-tokens.numerator // tokens.denominator))
 
 
 def token_bound(tokenizer: Any) -> TokenBound | None:
@@ -80,7 +99,8 @@ def bound_of(spec: dict[str, Any]) -> TokenBound | None:
     if dropped is None or (dropped and shrink != 1):
         return None
     longest = max((len(piece) for piece in (*vocab, *(token.get("content", "") for token in added))), default=1)
-    return TokenBound(max(longest, 1), shrink, dropped)
+    tiers = _byte_tiers(vocab, added) if byte_level and not normalizers else ()
+    return TokenBound(max(longest, 1), shrink, dropped, tiers)
 
 
 def _steps(component: dict[str, Any] | None, key: str) -> list[dict[str, Any]] | None:
@@ -133,6 +153,29 @@ def _dropped(vocab: dict[str, int], model: dict[str, Any], byte_level: bool) -> 
         return ""
     unknown = model.get("unk_token")
     return "" if unknown is not None and unknown in vocab else None
+
+
+def _byte_tiers(vocab: dict[str, int], added: list[dict[str, Any]]) -> tuple[tuple[int, bytes], ...]:
+    """Each byte's longest piece (a byte-level piece's characters are bytes; an added token's content is raw
+    text), rounded up to a power of two (at most the longest piece), and the bytes of each such length;
+    bytes no piece holds (dropped) are in none."""
+    index = {char: byte for byte, char in enumerate(_byte_alphabet())}
+    longest = [0] * 256
+    for piece in vocab:
+        for char in set(piece):
+            byte = index.get(char)
+            if byte is not None and len(piece) > longest[byte]:
+                longest[byte] = len(piece)
+    for token in added:
+        content = token.get("content", "").encode()
+        for byte in set(content):
+            longest[byte] = max(longest[byte], len(content))
+    top = max(longest)
+    tiers: dict[int, list[int]] = {}
+    for byte, n in enumerate(longest):
+        if n:
+            tiers.setdefault(min(1 << (n - 1).bit_length(), top), []).append(byte)
+    return tuple((n, bytes(members)) for n, members in sorted(tiers.items()))
 
 
 def _byte_alphabet() -> list[str]:

@@ -224,9 +224,8 @@ class RequestPreparer:
         least = self.token_bound.min_tokens(text, ignored)
         if least > max_tokens:
             raise ContextTooLongError(
-                f"the prompt has at least {least} tokens ({len(text)} characters; no token of this model stands "
-                f"for more than {self.token_bound.most_chars}) but the model's context window is "
-                f"{self.model.max_model_len} tokens and at least one token must be generated; shorten the prompt",
+                f"the prompt has at least {least} tokens ({len(text)} characters) but the model's context window "
+                f"is {self.model.max_model_len} tokens and at least one token must be generated; shorten the prompt",
                 param="prompt",
             )
 

@@ -8,6 +8,7 @@ import json
 import random
 import sys
 import unicodedata
+from pathlib import Path
 
 import pytest
 
@@ -90,6 +91,28 @@ def test_no_text_is_fewer_tokens_than_the_bound(make):
     assert bound is not None
     for text in adversarial_texts(tok):
         assert len(tok.encode(text).ids) >= bound.min_tokens(text), repr(text[:80])
+
+
+def test_the_default_models_tokenizer_is_never_fewer_tokens_than_the_bound():
+    """SmolLM2's own tokenizer (the GGUF's vocabulary, six control bytes missing), on adversarial texts and on
+    this repository's prose and code."""
+    pytest.importorskip("core_pytorch_backend")
+    from transformers import AutoTokenizer
+
+    from core_pytorch_backend.loader import cached_gguf_folder, default_model_path
+
+    try:
+        path = default_model_path()
+    except FileNotFoundError:
+        pytest.skip("the default model is not installed")
+    hf = AutoTokenizer.from_pretrained(cached_gguf_folder(path, with_weights=False))
+    bound = token_bound(hf)
+    assert bound is not None and bound.byte_tiers and bound.dropped == "\x04\x06\x13\x14\x16\x1d"
+    root = Path(__file__).parents[1]
+    texts = [*adversarial_texts(hf.backend_tokenizer, 100), *(root / name for name in ("README.md", "core/request.py"))]
+    for text in texts:
+        text = text.read_text() if isinstance(text, Path) else text
+        assert len(hf.encode(text, add_special_tokens=False)) >= bound.min_tokens(text), repr(text[:80])
 
 
 def test_the_bound_reads_the_longest_piece_the_normalizer_and_the_dropped_bytes():
@@ -187,6 +210,17 @@ def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing_it(preparer, cha
     inputs = [{"role": "user", "content": text}] if chat else text
     with pytest.raises(ContextTooLongError, match=f"at least .* tokens .* context window is {WINDOW} tokens"):
         preparer.prepare(inputs, GenerationConfig())
+    assert preparer.tokenizer.encoded == 0
+
+
+def test_bytes_that_only_short_pieces_hold_bound_a_prompt_tighter(preparer):
+    """No piece holding "x" is longer than 2 bytes: a run of x's is at least half as many tokens, though the
+    longest piece (16 '#') alone would let it through."""
+    bound = preparer.token_bound
+    text = "x" * (4 * WINDOW)
+    assert -(-len(text) // bound.most_chars) < WINDOW <= bound.min_tokens(text)
+    with pytest.raises(ContextTooLongError):
+        preparer.prepare(text, GenerationConfig())
     assert preparer.tokenizer.encoded == 0
 
 
