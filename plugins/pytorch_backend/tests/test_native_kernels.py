@@ -217,6 +217,57 @@ def test_scales_that_halves_hold_exactly_are_kept_as_halves(kernels, bits):
     assert ((simd - expected).norm() / expected.norm()) < (3e-4 if kernels.acts_base(bits) == 127 else 2e-3)
 
 
+# K-quants: their fp16 d (and dmin) bytes, and the group size (csrc DT_S8_32 / DT_S8_16)
+K_QUANTS = {"Q4_K": (144, 0, 2), "Q5_K": (176, 0, 2), "Q6_K": (210, 208, 1), "Q3_K": (110, 108, 1),
+            "Q2_K": (84, 80, 2), "IQ4_XS": (136, 0, 1)}
+
+
+def _k_quant(name: str, rows: int, supers: int) -> AffineWeight:
+    """Random valid super-blocks of ``name`` (any code and scale bytes under small fp16 d and dmin), unpacked."""
+    from core_pytorch_backend.quant.gguf_blocks import unpack
+
+    size, at, halves = K_QUANTS[name]
+    rng = np.random.default_rng(supers * 1000 + rows)
+    data = rng.integers(0, 256, size=(rows, supers, size), dtype=np.uint8)
+    d = rng.uniform(0.001, 0.01, size=(rows, supers, halves)).astype(np.float16)
+    data[..., at : at + 2 * halves] = d.view(np.uint8).reshape(rows, supers, 2 * halves)
+    return unpack(name, data.reshape(rows, supers * size))
+
+
+@pytest.mark.parametrize("name", list(K_QUANTS))
+def test_k_quant_scales_kept_as_int8_multiples_give_the_float_scales_bits(kernels, name):
+    """A K-quant's scales and offsets (d * sc, -dmin * mn: an int8 under a super-block's fp16 d) are kept as int8
+    codes and a float32 unit per 256 inputs, three eighths of the bytes or less, and every loop multiplies them back to
+    the float32 values the file gives: the bits of the float32 layout, at any row count, on the prompt loop too."""
+    factored = _k_quant(name, 40, 2)  # 40 rows: 3 blocks, the last half full
+    plain = AffineWeight(factored.q, factored.scale, factored.offset, factored.bits, factored.group_size)
+    weight, wide = NativeWeight.from_affine(factored, kernels), NativeWeight.from_affine(plain, kernels)
+    assert weight.scale.dtype == torch.int8 and wide.scale.dtype == torch.float32
+    assert weight.scale.numel() * 8 <= wide.scale.numel() * wide.scale.element_size() * 3
+    for rows in (1, 5, 17):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(weight.linear(x, None), wide.linear(x, None)), rows
+        assert torch.equal(weight.linear(x, None, reference=True), wide.linear(x, None, reference=True)), rows
+        if kernels.prompt_loop is not None:
+            assert torch.equal(weight.linear(x, None, tiles=True), wide.linear(x, None, tiles=True)), rows
+    expected = x @ torch.from_numpy(plain.dequantize()).T
+    assert ((weight.linear(x, None) - expected).norm() / expected.norm()) < 2e-3
+
+
+def test_scales_that_are_not_int8_multiples_of_their_units_keep_the_float_layout(kernels):
+    """Units that do not divide every scale (a hand-made weight, a corrupt file), a K of partial super-blocks, or
+    no units: float32 scales, as before."""
+    weight = _k_quant("Q4_K", 16, 1)
+    off = weight.scale.copy()
+    off[3, 2] *= 1.0000001
+    not_multiples = AffineWeight(weight.q, off, weight.offset, weight.bits, weight.group_size, weight.units)
+    assert NativeWeight.from_affine(not_multiples, kernels).scale.dtype == torch.float32
+    too_large = AffineWeight(weight.q, weight.scale, weight.offset, weight.bits, weight.group_size,
+                             (weight.units[0] / 1024, weight.units[1]))
+    assert NativeWeight.from_affine(too_large, kernels).scale.dtype == torch.float32
+    assert NativeWeight.from_affine(weight, kernels).scale.dtype == torch.int8
+
+
 # (K, rows, slices): one chunk of rows; and K = 1536, whose chunks of activation codes (csrc
 # ACTS_CHUNK_BYTES) hold 32 rows, so 101 rows take four chunks and a tile left over
 BATCH_CASES = {"one chunk": (96, 11, [(0, 1), (3, 5), (2, 9), (5, 11)]),

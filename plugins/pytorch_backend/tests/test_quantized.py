@@ -72,6 +72,16 @@ def test_gguf_super_block_codes_give_the_gguf_packages_dequantized_values(name):
     raw = _random_super_blocks(name, 16, 2)
     codes = unpack(name, raw)
     np.testing.assert_allclose(codes.dequantize(), dequantize(raw, GGMLQuantizationType[name]), rtol=1e-6, atol=1e-7)
+    if name != "IQ4_NL":  # the K-quants' scales and offsets: int8 multiples of one unit a super-block
+        per = 256 // codes.group_size
+        for values, unit in zip((codes.scale, codes.offset), codes.units, strict=True):
+            multiples = values / np.repeat(unit, per, axis=1)
+            assert np.array_equal(multiples, np.rint(multiples)) and np.abs(multiples).max() <= 128
+    # units follow the rows a weight is cut into (an expert's slice, a fused projection's parts)
+    picked = codes.rows(np.array([3, 0]))
+    assert picked.units is None or all(np.array_equal(p, u[[3, 0]]) for p, u in zip(picked.units, codes.units, strict=True))
+    stacked = AffineWeight.concat([codes, codes.rows(np.arange(4))])
+    assert (stacked.units is None) == (codes.units is None) and stacked.scale.shape[0] == 20
     assert codes.group_size == (16 if name in ("Q6_K", "Q3_K", "Q2_K") else 32)
     assert codes.bits == {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q3_K": 3, "Q2_K": 2}.get(name, 8)
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..layers.quantized import packed_linear
-from .packed_weight import DTYPE_CODES, NativeWeight
+from .packed_weight import NativeWeight, scale_code
 
 _P, _L, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
@@ -36,4 +36,4 @@ def packed_of(linear: nn.Module, keep: list[torch.Tensor]) -> Packed | None:
         bias = keep[-1].data_ptr()
     return Packed(codes=codes.data_ptr(), scale=scale.data_ptr(), offset=offset.data_ptr(), bias=bias,
                   n=weight.shape[0], kp=weight.padded_k, bits=weight.bits, group=weight.group,
-                  scale_dtype=DTYPE_CODES[scale.dtype])
+                  scale_dtype=scale_code(scale, weight.group))

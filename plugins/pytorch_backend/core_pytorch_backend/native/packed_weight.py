@@ -4,7 +4,8 @@
 and offset each, or 8-bit codes per group of 16: GGUF's Q6_K) in blocks of 16 rows side by side: N is padded to a multiple of 16 and K to a multiple
 of 64 with zero codes, scales and offsets; within a block, each step of 4 inputs holds the 16 rows' 4
 codes in turn, and 4-bit codes of groups 2p and 2p+1 share a byte (low and high nibble). A symmetric
-code's offset (``o = -2^(bits-1) * s``: GGUF Q4_0 and Q8_0, int8) is stored like any other. ``linear``
+code's offset (``o = -2^(bits-1) * s``: GGUF Q4_0 and Q8_0, int8) is stored like any other; the K-quants' scales and
+offsets as int8 multiples of a float32 unit per 256 inputs (``_factored``). ``linear``
 takes float32 or bfloat16 activations and returns the same dtype. Where the kernels have a prompt loop (the
 AMX tile loop, or the AVX512-BF16 vector prompt loop), the rows that ``tile_rows.current()`` marks (a
 prompt's tokens) take it and the others the VNNI loop (see tile_rows.py for the rule and why it is a
@@ -21,13 +22,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..quant.affine import AffineWeight
+from ..quant.affine import SUPER_BLOCK, AffineWeight
 from . import tile_rows
 from .library import CpuKernels
 
 GROUP, PAIR, BLOCK, STEP = 32, 64, 16, 4
 HALF_GROUP = 16  # 8-bit codes may have a scale and offset per 16 inputs
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc DT_*
+# scales kept as int8 multiples of a float32 unit per 256 inputs (csrc/packed_linear.c's DT_S8_32 / DT_S8_16: an int8
+# buffer), by the weight's group
+FACTORED_CODES = {GROUP: 4, HALF_GROUP: 5}
 HALF_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16"}  # 16-bit weights' dtypes, as the start-up line says
 # a step of prompt and generated rows multiplied a run of rows at a time, in place, up to this many runs (a call
 # each); more (rows interleaved), the rows of each loop gathered and their outputs scattered back
@@ -69,6 +73,39 @@ def _block_floats(values: np.ndarray) -> np.ndarray:
     return values.reshape(n // BLOCK, BLOCK, groups).transpose(0, 2, 1).ravel()
 
 
+def _factored(weight: AffineWeight, np_: int, kp: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The scales and offsets as int8 multiples of ``weight.units`` (one float32 per 256 inputs of a row), where
+    they are exactly that (GGUF's K-quants): three eighths of float32's bytes or less (Q4_K: 0.75 bits a weight for
+    both instead of 2; Q6_K: 1.25 instead of 4), the same values in the kernel (``code * unit`` in float32: the file's
+    ``d * sc``). Per block of 16 rows and super-block: the groups' 16 rows' codes, then the 16 rows' units
+    [Np / 16, K / 256, groups a super-block x 16 + 64] bytes (csrc/packed_linear.c ``factored_super``). None where
+    there are no units, K is not whole super-blocks, or a value is not such a multiple."""
+    if weight.units is None or weight.shape[1] % SUPER_BLOCK or kp != weight.shape[1]:
+        return None
+    per = SUPER_BLOCK // weight.group_size
+    laid_out = []
+    for values, unit in zip((weight.scale, weight.offset), weight.units, strict=True):
+        values, unit = values.astype(np.float32, copy=False), unit.astype(np.float32, copy=False)
+        repeated = np.repeat(unit, per, axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            codes = np.where(repeated != 0, np.rint(values / repeated), 0)
+        if not (-128 <= codes.min(initial=0) and codes.max(initial=0) <= 127) or not np.array_equal(
+                codes.astype(np.float32) * repeated, values):
+            return None
+        codes = _padded(codes.astype(np.int8), np_, kp // weight.group_size)
+        unit = _padded(unit, np_, kp // SUPER_BLOCK)
+        blocks, supers = np_ // BLOCK, kp // SUPER_BLOCK
+        code_bytes = codes.reshape(blocks, BLOCK, supers, per).transpose(0, 2, 3, 1).reshape(blocks, supers, -1)
+        unit_bytes = unit.reshape(blocks, BLOCK, supers).transpose(0, 2, 1).copy().view(np.int8)
+        laid_out.append(np.concatenate((code_bytes, unit_bytes), axis=2).ravel())
+    return laid_out[0], laid_out[1]
+
+
+def scale_code(scale: torch.Tensor, group: int) -> int:
+    """csrc DT_* of a packed weight's scale buffer: its float dtype, or the factored layout's code (int8)."""
+    return FACTORED_CODES[group] if scale.dtype == torch.int8 else DTYPE_CODES[scale.dtype]
+
+
 def _exact_halves(*arrays: np.ndarray) -> bool:
     """Whether float16 holds every value of ``arrays`` exactly."""
     with np.errstate(over="ignore"):
@@ -105,9 +142,13 @@ class NativeWeight(nn.Module):
         bits = 4 if weight.bits <= 4 and group == GROUP else 8
         codes = _block_codes(_padded(weight.q.astype(np.uint8, copy=False), np_, kp), bits)
         scale, offset = weight.scale.astype(np.float32, copy=False), weight.offset.astype(np.float32, copy=False)
-        halves = _exact_halves(scale, offset)
-        scale, offset = (_block_floats(_padded(a.astype(np.float16) if halves else a, np_, kp // group))
-                         for a in (scale, offset))
+        factored = _factored(weight, np_, kp)
+        if factored is not None:
+            scale, offset = factored
+        else:
+            halves = _exact_halves(scale, offset)
+            scale, offset = (_block_floats(_padded(a.astype(np.float16) if halves else a, np_, kp // group))
+                             for a in (scale, offset))
         return cls(*(torch.from_numpy(np.ascontiguousarray(a)) for a in (codes, scale, offset)), bits, (n, k), kp,
                    kernels, group)
 
@@ -237,7 +278,7 @@ class NativeWeight(nn.Module):
         status = self.kernels.function(kernel)(
             flat.data_ptr(), code, m, self.shape[1], buffers["codes"].data_ptr(), self.bits, self.group, self.shape[0],
             self.padded_k, buffers["scale"].data_ptr(), buffers["offset"].data_ptr(),
-            DTYPE_CODES[buffers["scale"].dtype], None if bias is None else bias.data_ptr(), out.data_ptr(), code)
+            scale_code(buffers["scale"], self.group), None if bias is None else bias.data_ptr(), out.data_ptr(), code)
         if status:
             self.kernels.raise_for(kernel, status)
         return out
@@ -245,5 +286,5 @@ class NativeWeight(nn.Module):
     def extra_repr(self) -> str:
         if self.bits == 16:
             return f"shape={self.shape}, {str(self.scale.dtype).replace('torch.', '')}, {self.kernels.variant}"
-        scales = str(self.scale.dtype).replace("torch.", "")
+        scales = "int8 x unit" if self.scale.dtype == torch.int8 else str(self.scale.dtype).replace("torch.", "")
         return f"shape={self.shape}, bits={self.bits}, groups of {self.group}, {scales} scales, {self.kernels.variant}"

@@ -12,17 +12,22 @@ from dataclasses import dataclass
 import numpy as np
 
 CHUNK_VALUES = 1 << 20  # quantize_int8's values at a time
+SUPER_BLOCK = 256  # the inputs of one of ``AffineWeight.units``' values (GGUF's K-quant super-blocks)
 
 
 @dataclass
 class AffineWeight:
-    """``q`` uint8 [N, K]; ``scale`` / ``offset`` float32 [N, K // group_size]."""
+    """``q`` uint8 [N, K]; ``scale`` / ``offset`` float32 [N, K // group_size]. ``units``: where every scale
+    (offset) is a whole multiple, within int8's range, of one value per ``SUPER_BLOCK`` inputs of its row (GGUF's
+    K-quants: ``d * sc`` under the super-block's ``d``), those values (scale unit, offset unit) float32
+    [N, K // SUPER_BLOCK]; the native kernel then keeps the scales as int8 codes (native/packed_weight.py)."""
 
     q: np.ndarray
     scale: np.ndarray
     offset: np.ndarray
     bits: int
     group_size: int
+    units: tuple[np.ndarray, np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         n, k = self.q.shape
@@ -33,6 +38,8 @@ class AffineWeight:
             raise ValueError(f"scale/offset must be {groups}, got {self.scale.shape} / {self.offset.shape}")
         if not 1 <= self.bits <= 8:
             raise ValueError(f"bits must be 1..8, got {self.bits}")
+        if self.units is not None and (k % SUPER_BLOCK or any(u.shape != (n, k // SUPER_BLOCK) for u in self.units)):
+            raise ValueError(f"units must be [N, K / {SUPER_BLOCK}] = {(n, k // SUPER_BLOCK)}")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -47,7 +54,8 @@ class AffineWeight:
 
     def rows(self, index: np.ndarray) -> AffineWeight:
         """The weight with its output rows reordered (or selected) by ``index``."""
-        return AffineWeight(self.q[index], self.scale[index], self.offset[index], self.bits, self.group_size)
+        units = None if self.units is None else (self.units[0][index], self.units[1][index])
+        return AffineWeight(self.q[index], self.scale[index], self.offset[index], self.bits, self.group_size, units)
 
     def in_groups_of(self, group_size: int) -> AffineWeight:
         """The same weight with a scale and offset per ``group_size`` inputs (a divisor of this one's)."""
@@ -55,7 +63,7 @@ class AffineWeight:
             raise ValueError(f"groups of {self.group_size} cannot be cut into groups of {group_size}")
         times = self.group_size // group_size
         return AffineWeight(self.q, np.repeat(self.scale, times, axis=1), np.repeat(self.offset, times, axis=1),
-                            self.bits, group_size)
+                            self.bits, group_size, self.units)  # the same multiples of the same units
 
     @staticmethod
     def concat(parts: list[AffineWeight]) -> AffineWeight:
@@ -69,8 +77,11 @@ class AffineWeight:
         if any(p.shape[1] != first.shape[1] for p in parts):
             raise ValueError("only weights of the same K can be stacked")
         bits = max(p.bits for p in parts)  # a code of fewer bits is also a valid code of more
+        units = None
+        if all(p.units is not None for p in parts):
+            units = tuple(np.concatenate([p.units[i] for p in parts]) for i in (0, 1))
         return AffineWeight(np.concatenate([p.q for p in parts]), np.concatenate([p.scale for p in parts]),
-                            np.concatenate([p.offset for p in parts]), bits, first.group_size)
+                            np.concatenate([p.offset for p in parts]), bits, first.group_size, units)
 
 
 def _min_max_codes(w: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -65,6 +65,12 @@ def _bit_pairs(packed: np.ndarray) -> np.ndarray:
     return (packed >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 0x03
 
 
+def _units(scale_unit: np.ndarray, offset_unit: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A K-quant's super-block values [rows, blocks, 1] as ``AffineWeight.units``: its scales and offsets are their
+    small integer multiples (``d * sc``, ``-dmin * mn``, ``-32 * d * sc``...)."""
+    return tuple(np.ascontiguousarray(u.reshape(u.shape[0], -1), dtype=np.float32) for u in (scale_unit, offset_unit))
+
+
 def unpack_q4_0(raw: np.ndarray) -> AffineWeight:
     blocks, rows = _blocks(raw, 18)
     d = _half(blocks[..., 0:2])
@@ -101,7 +107,7 @@ def unpack_q4_k(raw: np.ndarray) -> AffineWeight:
     qs = blocks[..., 16:].reshape(rows, -1, 4, 32)  # 4 chunks of 32 bytes: 64 codes each
     q = np.concatenate((qs & 0x0F, qs >> 4), axis=-1).reshape(rows, -1)
     scale, offset = (d * sc).reshape(rows, -1), (-dmin * mn).reshape(rows, -1)
-    return AffineWeight(q, scale, offset, 4, QK)
+    return AffineWeight(q, scale, offset, 4, QK, _units(d, -dmin))
 
 
 def _fifth_bits(qh: np.ndarray, count: int) -> np.ndarray:
@@ -140,7 +146,7 @@ def unpack_q5_k(raw: np.ndarray) -> AffineWeight:
     fifth = np.unpackbits(blocks[..., 16:48, None], axis=-1, bitorder="little")  # [rows, blocks, 32 bytes, 8 bits]
     q = (low | (fifth.transpose(0, 1, 3, 2) << 4)).reshape(rows, -1)
     scale, offset = (d * sc).reshape(rows, -1), (-dmin * mn).reshape(rows, -1)
-    return AffineWeight(q, scale, offset, 5, QK)
+    return AffineWeight(q, scale, offset, 5, QK, _units(d, -dmin))
 
 
 # IQ4's 16 levels (ggml's kvalues_iq4nl), shifted to unsigned 8-bit codes: w = scale * (code - 128)
@@ -165,7 +171,7 @@ def unpack_iq4_xs(raw: np.ndarray) -> AffineWeight:
     ls = ((low[..., group // 2] >> (4 * (group % 2))) & 0x0F) | (((high >> (2 * group)) & 0x03) << 4)
     scale = (d * (ls.astype(np.float32) - 32)).reshape(rows, -1)
     q = IQ4_CODES[_nibbles(blocks[..., 8:].reshape(rows, -1, 8, 16))].reshape(rows, -1)
-    return AffineWeight(q, scale, -128 * scale, 8, QK)
+    return AffineWeight(q, scale, -128 * scale, 8, QK, _units(d, -128 * d))
 
 
 # MXFP4's 16 levels doubled (ggml's kvalues_mxfp4), shifted to unsigned 8-bit codes: w = scale * (code - 128)
@@ -194,7 +200,7 @@ def unpack_q6_k(raw: np.ndarray) -> AffineWeight:
     q = (low | (_bit_pairs(high_bytes) << 4)).reshape(rows, -1)
     d = _half(blocks[..., 208:210])[..., None]
     scale = (d * blocks[..., 192:208].view(np.int8)).reshape(rows, -1)
-    return AffineWeight(q, scale, -32 * scale, 6, QK_K // 16)
+    return AffineWeight(q, scale, -32 * scale, 6, QK_K // 16, _units(d, -32 * d))
 
 
 def unpack_q2_k(raw: np.ndarray) -> AffineWeight:
@@ -207,7 +213,7 @@ def unpack_q2_k(raw: np.ndarray) -> AffineWeight:
     d, dmin = _half(blocks[..., 80:82])[..., None], _half(blocks[..., 82:84])[..., None]
     scales = blocks[..., :16]
     return AffineWeight(q, (d * (scales & 0x0F)).reshape(rows, -1), (-dmin * (scales >> 4)).reshape(rows, -1), 2,
-                        QK_K // 16)
+                        QK_K // 16, _units(d, -dmin))
 
 
 def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
@@ -228,8 +234,9 @@ def unpack_q3_k(raw: np.ndarray) -> AffineWeight:
     low = _bit_pairs(codes)  # [.., n, j, l]
     mask = blocks[..., None, None, 0:32] >> np.arange(8, dtype=np.uint8).reshape(2, 4)[..., None]  # bit 4n + j
     q = (low | ((mask & 0x01) << 2)).reshape(rows, -1)
-    scale = (_half(blocks[..., 108:110])[..., None] * (_q3_k_scales(blocks[..., 96:108]) - 32)).reshape(rows, -1)
-    return AffineWeight(q, scale, -4 * scale, 3, QK_K // 16)
+    d = _half(blocks[..., 108:110])[..., None]
+    scale = (d * (_q3_k_scales(blocks[..., 96:108]) - 32)).reshape(rows, -1)
+    return AffineWeight(q, scale, -4 * scale, 3, QK_K // 16, _units(d, -4 * d))
 
 
 UNPACKERS = {"Q4_0": unpack_q4_0, "Q4_1": unpack_q4_1, "Q8_0": unpack_q8_0, "Q4_K": unpack_q4_k,

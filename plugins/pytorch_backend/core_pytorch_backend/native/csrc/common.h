@@ -8,6 +8,9 @@
 #include <omp.h>
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_KV8 = 3 }; /* library.py passes these; DT_KV8: a KV cache only */
+/* a packed weight's scales (and offsets) as int8 multiples of a float32 unit per 256 inputs, of groups of 32 or 16
+ * inputs (packed_linear.c factored_super) */
+enum { DT_S8_32 = 4, DT_S8_16 = 5 };
 enum { OK = 0, ERR_ARGS = 1, ERR_MEMORY = 2 }; /* library.py STATUS */
 
 /* Elements of work from which an elementwise kernel (a norm, rotary, silu * up, the activations'

@@ -20,7 +20,11 @@
  *              row 16b + r at input 32g + 4j + t;
  *   bits == 4: codes [Np/16][P][8][16][4]: the same with two groups to a byte: the low nibble holds
  *              group 2p's code at input 64p + 4j + t, the high nibble group 2p+1's at 64p + 32 + 4j + t;
- *   scale, offset: [Np/16][G][16], float32 or float16 (half the bytes: GGUF's own scales are halves).
+ *   scale, offset: [Np/16][G][16], float32 or float16 (half the bytes: GGUF's own scales are halves);
+ *              or factored (DT_S8_32, DT_S8_16: GGUF's K-quants, whose scales are d * sc, an int8 sc under one
+ *              d a super-block of 256 inputs): per block and super-block, its groups' 16 rows' int8 codes, then
+ *              the 16 rows' float32 units, [Np/16][Kp/256][groups a super-block x 16 + 64] bytes; a value is
+ *              code * unit in float32, the file's own (exact: an fp16 d times an int8 needs 19 of 24 bits).
  *
  * 8-bit codes may instead have a scale and offset per 16 inputs (group 16: GGUF's Q6_K, whose 6-bit codes
  * sit under one of 16 scales a 256-input super-block, kept exactly): scale, offset [Np/16][2G][16], and
@@ -54,7 +58,7 @@
 #include <immintrin.h>
 #endif
 
-#define CORE_PACKED_ABI 18
+#define CORE_PACKED_ABI 19
 #define ERR_NO_TILES 3
 #define GROUP 32
 #define PAIR 64
@@ -134,7 +138,24 @@ typedef struct {
     int dtype;
 } scales_t;
 
+/* groups a super-block of 256 inputs holds in a factored layout of `dtype` */
+static inline int64_t factored_groups(int dtype) { return dtype == DT_S8_16 ? 16 : 8; }
+
+/* The super-block of a factored layout that holds element `index` (block b, group g, row r: (b G + g) 16 + r): its
+ * groups' codes (16 a group), then its 16 units; *code_at: where `index`'s group's codes start */
+static inline const uint8_t *factored_super(const void *p, int dtype, int64_t index, const int8_t **code_at) {
+    const int64_t per = factored_groups(dtype), row_group = index >> 4, first = row_group / per;
+    const uint8_t *super = (const uint8_t *)p + first * (per * 16 + 64);
+    *code_at = (const int8_t *)super + (row_group - first * per) * 16;
+    return super + per * 16;
+}
+
 static inline float scale_at(const void *p, int dtype, int64_t index) {
+    if (dtype == DT_S8_32 || dtype == DT_S8_16) {
+        const int8_t *codes;
+        const float *units = (const float *)factored_super(p, dtype, index, &codes);
+        return (float)codes[index & 15] * units[index & 15];
+    }
     return dtype == DT_F16 ? f16_to_f32(((const uint16_t *)p)[index]) : ((const float *)p)[index];
 }
 
@@ -393,6 +414,12 @@ static inline __m512 fold_group(__m512 acc, __m512i hi, __m512i lo, __m512 s, __
 /* 16 scales (or offsets) from element `index` */
 static inline __m512 load16(const void *p, int dtype, int64_t index) {
     if (dtype == DT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + index)));
+    if (dtype == DT_S8_32 || dtype == DT_S8_16) { /* index is a group's first row (16 | index) */
+        const int8_t *codes;
+        const float *units = (const float *)factored_super(p, dtype, index, &codes);
+        const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
+        return _mm512_mul_ps(values, _mm512_loadu_ps(units));
+    }
     return _mm512_loadu_ps((const float *)p + index);
 }
 
@@ -472,6 +499,12 @@ static inline __m256 fold_group(__m256 acc, __m256i hi, __m256i lo, __m256 s, __
 /* 8 scales (or offsets) from element `index` */
 static inline __m256 load8_scales(const void *p, int dtype, int64_t index) {
     if (dtype == DT_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + index)));
+    if (dtype == DT_S8_32 || dtype == DT_S8_16) { /* index is a group's row 0 or 8 (8 | index) */
+        const int8_t *codes;
+        const float *units = (const float *)factored_super(p, dtype, index, &codes);
+        const __m256 values = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + (index & 15)))));
+        return _mm256_mul_ps(values, _mm256_loadu_ps(units + (index & 15)));
+    }
     return _mm256_loadu_ps((const float *)p + index);
 }
 
@@ -1288,7 +1321,9 @@ static int arguments_valid(const void *x, int x_dtype, int64_t m, int64_t k, con
              kp < k || kp % PAIR || (bits != 4 && bits != 8 && bits != 16) ||
              (group != GROUP && (group != GROUP / 2 || bits != 8)) ||
              (x_dtype != DT_F32 && x_dtype != DT_BF16) || (y_dtype != DT_F32 && y_dtype != DT_BF16) ||
-             (bits != 16 && scale_dtype != DT_F32 && scale_dtype != DT_F16) ||
+             (bits != 16 && scale_dtype != DT_F32 && scale_dtype != DT_F16 &&
+              !(scale_dtype == DT_S8_32 && group == GROUP && kp % 256 == 0) &&
+              !(scale_dtype == DT_S8_16 && group == GROUP / 2 && kp % 256 == 0)) ||
              (bits == 16 && scale_dtype != DT_BF16 && scale_dtype != DT_F16));
 }
 
