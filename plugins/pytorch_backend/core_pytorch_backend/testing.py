@@ -6,8 +6,9 @@ Importable from any test module (pytest's ``--import-mode=importlib`` puts no te
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -250,3 +251,14 @@ def llama_cpp_qk_rows(name: str, tensor: torch.Tensor, config: Any) -> torch.Ten
         return tensor
     return tensor.reshape(count, 2, tensor.shape[0] // count // 2, *tensor.shape[1:]).swapaxes(1, 2).reshape(
         tensor.shape)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's (and so the native kernels': one libgomp) thread count set to ``count`` inside the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

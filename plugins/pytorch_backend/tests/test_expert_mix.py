@@ -20,6 +20,7 @@ from core_pytorch_backend.native import tile_rows
 from core_pytorch_backend.native.expert_mix import ExpertMix
 from core_pytorch_backend.native.library import available
 from core_pytorch_backend.quant.kernel_choice import PackedKernel
+from core_pytorch_backend.testing import torch_threads
 
 pytestmark = pytest.mark.skipif(available() is None, reason="the native kernels do not build here")
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "granitemoeshared"]
@@ -139,16 +140,6 @@ class _Counting:
         return self.kernel.block(hidden)
 
 
-@contextlib.contextmanager
-def _threads(count: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
 def test_experts_shared_among_threads_give_the_bits_of_one_thread(tiny_checkpoint_factory, native_packed, arch, dtype):
@@ -162,9 +153,9 @@ def test_experts_shared_among_threads_give_the_bits_of_one_thread(tiny_checkpoin
         with contextlib.ExitStack() as marks:
             if rows is not None and kernel.prompt_loop:
                 marks.enter_context(tile_rows.prompt_token_rows(rows))
-            with _threads(1):
+            with torch_threads(1):
                 alone = kernel.block(hidden), kernel.mix(hidden, weights, chosen)
-            with _threads(2):
+            with torch_threads(2):
                 shared = kernel.block(hidden), kernel.mix(hidden, weights, chosen)
         assert all(torch.equal(a, b) for a, b in zip(alone, shared, strict=True)), tokens
 

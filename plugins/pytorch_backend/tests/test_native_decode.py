@@ -9,7 +9,6 @@ float32 and bfloat16.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import pytest
@@ -25,6 +24,7 @@ from core_pytorch_backend.native import tile_rows
 from core_pytorch_backend.native.library import available
 from core_pytorch_backend.native_decode import DoesNotFit, NativeDecodeStack, describe, make_native_decode
 from core_pytorch_backend.quant.kernel_choice import PackedKernel
+from core_pytorch_backend.testing import torch_threads
 
 pytestmark = pytest.mark.skipif(available() is None, reason="the native kernels do not build here")
 CPU = torch.device("cpu")
@@ -129,7 +129,7 @@ def test_the_row_group_path_gives_the_modules_hidden_states_bit_for_bit(tiny_che
     monkeypatch.setattr("core_pytorch_backend.native_decode.row_group_from", lambda _: 2)
     runner = _runner(_load(tiny_checkpoint_factory(arch), "int4", dtype))
     assert runner.decode_path.plan.decoder.group_rows == group_rows
-    with _threads(2):  # the path needs a team
+    with torch_threads(2):  # the path needs a team
         _decode_both_ways(runner)
 
 
@@ -139,7 +139,7 @@ def test_a_step_of_64_rows_takes_the_row_group_path_as_served_and_gives_the_modu
     (row_group_from: units of 32 rows on the exact int8 tiles where this CPU has AMX, of 8 elsewhere), and
     the hidden states are the modules' bit for bit, step after step."""
     sequences, prompt, blocks_each = 64, 5, 3
-    with _threads(2):
+    with torch_threads(2):
         runner = _runner(_load(tiny_checkpoint_factory("llama"), "int4"), num_blocks=sequences * blocks_each)
         decoder = runner.decode_path.plan.decoder
         assert sequences >= decoder.group_from and sequences > decoder.group_rows  # the row-group path
@@ -166,7 +166,7 @@ def test_a_sequences_rows_of_one_step_go_through_the_layers_together(tiny_checkp
     monkeypatch.setattr("core_pytorch_backend.native_decode.GROUP_ROWS", 1)
     monkeypatch.setattr("core_pytorch_backend.native_decode.EXACT_TILES_GROUP_ROWS", 0)
     monkeypatch.setattr("core_pytorch_backend.native_decode.row_group_from", lambda _: 2)
-    with _threads(2):  # the row-group path needs a team
+    with torch_threads(2):  # the row-group path needs a team
         runner = _runner(_load(tiny_checkpoint_factory(arch), "int4"))
         model, stack = runner.model, runner.decode_path
         runner.zero_blocks(range(50))
@@ -189,16 +189,6 @@ def test_a_sequences_rows_of_one_step_go_through_the_layers_together(tiny_checkp
             independent = runner.prepare([ScheduledSequence(before, 1), ScheduledSequence(after, 1)])
             assert independent.meta.rows_independent and stack.run(model, independent) is not None
             assert stack.plan.decoder.group_rows == 1
-
-
-@contextlib.contextmanager
-def _threads(count: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -302,7 +292,7 @@ def test_with_every_row_marked_the_stack_multiplies_on_the_tiles_as_the_modules_
         monkeypatch.setattr("core_pytorch_backend.native_decode.EXACT_TILES_GROUP_ROWS", 0)
     monkeypatch.setattr("core_pytorch_backend.native_decode.row_group_from", lambda _: 2)
     runner = _runner(_load(tiny_checkpoint_factory("llama"), quantization))
-    with _threads(2), tile_rows.prompt_token_rows(tile_rows.TileRows(3)):
+    with torch_threads(2), tile_rows.prompt_token_rows(tile_rows.TileRows(3)):
         _decode_both_ways(runner, steps=3)
     step = _step([n + 3 for n in PROMPT_LENS], [1, 1, 1], seed=9)
     with tile_rows.prompt_token_rows(tile_rows.TileRows(3)):
