@@ -158,7 +158,7 @@ class GenerationConfig:
         if self.temperature is not None:
             _check_float("temperature", self.temperature, 0.0, 1e4)
         if self.top_p is not None:
-            _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+            _check_float("top_p", self.top_p, 0.0, 1.0)  # 0: the top token alone (as OpenAI and HF take it)
         if self.top_k is not None:
             _check_request_int("top_k", self.top_k, -1)
         if self.min_p is not None:

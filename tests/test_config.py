@@ -11,7 +11,7 @@ from core.errors import InvalidRequestError
 @pytest.mark.parametrize(
     ("field", "value"),
     [("n", 0), ("n", True), ("max_new_tokens", 0), ("min_new_tokens", -1), ("temperature", -1),
-     ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2),
+     ("temperature", float("nan")), ("top_p", -0.1), ("top_p", 1.5), ("top_k", -2), ("min_p", 2),
      ("repetition_penalty", 0), ("presence_penalty", 3), ("frequency_penalty", -2.5), ("seed", 2**63),
      ("top_logprobs", 21), ("stop", [""]), ("stop", 5), ("stop_token_ids", [-1]), ("ignore_eos", "yes"),
      ("logprobs", 1), ("logit_bias", {1: 200}), ("logit_bias", {-1: 1.0}), ("skip_special_tokens", None),
@@ -39,6 +39,11 @@ def test_defaults_come_from_the_model_then_fallbacks():
     config = GenerationConfig(top_p=0.5).with_defaults({"temperature": 0.7, "top_p": 0.9})
     assert (config.temperature, config.top_p, config.top_k, config.repetition_penalty) == (0.7, 0.5, 0, 1.0)
     assert GenerationConfig(temperature=0).with_defaults().is_greedy
+
+
+def test_top_p_takes_the_range_openai_documents_zero_included():
+    """0 keeps the top token alone (OpenAI and transformers take it; vLLM refuses it)."""
+    assert GenerationConfig(top_p=0.0).top_p == 0.0 and GenerationConfig(top_p=1).top_p == 1
 
 
 def test_stop_accepts_a_string_and_lists_become_tuples():

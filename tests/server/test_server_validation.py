@@ -27,7 +27,7 @@ CHAT_ERRORS = [
     ({"messages": "hi"}, "messages"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-    ({"top_p": 0}, "top_p"),
+    ({"top_p": -0.5}, "top_p"),
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"999999": 1}}, "logit_bias"),  # outside the vocabulary

@@ -182,7 +182,7 @@ def test_top_k_mask_matches_transformers(top_k, via_sort):
 
 
 def test_top_p_mask_matches_transformers():
-    top_ps = [0.01, 0.3, 0.5, 0.9, 0.999, 1.0]
+    top_ps = [0.0, 0.01, 0.3, 0.5, 0.9, 0.999, 1.0]  # 0: the top token alone (OpenAI and HF take it)
     logits = _logits(len(top_ps), seed=1)
     masked = apply_truncation(logits, one_minus_top_p=torch.tensor([1.0 - p for p in top_ps]))
     for i, top_p in enumerate(top_ps):
