@@ -314,7 +314,7 @@ def row_group_from(group_rows: int) -> int:
 
 
 def _describe_layer(layer: nn.Module, index: int, family: _Family, spec: _Decoder, first_rotary: RotaryEmbedding,
-                    cache: torch.Tensor, keep: list[torch.Tensor]) -> _Layer:
+                    cache: torch.Tensor, keep: list[Any]) -> _Layer:
     attention, mlp = layer.self_attn, layer.mlp
     moe = _moe_block(mlp, index, spec, keep) if type(mlp) is SparseMoeBlock else None
     if (type(layer) is not family.layer or type(attention) is not family.attention
