@@ -45,6 +45,12 @@ def _inputs(block: SparseMoeBlock, tokens: int, dtype: torch.dtype, seed: int):
     return hidden, weights, chosen
 
 
+def _native_mix(block: SparseMoeBlock, hidden, weights, chosen) -> torch.Tensor | None:
+    """The block's experts mixed in the native call (ExpertMix.mix), or None where it has none."""
+    kernel = block.native_kernel(hidden.device)
+    return None if kernel is None else kernel.mix(hidden, weights, chosen)
+
+
 def _expert_by_expert(block: SparseMoeBlock, hidden, weights, chosen, tiled: torch.Tensor) -> torch.Tensor:
     """mix_experts with each token's rows on its own loop (`tiled` [T] bool)."""
     out = torch.zeros_like(hidden)
@@ -72,7 +78,7 @@ def test_the_experts_in_one_call_are_mix_experts_bit_for_bit(tiny_checkpoint_fac
     for tokens in (1, 3, 17):
         for index, block in enumerate(blocks):
             hidden, weights, chosen = _inputs(block, tokens, blocks[0].gate.weight.dtype, seed=tokens + index)
-            mixed = block.native_mix(hidden, weights, chosen)
+            mixed = _native_mix(block, hidden, weights, chosen)
             assert torch.equal(mixed, mix_experts(block.experts, hidden, weights, chosen)), (tokens, index)
 
 
@@ -175,7 +181,7 @@ def test_a_prompt_tokens_rows_take_the_prompt_loop_in_every_expert(tiny_checkpoi
     for first, count in spans:
         tiled[first:first + count] = True
     with tile_rows.prompt_token_rows(rows):
-        mixed = block.native_mix(hidden, weights, chosen)
+        mixed = _native_mix(block, hidden, weights, chosen)
         in_python = mix_experts(block.experts, hidden, weights, chosen)  # its experts' rows marked (tile_rows.gathered)
     assert torch.equal(mixed, _expert_by_expert(block, hidden, weights, chosen, tiled))
     assert torch.equal(in_python, mixed)
@@ -187,15 +193,15 @@ def test_experts_it_does_not_take_are_left_to_mix_experts_and_foreign_marks_appl
     dense = _blocks(path, "none", "float32")[0]  # float weights: F.linear
     assert ExpertMix.of(dense.experts) is None
     hidden, weights, chosen = _inputs(dense, 4, torch.float32, seed=1)
-    assert dense.native_mix(hidden, weights, chosen) is None
+    assert _native_mix(dense, hidden, weights, chosen) is None
     packed = _blocks(path, "int8", "float32")[0]
     handle = packed.experts[1].down_proj.register_forward_hook(lambda *a: None)
     assert ExpertMix.of(packed.experts) is None  # a hook (a LoRA or tensor-parallel one) needs the modules
     handle.remove()
     mix = ExpertMix.of(packed.experts)
-    unmarked = mix(hidden, weights, chosen)
+    unmarked = mix.mix(hidden, weights, chosen)
     with tile_rows.prompt_token_rows(tile_rows.rows_of([(0, 2)], 7)):  # marks of another row count: none apply
-        assert torch.equal(mix(hidden, weights, chosen), unmarked)
+        assert torch.equal(mix.mix(hidden, weights, chosen), unmarked)
         assert torch.equal(mix_experts(packed.experts, hidden, weights, chosen), unmarked)
 
 
@@ -204,7 +210,7 @@ def test_a_bad_expert_index_is_refused_by_name(tiny_checkpoint_factory, native_p
     hidden, weights, chosen = _inputs(block, 2, torch.float32, seed=2)
     chosen[1, 0] = len(block.experts)
     with pytest.raises(RuntimeError, match="core_moe_mix: bad arguments"):
-        block.native_mix(hidden, weights, chosen)
+        _native_mix(block, hidden, weights, chosen)
 
 
 def test_a_token_that_picks_an_expert_twice_is_added_twice_as_mix_experts_adds_it(tiny_checkpoint_factory,
@@ -214,4 +220,4 @@ def test_a_token_that_picks_an_expert_twice_is_added_twice_as_mix_experts_adds_i
     block = _blocks(tiny_checkpoint_factory("qwen3_moe"), "int8", "float32")[0]
     hidden, weights, chosen = _inputs(block, 3, torch.float32, seed=4)
     chosen[:] = 1
-    assert torch.equal(block.native_mix(hidden, weights, chosen), mix_experts(block.experts, hidden, weights, chosen))
+    assert torch.equal(_native_mix(block, hidden, weights, chosen), mix_experts(block.experts, hidden, weights, chosen))

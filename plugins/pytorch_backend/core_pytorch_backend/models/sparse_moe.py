@@ -51,11 +51,6 @@ class SparseMoeBlock(nn.Module):
                                         ExpertMix.of_block(self) if device.type == "cpu" else None)
         return described[1]
 
-    def native_mix(self, hidden: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor | None:
-        """mix_experts' result in one native call where the experts are packed CPU weights, else None."""
-        kernel = self.native_kernel(hidden.device)
-        return None if kernel is None else kernel.mix(hidden, weights, chosen)
-
     def _weight_ids(self) -> tuple[int, int]:
         """The first expert's weight and where its values are: a wakeup that reloads the model builds new modules,
         a move to another device new tensors."""

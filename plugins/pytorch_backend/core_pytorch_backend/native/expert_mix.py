@@ -84,7 +84,7 @@ class ExpertMix:
             if None in shared:
                 return mixer
             shared = (Packed * 2)(*shared)
-        mixer.keep.append(shared)
+            mixer.keep.append(shared)
         mixer.moe = MoeStruct(
             router=_pointer(router.weight.detach(), mixer.keep),
             router_bias=None if router.bias is None else _pointer(router.bias.detach().float(), mixer.keep),
@@ -110,8 +110,6 @@ class ExpertMix:
                           None if tiled is None else tiled.data_ptr(), self.count, self.gate_up, self.down,
                           self.inter, out.data_ptr())
         return out
-
-    __call__ = mix
 
     def block(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The block's output [T, H] (routed, mixed, the shared expert added), or None where it was not described
