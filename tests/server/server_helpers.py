@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -60,3 +62,20 @@ def wait_counter(http: httpx.Client, before: dict[str, float], key: str, delta: 
         sample = metrics(http)
     assert sample.get(key, 0) - before.get(key, 0) == delta, (key, before.get(key), sample.get(key))
     return sample
+
+
+def abort_while_running(http: httpx.Client, send: Callable[[], Any], request_id: str, running: int) -> Any:
+    """`send()` on a thread; once `running` requests run (bounded wait), `/abort` by `request_id`, which must
+    abort that many; `send`'s result once it returns."""
+    answer: list[Any] = []
+    thread = threading.Thread(target=lambda: answer.append(send()))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while metrics(http)["core:num_requests_running"] < running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert http.post("/abort", json={"request_id": request_id}).json() == {"aborted": running}
+    finally:
+        thread.join(30)
+    [result] = answer
+    return result

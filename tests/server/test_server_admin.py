@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import openai
 import pytest
 from conftest import FAKE, run_server, stop_server
-from server_helpers import MESSAGES, assert_anthropic_error, assert_openai_error, metrics, wait_idle
+from server_helpers import (
+    MESSAGES,
+    abort_while_running,
+    assert_anthropic_error,
+    assert_openai_error,
+    metrics,
+    wait_idle,
+)
 
 CHAT = {"messages": MESSAGES, "max_tokens": 10, "temperature": 0.0}
 
@@ -83,20 +89,11 @@ def test_abort_by_id_ends_the_stream_and_frees_blocks(http: httpx.Client, long_t
 def test_abort_by_id_reaches_every_prompt_of_a_completions_list(http: httpx.Client, long_tokens: int):
     """A list of prompts sent with a request id runs as one session per prompt (id-0, id-1, ...), and the
     response is named after the id: aborting by that id stops them all (it answered 404 while both ran on)."""
-    answer: list[httpx.Response] = []
     body = {"prompt": ["Once upon a time", "Tell me"], "max_tokens": long_tokens, "ignore_eos": True,
             "request_id": "a-list"}
-    thread = threading.Thread(target=lambda: answer.append(http.post("/v1/completions", json=body)))
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while metrics(http)["core:num_requests_running"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert http.post("/abort", json={"request_id": "a-list"}).json() == {"aborted": 2}
-    finally:
-        thread.join(30)
-    assert [c["finish_reason"] for c in answer[0].json()["choices"]] == ["abort", "abort"]
-    assert answer[0].json()["id"] == "cmpl-a-list"
+    answer = abort_while_running(http, lambda: http.post("/v1/completions", json=body), "a-list", running=2)
+    assert [c["finish_reason"] for c in answer.json()["choices"]] == ["abort", "abort"]
+    assert answer.json()["id"] == "cmpl-a-list"
     wait_idle(http)
     assert_openai_error(http.post("/abort", json={"request_id": "a-list"}), 404, "request_id")
 

@@ -5,8 +5,6 @@ server in SERVER_SPECS; tools and reasoning on the scripted backend (as in test_
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +12,7 @@ import httpx
 import openai
 import pytest
 from conftest import ServerSpec, run_server
-from server_helpers import assert_openai_error, metrics
+from server_helpers import abort_while_running, assert_openai_error
 from test_server_tools import ENV, QWEN3_AUTO, QWEN25_TEMPLATE, TOOLS, ask
 
 from core.testing.parse import parse_sse
@@ -306,19 +304,9 @@ def test_an_aborted_response_is_cancelled_not_completed(client: openai.OpenAI, h
                                                         long_tokens: int):
     """An abort (/abort, a sleep, a shutdown's drain) stops the response before it finished: it was reported
     "completed", as if the model had ended it."""
-    answer: list[Any] = []
     create = dict(model=model, input="Talk.", max_output_tokens=long_tokens, extra_body={"ignore_eos": True},
                   extra_headers={"X-Request-Id": "resp-to-abort"})
-    thread = threading.Thread(target=lambda: answer.append(client.responses.create(**create)))
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while metrics(http)["core:num_requests_running"] < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert http.post("/abort", json={"request_id": "resp-to-abort"}).json() == {"aborted": 1}
-    finally:
-        thread.join(30)
-    [response] = answer
+    response = abort_while_running(http, lambda: client.responses.create(**create), "resp-to-abort", running=1)
     assert response.id == "resp_resp-to-abort" and response.usage.output_tokens < long_tokens
     assert response.status == "cancelled" and response.incomplete_details is None
     assert response.output[-1].status == "incomplete"
