@@ -17,7 +17,8 @@ if not torch.cuda.is_available():
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
          "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe", "granitemoeshared",
-         "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj", "gpt_bigcode", "falcon")
+         "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj", "gpt_bigcode", "falcon",
+         "ministral3")
 
 
 def tiny_config(arch: str, **overrides):
@@ -45,6 +46,7 @@ def tiny_config(arch: str, **overrides):
         HunYuanDenseV1Config,
         InternLM3Config,
         LlamaConfig,
+        Ministral3Config,
         MinistralConfig,
         MistralConfig,
         MixtralConfig,
@@ -172,6 +174,10 @@ def tiny_config(arch: str, **overrides):
         "gpt_bigcode": (GPTBigCodeConfig, dict(tie_word_embeddings=True, n_inner=128)),
         # Falcon-7B's layout: multi-query, attention and MLP side by side behind one norm, rotary, no biases
         "falcon": (FalconConfig, dict(tie_word_embeddings=True, ffn_hidden_size=128)),
+        # YaRN over an original context of 16 and q scaled by log(1 + floor(pos / 16)) past it, every layer windowed
+        "ministral3": (Ministral3Config, dict(tie_word_embeddings=False, head_dim=16, sliding_window=12, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5})),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

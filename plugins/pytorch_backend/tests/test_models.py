@@ -21,7 +21,8 @@ from core_pytorch_backend.testing import (
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
          "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe",
-         "granitemoeshared", "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj", "gpt_bigcode", "falcon")
+         "granitemoeshared", "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj", "gpt_bigcode", "falcon",
+         "ministral3")
 
 
 @pytest.fixture(scope="module", params=ARCHS)
