@@ -18,12 +18,13 @@ if not torch.cuda.is_available():
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
          "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe", "granitemoeshared",
          "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj", "gpt_bigcode", "falcon",
-         "ministral3")
+         "ministral3", "apertus")
 
 
 def tiny_config(arch: str, **overrides):
     """A 2-layer, hidden-64, 4-head / 2-KV-head config of ``arch``."""
     from transformers import (
+        ApertusConfig,
         ArceeConfig,
         Cohere2Config,
         CohereConfig,
@@ -178,6 +179,8 @@ def tiny_config(arch: str, **overrides):
         "ministral3": (Ministral3Config, dict(tie_word_embeddings=False, head_dim=16, sliding_window=12, rope_parameters={
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5})),
+        # per-head q/k norms before rotary, q/k/v/o biases, an ungated MLP of xIELU (its parameters random too)
+        "apertus": (ApertusConfig, dict(tie_word_embeddings=False, attention_bias=True)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

@@ -22,7 +22,7 @@ from core_pytorch_backend.testing import (
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
          "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe",
          "granitemoeshared", "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj", "gpt_bigcode", "falcon",
-         "ministral3")
+         "ministral3", "apertus")
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -389,3 +389,25 @@ def test_opt_layouts_it_does_not_run_are_refused_at_load(overrides, match, tiny_
 def test_falcon_layouts_it_does_not_run_are_refused_at_load(overrides, match, tiny_checkpoint_factory):
     with pytest.raises(NotImplementedError, match=match):
         load_checkpoint(tiny_checkpoint_factory("falcon", **overrides), dtype="float32")
+
+
+def test_apertus_reads_each_layers_xielu_beta_and_eps(tiny_checkpoint_factory, tmp_path):
+    """xIELU's beta and eps are buffers in Apertus's checkpoints (0.5 and -1e-6 as transformers builds them):
+    values of the file's own, per layer, give transformers' text, not the defaults'."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "apertus"
+    shutil.copytree(tiny_checkpoint_factory("apertus"), folder)
+    (weights,) = folder.glob("*.safetensors")
+    tensors = load_file(weights)
+    for i, (beta, eps) in enumerate([(0.1, -0.4), (0.9, -2.0)]):
+        tensors[f"model.layers.{i}.mlp.act_fn.beta"], tensors[f"model.layers.{i}.mlp.act_fn.eps"] = (
+            torch.tensor(beta), torch.tensor(eps))
+    save_file(tensors, weights, metadata={"format": "pt"})
+    ours = load_checkpoint(folder, dtype="float32").model
+    assert float(ours.model.layers[1].mlp.act_fn.eps) == -2.0
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert_greedy_matches((ours, hf), [12, 5], seed=6)

@@ -92,3 +92,24 @@ def get_act_and_mul(hidden_act: str, ops: Any) -> nn.Module:
     """The gated activation for an HF activation name; NotImplementedError names the supported ones."""
     layer = ACT_AND_MUL.get(hidden_act)
     return layer(ops) if layer is not None else ActAndMul(hidden_act)
+
+
+class XIELU(nn.Module):
+    """xIELU (Apertus; arXiv 2411.13010), an activation with learned parameters, as transformers'
+    ``XIELUActivation`` computes it: ``alpha_p * x^2 + beta * x`` for x > 0, else ``alpha_n * (expm1(min(x, eps))
+    - x) + beta * x``, where ``alpha_p = softplus(alpha_p')`` and ``alpha_n = beta + softplus(alpha_n')`` of the
+    stored ``alpha_p`` / ``alpha_n``. ``beta`` and ``eps`` are buffers checkpoints may or may not hold (the
+    model's ``load_weights`` copies them in when they do)."""
+
+    def __init__(self, beta: float = 0.5, eps: float = -1e-6):
+        super().__init__()
+        self.alpha_p = nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.alpha_n = nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.register_buffer("beta", torch.tensor(beta))
+        self.register_buffer("eps", torch.tensor(eps))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha_p = F.softplus(self.alpha_p)
+        alpha_n = self.beta + F.softplus(self.alpha_n)
+        return torch.where(x > 0, alpha_p * x * x + self.beta * x,
+                           (torch.expm1(torch.min(x, self.eps)) - x) * alpha_n + self.beta * x)

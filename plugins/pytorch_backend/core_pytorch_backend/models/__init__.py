@@ -48,6 +48,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "GPTBigCodeForCausalLM": "core_pytorch_backend.models.gpt_bigcode:GPTBigCodeForCausalLM",
     "FalconForCausalLM": "core_pytorch_backend.models.falcon:FalconForCausalLM",
     "Ministral3ForCausalLM": "core_pytorch_backend.models.ministral3:Ministral3ForCausalLM",
+    "ApertusForCausalLM": "core_pytorch_backend.models.apertus:ApertusForCausalLM",
     "Ernie4_5_MoeForCausalLM": "core_pytorch_backend.models.ernie4_5_moe:Ernie4_5_MoeForCausalLM",
     "HunYuanMoEV1ForCausalLM": "core_pytorch_backend.models.hunyuan_moe:HunYuanMoEV1ForCausalLM",
     "PhimoeForCausalLM": "core_pytorch_backend.models.phimoe:PhimoeForCausalLM",
