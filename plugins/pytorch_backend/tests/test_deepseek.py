@@ -70,6 +70,13 @@ CONFIGS = {
     # rotate-half rotary (rope_interleave off), without renormalization
     "v3-rotate-half": ("DeepseekV3Config", dict(**MLA, q_lora_rank=48, n_group=4, topk_group=2, norm_topk_prob=False,
                                                 routed_scaling_factor=2.5, rope_interleave=False)),
+    # GLM-4.7-Flash: V3's decoder, its dense layers named by mlp_layer_types (the first by default), no groups
+    "glm4.7-flash": ("Glm4MoeLiteConfig", dict(**MLA, q_lora_rank=48, n_group=1, topk_group=1, norm_topk_prob=True,
+                                               routed_scaling_factor=1.8)),
+    # ... every layer sparse, rotate-half rotary, groups, unnormalized weights, YaRN
+    "glm4.7-flash-all-sparse-rotate-half": ("Glm4MoeLiteConfig", dict(
+        **MLA, q_lora_rank=48, n_group=4, topk_group=2, norm_topk_prob=False, routed_scaling_factor=2.5,
+        rope_interleave=False, mlp_layer_types=["sparse", "sparse"], **yarn(1.0))),
     # biases on q_a_proj, kv_a_proj_with_mqa (its rotary rows reordered with the weight's) and o_proj; an
     # rms_norm_eps the latent norms do not take (theirs is 1e-6) large enough to show
     "v2-attention-bias": ("DeepseekV2Config", dict(**MLA, q_lora_rank=48, topk_method="group_limited_greedy",
@@ -98,8 +105,22 @@ GLM_CONFIGS = {
                                               attention_bias=True)),
 }
 
-PARITY = ("v2-lite", "v3", "glm4.5", "dots1")
-VARIANTS = [name for name in (*CONFIGS, *GLM_CONFIGS) if name not in PARITY]
+# EXAONE MoE: the same router, its own field names (num_experts, num_shared_experts), EXAONE 4.0's attention in
+# pre-norm layers: a windowed layer with rotary, a global one without
+EXAONE = {key: value for key, value in GQA.items()
+          if key not in ("n_routed_experts", "n_shared_experts", "first_k_dense_replace")}
+EXAONE_CONFIGS = {
+    "exaone-moe": ("ExaoneMoeConfig", dict(**ROUTED, num_experts=16, num_shared_experts=1, n_group=1, topk_group=1,
+                                           sliding_window=6, sliding_window_pattern=2,
+                                           mlp_layer_types=["dense", "sparse"])),
+    # the global layer first, every layer sparse, two shared experts, the best 2 of 4 groups
+    "exaone-moe-global-first-groups": ("ExaoneMoeConfig", dict(
+        **ROUTED, num_experts=16, num_shared_experts=2, n_group=4, topk_group=2, sliding_window=5,
+        layer_types=["full_attention", "sliding_attention"], mlp_layer_types=["sparse", "sparse"])),
+}
+
+PARITY = ("v2-lite", "v3", "glm4.7-flash", "glm4.5", "dots1", "exaone-moe")
+VARIANTS = [name for name in (*CONFIGS, *GLM_CONFIGS, *EXAONE_CONFIGS) if name not in PARITY]
 
 
 def make_config(cls_name: str, overrides: dict, common: dict = COMMON):
@@ -162,7 +183,10 @@ def _with_mtp_layer(folder: Path, layers: int) -> None:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     def build(name: str, folder: Path) -> Path:
-        config = make_config(*CONFIGS[name]) if name in CONFIGS else make_config(*GLM_CONFIGS[name], GQA)
+        if name in EXAONE_CONFIGS:
+            config = make_config(*EXAONE_CONFIGS[name], EXAONE)
+        else:
+            config = make_config(*CONFIGS[name]) if name in CONFIGS else make_config(*GLM_CONFIGS[name], GQA)
         path = build_checkpoint(config, folder)
         if name in GLM_CONFIGS and GLM_CONFIGS[name][1].get("num_nextn_predict_layers"):
             _with_mtp_layer(path, GQA["num_hidden_layers"])

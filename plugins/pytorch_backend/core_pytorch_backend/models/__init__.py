@@ -49,6 +49,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "FalconForCausalLM": "core_pytorch_backend.models.falcon:FalconForCausalLM",
     "Ministral3ForCausalLM": "core_pytorch_backend.models.ministral3:Ministral3ForCausalLM",
     "ApertusForCausalLM": "core_pytorch_backend.models.apertus:ApertusForCausalLM",
+    "VaultGemmaForCausalLM": "core_pytorch_backend.models.vaultgemma:VaultGemmaForCausalLM",
     "Ernie4_5_MoeForCausalLM": "core_pytorch_backend.models.ernie4_5_moe:Ernie4_5_MoeForCausalLM",
     "HunYuanMoEV1ForCausalLM": "core_pytorch_backend.models.hunyuan_moe:HunYuanMoEV1ForCausalLM",
     "PhimoeForCausalLM": "core_pytorch_backend.models.phimoe:PhimoeForCausalLM",
@@ -62,6 +63,8 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "DeepseekV3ForCausalLM": "core_pytorch_backend.models.deepseek_v3:DeepseekV3ForCausalLM",
     "Glm4MoeForCausalLM": "core_pytorch_backend.models.glm4_moe:Glm4MoeForCausalLM",
     "Dots1ForCausalLM": "core_pytorch_backend.models.dots1:Dots1ForCausalLM",
+    "Glm4MoeLiteForCausalLM": "core_pytorch_backend.models.deepseek_v3:Glm4MoeLiteForCausalLM",  # GLM-4.7-Flash
+    "ExaoneMoeForCausalLM": "core_pytorch_backend.models.exaone_moe:ExaoneMoeForCausalLM",
     "Gemma4ForCausalLM": "core_pytorch_backend.models.gemma4:Gemma4ForCausalLM",
     # the released checkpoints' class: their language model, for text only (no vision processor registered)
     "Gemma4ForConditionalGeneration": "core_pytorch_backend.models.gemma4:Gemma4ForConditionalGeneration",

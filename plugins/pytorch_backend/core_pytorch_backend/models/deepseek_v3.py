@@ -38,3 +38,10 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     @classmethod
     def rope_interleaved(cls, config: Any) -> bool:
         return bool(config.rope_interleave)
+
+
+class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
+    """GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``): DeepSeek-V3's decoder (MLA, ``noaux_tc`` routing, pair rotary
+    where ``rope_interleave``) whose dense layers are those ``mlp_layer_types`` names (the first, by default), as
+    transformers' ``modeling_glm4_moe_lite``; its multi-token-prediction layer (``model.layers.47``) skipped."""
+

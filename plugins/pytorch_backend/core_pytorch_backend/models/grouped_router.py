@@ -1,5 +1,7 @@
-"""The mixture of experts DeepSeek-V2/V3, GLM-4.5 (``Glm4MoeForCausalLM``) and dots.llm1 (``Dots1ForCausalLM``)
-share: from layer ``first_k_dense_replace`` on, every MLP is ``n_routed_experts`` SwiGLU experts of
+"""The mixture of experts DeepSeek-V2/V3, GLM-4.5 (``Glm4MoeForCausalLM``), GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``),
+dots.llm1 (``Dots1ForCausalLM``) and EXAONE MoE (``ExaoneMoeForCausalLM``: its ``num_experts`` and
+``num_shared_experts`` fields) share: from layer ``first_k_dense_replace`` on (or where ``mlp_layer_types`` says
+"sparse"), every MLP is ``n_routed_experts`` SwiGLU experts of
 ``moe_intermediate_size`` plus one shared MLP of ``n_shared_experts * moe_intermediate_size`` every token runs
 through (ungated), each token through ``num_experts_per_tok`` experts chosen within its best ``topk_group`` of
 ``n_group`` expert groups; the layers before are dense MLPs of ``intermediate_size``. Two routing rules, as
@@ -7,7 +9,7 @@ transformers' routers compute them (``DeepseekV2TopkRouter``, ``DeepseekV3TopkRo
 
 - DeepSeek-V2's ``greedy`` / ``group_limited_greedy``: softmax scores; a group ranks by its best score; the
   weights are the chosen scores times ``routed_scaling_factor``, never renormalized.
-- ``noaux_tc`` (DeepSeek-V3, Kimi K2, Moonlight, GLM-4.5, dots.llm1): sigmoid scores; the choice (of groups,
+- ``noaux_tc`` (DeepSeek-V3, Kimi K2, Moonlight, GLM-4.5 / 4.7-Flash, dots.llm1, EXAONE MoE): sigmoid scores; the choice (of groups,
   each ranked by the sum of its best two, and of experts) is made on the scores plus the router's
   ``e_score_correction_bias``, the weights are the chosen scores without it, divided by their sum (+ 1e-20)
   where ``norm_topk_prob``, then times ``routed_scaling_factor``.
@@ -41,6 +43,28 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
+class ExpertCounts:
+    """How many routed experts a sparse layer has and how many experts' widths its shared MLP is: DeepSeek's
+    ``n_routed_experts`` / ``n_shared_experts``, or EXAONE MoE's ``num_experts`` / ``num_shared_experts``."""
+
+    routed: int
+    shared: int
+
+    @classmethod
+    def of(cls, config: Any) -> ExpertCounts:
+        if hasattr(config, "n_routed_experts"):
+            return cls(config.n_routed_experts, config.n_shared_experts or 0)
+        return cls(config.num_experts, config.num_shared_experts or 0)
+
+
+def is_dense_layer(config: Any, index: int) -> bool:
+    """Whether layer ``index`` has a dense MLP: as ``mlp_layer_types`` says where the config lists it (GLM-4.7-Flash,
+    EXAONE MoE), else the first ``first_k_dense_replace`` layers."""
+    types = getattr(config, "mlp_layer_types", None)
+    return types[index] == "dense" if types else index < (config.first_k_dense_replace or 0)
+
+
+@dataclass(frozen=True)
 class GroupedRouting:
     """How a token's experts and their weights follow from its router logits (module docstring)."""
 
@@ -56,7 +80,7 @@ class GroupedRouting:
         """The rule a config's fields give; without ``grouped`` (or ``n_group`` unset) no group limit."""
         groups, kept = (config.n_group or 1, config.topk_group or 1) if grouped else (1, 1)
         rule = cls(config.num_experts_per_tok, groups, kept, noaux_tc, normalize, float(config.routed_scaling_factor))
-        rule.check(config.n_routed_experts)
+        rule.check(ExpertCounts.of(config).routed)
         return rule
 
     def check(self, experts: int) -> None:
@@ -101,12 +125,13 @@ class GroupedMoeBlock(SparseMoeBlock):
     router holds ``e_score_correction_bias`` (checkpoint name ``mlp.gate.e_score_correction_bias``)."""
 
     def __init__(self, config: Any, ops: Any, rule: GroupedRouting) -> None:
-        shared = (config.n_shared_experts or 0) * config.moe_intermediate_size
-        super().__init__(config, ops, config.n_routed_experts, rule.top_k, config.moe_intermediate_size,
+        counts = ExpertCounts.of(config)
+        shared = counts.shared * config.moe_intermediate_size
+        super().__init__(config, ops, counts.routed, rule.top_k, config.moe_intermediate_size,
                          rule.normalize, shared_size=shared or None, shared_gate=False)
         self.rule = rule
         if rule.noaux_tc:
-            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(config.n_routed_experts), requires_grad=False)
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(counts.routed), requires_grad=False)
 
     def _apply(self, fn, recurse=True):
         """Whatever dtype the model takes, the router (``gate.weight``, ``e_score_correction_bias``) stays float32,
@@ -125,11 +150,11 @@ class GroupedMoeBlock(SparseMoeBlock):
 
 
 class GroupedMoeDecoderLayer(LlamaDecoderLayer):
-    """Llama's layer whose MLP is a ``GroupedMoeBlock`` from layer ``first_k_dense_replace`` on (``noaux_tc``
-    routing; DeepSeek-V2's layer overrides ``routing_rule``)."""
+    """Llama's layer whose MLP is a ``GroupedMoeBlock`` where ``is_dense_layer`` says not (``noaux_tc`` routing;
+    DeepSeek-V2's layer overrides ``routing_rule``)."""
 
     def make_mlp(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int) -> nn.Module:
-        if layer_index < (config.first_k_dense_replace or 0):
+        if is_dense_layer(config, layer_index):
             return super().make_mlp(config, ops, spec, layer_index)
         return GroupedMoeBlock(config, ops, self.routing_rule(config))
 
@@ -174,7 +199,7 @@ def grouped_moe_names(weights: Iterable[tuple[str, Any]], config: Any) -> Iterat
         if layer is not None and int(layer.group(1)) >= config.num_hidden_layers:
             continue  # a multi-token-prediction layer
         if ".mlp.shared_experts." in name:
-            if config.n_shared_experts:
+            if ExpertCounts.of(config).shared:
                 yield name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor
         elif name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
             yield from _experts_one_by_one(name, tensor)
