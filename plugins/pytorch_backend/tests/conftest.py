@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
          "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe", "granitemoeshared",
          "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj", "gpt_bigcode", "falcon",
-         "ministral3", "apertus")
+         "ministral3", "apertus", "vaultgemma")
 
 
 def tiny_config(arch: str, **overrides):
@@ -67,6 +67,7 @@ def tiny_config(arch: str, **overrides):
         SmolLM3Config,
         StableLmConfig,
         Starcoder2Config,
+        VaultGemmaConfig,
     )
 
     common = dict(
@@ -181,6 +182,11 @@ def tiny_config(arch: str, **overrides):
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5})),
         # per-head q/k norms before rotary, q/k/v/o biases, an ungated MLP of xIELU (its parameters random too)
         "apertus": (ApertusConfig, dict(tie_word_embeddings=False, attention_bias=True)),
+        # Gemma 2's tiny layout with pre-norms only
+        "vaultgemma": (VaultGemmaConfig, dict(
+            tie_word_embeddings=True, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=2.0,
+            final_logit_softcapping=30.0)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

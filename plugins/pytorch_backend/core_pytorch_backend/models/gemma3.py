@@ -157,6 +157,8 @@ class Gemma3Model(LlamaModel):
     """Embedding (scaled), decoder layers and final norm, with the weight names of HF's Gemma3TextModel;
     the forward pass (embedding overrides, the layer loop, the final norm) is Llama's."""
 
+    layer_class = Gemma3DecoderLayer  # VaultGemma's has two norms a layer
+
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec):
         nn.Module.__init__(self)  # not LlamaModel's: it would build Llama layers
         check_supported(config)
@@ -168,7 +170,7 @@ class Gemma3Model(LlamaModel):
         ropes = {t: RotaryEmbedding(head_dim, max_positions, params, ops)
                  for t, params in self.rope_parameters_by_layer_type(config).items()}
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, ops, spec, i, ropes[t]) for i, t in enumerate(layer_types_of(config))
+            self.layer_class(config, ops, spec, i, ropes[t]) for i, t in enumerate(layer_types_of(config))
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
