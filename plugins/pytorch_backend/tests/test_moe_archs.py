@@ -86,8 +86,25 @@ CONFIGS = {
         head_dim=16, intermediate_size=32, intermediate_size_mlp=128, num_hidden_layers=4, num_local_experts=4,
         num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layer_interval=2, attention_chunk_size=None,
         use_qk_norm=False, attn_temperature_tuning=False)),
+    # Command A's MoE: 4 experts of 32, two a token (the softmax of their logits), a shared expert averaged in; a
+    # windowed layer with pair rotary, a global one without; RMSNorms; logits scaled
+    "cohere2-moe": ("Cohere2MoeConfig", dict(
+        head_dim=16, intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+        sliding_window=6, layer_types=["sliding_attention", "full_attention"], logit_scale=0.5)),
+    # sigmoid weights renormalized, the shared expert summed; a dense first layer of 48 that takes rotary (the
+    # prefix pattern 1) though global; Cohere's LayerNorms (no rms_norm_eps), q/k/v/o biases, untied
+    "cohere2-moe-sigmoid-sum-dense-prefix-layernorm": ("Cohere2MoeConfig", dict(
+        head_dim=16, intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_shared_experts=2,
+        expert_selection_fn="sigmoid", shared_expert_combination_strategy="sum", rms_norm_eps=None,
+        first_k_dense_replace=1, prefix_dense_intermediate_size=48, sliding_window=6, attention_bias=True,
+        tie_word_embeddings=False)),
+    # no shared expert, sigmoid weights not renormalized, the dense layer's rotary off (prefix pattern 2)
+    "cohere2-moe-sigmoid-unnormalized-no-shared": ("Cohere2MoeConfig", dict(
+        head_dim=16, intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_shared_experts=0,
+        expert_selection_fn="sigmoid", norm_topk_prob=False, first_k_dense_replace=1,
+        prefix_dense_sliding_window_pattern=2, sliding_window=6, sliding_window_pattern=2)),
 }
-PARITY = ("ernie", "hunyuan", "phimoe", "llama4")
+PARITY = ("ernie", "hunyuan", "phimoe", "llama4", "cohere2-moe")
 VARIANTS = [name for name in CONFIGS if name not in PARITY]
 
 

@@ -66,6 +66,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "Dots1ForCausalLM": "core_pytorch_backend.models.dots1:Dots1ForCausalLM",
     "Glm4MoeLiteForCausalLM": "core_pytorch_backend.models.deepseek_v3:Glm4MoeLiteForCausalLM",  # GLM-4.7-Flash
     "ExaoneMoeForCausalLM": "core_pytorch_backend.models.exaone_moe:ExaoneMoeForCausalLM",
+    "Cohere2MoeForCausalLM": "core_pytorch_backend.models.cohere2_moe:Cohere2MoeForCausalLM",
     "Gemma4ForCausalLM": "core_pytorch_backend.models.gemma4:Gemma4ForCausalLM",
     # the released checkpoints' class: their language model, for text only (no vision processor registered)
     "Gemma4ForConditionalGeneration": "core_pytorch_backend.models.gemma4:Gemma4ForConditionalGeneration",

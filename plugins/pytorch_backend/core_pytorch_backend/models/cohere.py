@@ -53,8 +53,16 @@ class CohereDecoderLayer(torch.nn.Module):
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
         super().__init__()
         self.self_attn = CohereAttention(config, ops, spec, layer_index, rotary)
-        self.mlp = LlamaMLP(config, ops)
-        self.input_layernorm = CohereLayerNorm(config.hidden_size, config.layer_norm_eps)
+        self.mlp = self.make_mlp(config, ops, layer_index)
+        self.input_layernorm = self.make_norm(config, ops)
+
+    def make_mlp(self, config: Any, ops: Any, layer_index: int) -> torch.nn.Module:
+        """The layer's MLP (Cohere 2 MoE's sparse layers build their experts here)."""
+        return LlamaMLP(config, ops)
+
+    def make_norm(self, config: Any, ops: Any) -> torch.nn.Module:
+        """The input norm (Cohere 2 MoE's may be an RMSNorm)."""
+        return CohereLayerNorm(config.hidden_size, config.layer_norm_eps)
 
     def forward(self, positions, hidden, residual, meta):
         """In the Llama layers' (hidden, residual) protocol: (h + attn) + mlp, the next norm adding mlp."""
