@@ -77,6 +77,13 @@ CONFIGS = {
     "glm4.7-flash-all-sparse-rotate-half": ("Glm4MoeLiteConfig", dict(
         **MLA, q_lora_rank=48, n_group=4, topk_group=2, norm_topk_prob=False, routed_scaling_factor=2.5,
         rope_interleave=False, mlp_layer_types=["sparse", "sparse"], **yarn(1.0))),
+    # MiniCPM3: MLA with rotate-half rotary, dense MLPs, embeddings x 12, residual branches x 1.4 / sqrt(2), the
+    # final hidden states / (64 / 16)
+    "minicpm3": ("MiniCPM3Config", dict(**MLA, q_lora_rank=48, scale_emb=12, scale_depth=1.4, dim_model_base=16)),
+    # ... no q LoRA, q_a / kv_a / o and MLP biases, tied embeddings, YaRN
+    "minicpm3-no-q-lora-biases-tied-yarn": ("MiniCPM3Config", dict(
+        **MLA, q_lora_rank=None, attention_bias=True, mlp_bias=True, tie_word_embeddings=True, scale_emb=2.5,
+        scale_depth=1.0, dim_model_base=32, **yarn(0.707))),
     # biases on q_a_proj, kv_a_proj_with_mqa (its rotary rows reordered with the weight's) and o_proj; an
     # rms_norm_eps the latent norms do not take (theirs is 1e-6) large enough to show
     "v2-attention-bias": ("DeepseekV2Config", dict(**MLA, q_lora_rank=48, topk_method="group_limited_greedy",
@@ -119,7 +126,7 @@ EXAONE_CONFIGS = {
         layer_types=["full_attention", "sliding_attention"], mlp_layer_types=["sparse", "sparse"])),
 }
 
-PARITY = ("v2-lite", "v3", "glm4.7-flash", "glm4.5", "dots1", "exaone-moe")
+PARITY = ("v2-lite", "v3", "glm4.7-flash", "minicpm3", "glm4.5", "dots1", "exaone-moe")
 VARIANTS = [name for name in (*CONFIGS, *GLM_CONFIGS, *EXAONE_CONFIGS) if name not in PARITY]
 
 

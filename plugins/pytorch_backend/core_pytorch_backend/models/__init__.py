@@ -67,6 +67,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "Glm4MoeLiteForCausalLM": "core_pytorch_backend.models.deepseek_v3:Glm4MoeLiteForCausalLM",  # GLM-4.7-Flash
     "ExaoneMoeForCausalLM": "core_pytorch_backend.models.exaone_moe:ExaoneMoeForCausalLM",
     "Cohere2MoeForCausalLM": "core_pytorch_backend.models.cohere2_moe:Cohere2MoeForCausalLM",
+    "MiniCPM3ForCausalLM": "core_pytorch_backend.models.minicpm3:MiniCPM3ForCausalLM",  # MLA, dense MLPs
     "Gemma4ForCausalLM": "core_pytorch_backend.models.gemma4:Gemma4ForCausalLM",
     # the released checkpoints' class: their language model, for text only (no vision processor registered)
     "Gemma4ForConditionalGeneration": "core_pytorch_backend.models.gemma4:Gemma4ForConditionalGeneration",

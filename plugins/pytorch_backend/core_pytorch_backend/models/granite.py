@@ -14,7 +14,12 @@ from .llama import DecoderSpec, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 class GraniteDecoderLayer(LlamaDecoderLayer):
     def __init__(self, config: Any, *args: Any) -> None:
         super().__init__(config, *args)
-        self.residual_multiplier = float(config.residual_multiplier)
+        self.residual_multiplier = self.residual_multiplier_of(config)
+
+    @classmethod
+    def residual_multiplier_of(cls, config: Any) -> float:
+        """What the attention's and the MLP's outputs are multiplied by (MiniCPM3 derives it from its depth)."""
+        return float(config.residual_multiplier)
 
     def forward(self, positions, hidden, residual, meta):
         hidden, residual = self.normed_input(hidden, residual)
