@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
          "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe", "granitemoeshared",
          "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj", "gpt_bigcode", "falcon",
-         "ministral3", "apertus", "vaultgemma")
+         "ministral3", "apertus", "vaultgemma", "nanochat")
 
 
 def tiny_config(arch: str, **overrides):
@@ -51,6 +51,7 @@ def tiny_config(arch: str, **overrides):
         MinistralConfig,
         MistralConfig,
         MixtralConfig,
+        NanoChatConfig,
         NemotronConfig,
         Olmo2Config,
         Olmo3Config,
@@ -187,6 +188,8 @@ def tiny_config(arch: str, **overrides):
             tie_word_embeddings=True, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
             layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=2.0,
             final_logit_softcapping=30.0)),
+        # weightless norms (one over the embeddings too), q/k normed after a rotary that turns the other way
+        "nanochat": (NanoChatConfig, dict(tie_word_embeddings=False, attention_bias=True, final_logit_softcapping=15.0)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

@@ -52,3 +52,21 @@ class ParameterFreeLayerNorm(LayerNorm):
 
     def normalized(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x.float(), (x.shape[-1],), None, None, self.eps).to(x.dtype)
+
+
+def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x`` divided by its RMS over the last dimension, in float32 and rounded to x's dtype once (transformers'
+    ``Llama4TextWeightlessRMSNorm``)."""
+    y = x.float()
+    return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
+class WeightlessRMSNorm(LayerNorm):
+    """An RMSNorm without a weight (NanoChat's every norm), with the residual protocol of RMSNorm."""
+
+    def __init__(self, eps: float):
+        nn.Module.__init__(self)  # not LayerNorm's: no parameters
+        self.eps = eps
+
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        return weightless_rms_norm(x, self.eps)

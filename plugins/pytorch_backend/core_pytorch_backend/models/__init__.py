@@ -50,7 +50,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "Ministral3ForCausalLM": "core_pytorch_backend.models.ministral3:Ministral3ForCausalLM",
     "ApertusForCausalLM": "core_pytorch_backend.models.apertus:ApertusForCausalLM",
     "VaultGemmaForCausalLM": "core_pytorch_backend.models.vaultgemma:VaultGemmaForCausalLM",
-    "VaultGemmaForCausalLM": "core_pytorch_backend.models.vaultgemma:VaultGemmaForCausalLM",
+    "NanoChatForCausalLM": "core_pytorch_backend.models.nanochat:NanoChatForCausalLM",
     "Ernie4_5_MoeForCausalLM": "core_pytorch_backend.models.ernie4_5_moe:Ernie4_5_MoeForCausalLM",
     "HunYuanMoEV1ForCausalLM": "core_pytorch_backend.models.hunyuan_moe:HunYuanMoEV1ForCausalLM",
     "PhimoeForCausalLM": "core_pytorch_backend.models.phimoe:PhimoeForCausalLM",

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..attention_metadata import AttentionMetadata
 from ..layers import Attention, RotaryEmbedding
+from ..layers.norm import weightless_rms_norm
 from ..native import tile_rows
 from ..quant.attach import QuantizedShards
 from .llama import DecoderSpec, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
@@ -54,18 +55,12 @@ class Llama4Attention(LlamaAttention):
         t = q.shape[0]
         q, k = q.reshape(t, -1, self.head_dim), k.reshape(t, -1, self.head_dim)
         if self.qk_norm:
-            q, k = _weightless_rms_norm(q, self.eps), _weightless_rms_norm(k, self.eps)
+            q, k = weightless_rms_norm(q, self.eps), weightless_rms_norm(k, self.eps)
         if self.temperature is not None:
             floor_scale, attn_scale = self.temperature
             scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
             q = (q * scales[:, None, None]).to(q.dtype)
         return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta))
-
-
-def _weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Each head's values divided by their RMS, in float32 (transformers' ``Llama4TextL2Norm``)."""
-    y = x.float()
-    return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
 
 
 class Llama4MoeBlock(SparseMoeBlock):

@@ -35,11 +35,24 @@ def rows_reordered(tensor: Weight, order: np.ndarray, name: str) -> Weight:
     return tensor[torch.from_numpy(order)]
 
 
+def halves_swapped_order(head_dim: int) -> np.ndarray:
+    """Within a head: its second half, then its first. NanoChat's rotary turns the other way (``rotate_half`` as
+    ``cat(x2, -x1)``), which is rotate-half's turn of the halves swapped, swapped back; q and k swapped alike
+    leave their dot products, and the weightless norms NanoChat takes of them after rotary, unchanged."""
+    return np.roll(np.arange(head_dim), head_dim // 2)
+
+
 def pairs_to_rotate_half(weights: Iterable[tuple[str, Weight]], config: Any, rotary_dim: int | None = None
                          ) -> Iterator[tuple[str, Weight]]:
     """The checkpoint's tensors with every q and k projection's rows (and biases) in rotate-half order."""
     head_dim = head_dim_of(config)
-    within = rotate_half_order(head_dim, rotary_dim or head_dim)
+    return q_k_rows_reordered(weights, config, rotate_half_order(head_dim, rotary_dim or head_dim))
+
+
+def q_k_rows_reordered(weights: Iterable[tuple[str, Weight]], config: Any, within: np.ndarray
+                       ) -> Iterator[tuple[str, Weight]]:
+    """The checkpoint's tensors with each head's q and k projection rows (and biases) in the order ``within``."""
+    head_dim = head_dim_of(config)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     for name, tensor in weights:
         projection = next((p for p in heads if f"self_attn.{p}." in name), None)
