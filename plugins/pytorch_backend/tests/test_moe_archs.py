@@ -103,8 +103,14 @@ CONFIGS = {
         head_dim=16, intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_shared_experts=0,
         expert_selection_fn="sigmoid", norm_topk_prob=False, first_k_dense_replace=1,
         prefix_dense_sliding_window_pattern=2, sliding_window=6, sliding_window_pattern=2)),
+    # FlexOlmo: OLMo 2's post-norm layers, 4 experts of 32, two a token (softmax probabilities, not renormalized)
+    "flex-olmo": ("FlexOlmoConfig", dict(intermediate_size=32, num_experts=4, num_experts_per_tok=2)),
+    # ... renormalized, three a token, q/k/v/o biases, tied
+    "flex-olmo-normalized-top-3-bias-tied": ("FlexOlmoConfig", dict(
+        intermediate_size=32, num_experts=4, num_experts_per_tok=3, norm_topk_prob=True, attention_bias=True,
+        tie_word_embeddings=True)),
 }
-PARITY = ("ernie", "hunyuan", "phimoe", "llama4", "cohere2-moe")
+PARITY = ("ernie", "hunyuan", "phimoe", "llama4", "cohere2-moe", "flex-olmo")
 VARIANTS = [name for name in CONFIGS if name not in PARITY]
 
 

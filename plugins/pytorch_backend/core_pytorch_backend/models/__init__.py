@@ -68,6 +68,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "ExaoneMoeForCausalLM": "core_pytorch_backend.models.exaone_moe:ExaoneMoeForCausalLM",
     "Cohere2MoeForCausalLM": "core_pytorch_backend.models.cohere2_moe:Cohere2MoeForCausalLM",
     "MiniCPM3ForCausalLM": "core_pytorch_backend.models.minicpm3:MiniCPM3ForCausalLM",  # MLA, dense MLPs
+    "FlexOlmoForCausalLM": "core_pytorch_backend.models.flex_olmo:FlexOlmoForCausalLM",
     "Gemma4ForCausalLM": "core_pytorch_backend.models.gemma4:Gemma4ForCausalLM",
     # the released checkpoints' class: their language model, for text only (no vision processor registered)
     "Gemma4ForConditionalGeneration": "core_pytorch_backend.models.gemma4:Gemma4ForConditionalGeneration",

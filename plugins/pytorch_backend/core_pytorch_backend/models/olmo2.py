@@ -33,9 +33,13 @@ class Olmo2DecoderLayer(nn.Module):
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
         super().__init__()
         self.self_attn = self.attention_class(config, ops, spec, layer_index, rotary)
-        self.mlp = LlamaMLP(config, ops)
+        self.mlp = self.make_mlp(config, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+
+    def make_mlp(self, config: Any, ops: Any) -> nn.Module:
+        """The layer's MLP (FlexOlmo's is a mixture of experts)."""
+        return LlamaMLP(config, ops)
 
     def forward(self, positions, hidden, residual, meta):
         """(the MLP's normalized output, the residual before it): the next layer, or the model's final norm,
