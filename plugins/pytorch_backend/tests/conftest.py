@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from core_pytorch_backend.testing import CHAT_TEMPLATE, SPECIALS, TINY_VOCAB, reinit_, tiny_tokenizer  # noqa: F401
+from core_pytorch_backend.testing import (  # noqa: F401
+    CHAT_TEMPLATE,
+    SPECIALS,
+    TINY_VOCAB,
+    reinit_,
+    reinit_with_layer_norms_,
+    tiny_tokenizer,
+)
 
 if not torch.cuda.is_available():
     # Triton kernels (tests/test_kernels_triton*.py) run in triton's interpreter on the CPU; triton reads
@@ -18,7 +25,10 @@ if not torch.cuda.is_available():
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
          "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe", "granitemoeshared",
          "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj", "gpt_bigcode", "falcon",
-         "ministral3", "apertus", "vaultgemma", "nanochat")
+         "ministral3", "apertus", "vaultgemma", "nanochat", "jais2")
+
+# reinit_ sets whatever is named "norm" near 1, LayerNorm biases too: these would repeat one token
+LAYER_NORM_BIAS_ARCHS = ("jais2",)
 
 
 def tiny_config(arch: str, **overrides):
@@ -46,6 +56,7 @@ def tiny_config(arch: str, **overrides):
         HeliumConfig,
         HunYuanDenseV1Config,
         InternLM3Config,
+        Jais2Config,
         LlamaConfig,
         Ministral3Config,
         MinistralConfig,
@@ -190,6 +201,8 @@ def tiny_config(arch: str, **overrides):
             final_logit_softcapping=30.0)),
         # weightless norms (one over the embeddings too), q/k normed after a rotary that turns the other way
         "nanochat": (NanoChatConfig, dict(tie_word_embeddings=False, attention_bias=True, final_logit_softcapping=15.0)),
+        # LayerNorms, q/k/v/o and MLP biases, an ungated relu² MLP
+        "jais2": (Jais2Config, dict(tie_word_embeddings=False, num_key_value_heads=2)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")
@@ -204,7 +217,7 @@ def build_tiny_checkpoint(arch: str, tmp_path: Path, seed: int = 0, **config_ove
     config = tiny_config(arch, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    reinit_(model, seed=seed)
+    (reinit_with_layer_norms_ if arch in LAYER_NORM_BIAS_ARCHS else reinit_)(model, seed=seed)
     out = Path(tmp_path) / f"tiny-{arch}"
     model.save_pretrained(out)
     tiny_tokenizer().save_pretrained(out)
