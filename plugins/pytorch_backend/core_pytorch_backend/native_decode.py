@@ -50,12 +50,14 @@ from core_pytorch_backend.models.gemma3 import (
     Gemma3Model,
     GemmaRMSNorm,
 )
+from core_pytorch_backend.models.glm4 import Glm4DecoderLayer, Glm4Model
 from core_pytorch_backend.models.granite import GraniteDecoderLayer, GraniteModel
 from core_pytorch_backend.models.granitemoe import GraniteMoeDecoderLayer, GraniteMoeModel
 from core_pytorch_backend.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 from core_pytorch_backend.models.mixtral import MixtralDecoderLayer, MixtralModel
 from core_pytorch_backend.models.olmo2 import Olmo2Attention, Olmo2DecoderLayer, Olmo2Model
 from core_pytorch_backend.models.olmo3 import Olmo3Model
+from core_pytorch_backend.models.olmoe import OlmoeAttention, OlmoeDecoderLayer, OlmoeModel
 from core_pytorch_backend.models.sparse_moe import QwenMoeDecoderLayer, QwenMoeModel, SparseMoeBlock
 from core_pytorch_backend.native import tile_rows
 from core_pytorch_backend.native.library import CpuKernels, available
@@ -78,17 +80,28 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 class _Layer(ctypes.Structure):  # core_layer
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("attn_out_norm", _P),
                 ("mlp_out_norm", _P), ("cos", _P), ("sin", _P), ("qkv", Packed), ("o", Packed), ("gate_up", Packed),
-                ("down", Packed), ("k_cache", _P), ("v_cache", _P), ("window", _L), ("scale", _F), ("rope", _I),
-                ("moe", _P)]
+                ("down", Packed), ("k_cache", _P), ("v_cache", _P), ("window", _L), ("scale", _F), ("softcap", _F),
+                ("rope", _I), ("moe", _P)]
 
 
 class _Decoder(ctypes.Structure):  # core_decoder
     _fields_ = [("hidden", _L), ("heads", _L), ("kv_heads", _L), ("head_dim", _L), ("inter", _L),
                 ("rotary_dim", _L),
                 ("dtype", _I), ("cache_dtype", _I), ("table_dtype", _I), ("norm_float", _I), ("act", _I),
-                ("branch_scale", _F), ("qk_norm_whole", _I), ("eps", _F),
+                ("branch_scale", _F), ("qk_norm_whole", _I), ("eps", _F), ("clip_qkv", _F),
                 ("block_size", _L), ("num_slots", _L), ("max_position", _L), ("tiles", _I),
                 ("group_rows", _I), ("group_from", _I)]
+
+
+# A layer's norms by the C layer's places for them (core_layer: input_norm, post_norm, attn_out_norm, mlp_out_norm;
+# None: none there): Llama's before the attention and before the MLP; Gemma 2 and 3's and GLM-4's "sandwich" norms,
+# which add those of the attention's and the MLP's outputs (Gemma's post_attention_layernorm is the attention
+# output's, GLM-4's the MLP input's); OLMo 2's post-norm layers, only the outputs'
+PRE = ("input_layernorm", "post_attention_layernorm", None, None)
+GEMMA_SANDWICH = ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
+                  "post_feedforward_layernorm")
+GLM4_SANDWICH = ("input_layernorm", "post_attention_layernorm", "post_self_attn_layernorm", "post_mlp_layernorm")
+POST = (None, None, "post_attention_layernorm", "post_feedforward_layernorm")
 
 
 @dataclass(frozen=True)
@@ -99,36 +112,30 @@ class _Family:
     attention: type
     mlp: type
     norm: type  # RMSNorm (weights of the activations' dtype) or GemmaRMSNorm (float32 1 + w: norm_float)
-    layout: str  # where the norms are: "pre" (Llama: input_layernorm, post_attention_layernorm before the MLP),
-    # "sandwich" (Gemma 2, 3: those and the norms of the attention's and the MLP's outputs, post_attention_layernorm
-    # the attention output's, pre_feedforward_layernorm the MLP input's) or "post" (OLMo 2: only the outputs')
+    places: tuple[str | None, ...]  # the layer's norms at the C layer's places (PRE, GEMMA_SANDWICH, ...)
     scaled: bool = False  # the attention's and the MLP's outputs times the layer's residual_multiplier (Granite)
+    qk_whole: bool = False  # q and k normalized over all their heads at once (OLMo 2 and 3, OLMoE)
 
     def norms(self, layer: nn.Module) -> dict[str, nn.Module | None]:
         """The layer's norms by the place the C layer has for each (None: none there)."""
-        if self.layout == "pre":
-            places = ("input_layernorm", "post_attention_layernorm", None, None)
-        elif self.layout == "sandwich":
-            places = ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
-                      "post_feedforward_layernorm")
-        else:
-            places = (None, None, "post_attention_layernorm", "post_feedforward_layernorm")
         found = {name: getattr(layer, place) if place else None
-                 for name, place in zip(("input", "before_mlp", "attn_out", "mlp_out"), places, strict=True)}
+                 for name, place in zip(("input", "before_mlp", "attn_out", "mlp_out"), self.places, strict=True)}
         return found | {"q": layer.self_attn.q_norm, "k": layer.self_attn.k_norm}
 
 
-_FAMILIES = {LlamaModel: _Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, "pre"),
-             GraniteModel: _Family(GraniteDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, "pre", scaled=True),
-             QwenMoeModel: _Family(QwenMoeDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, "pre"),
-             MixtralModel: _Family(MixtralDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, "pre"),
-             GraniteMoeModel: _Family(GraniteMoeDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, "pre", scaled=True),
-             Olmo2Model: _Family(Olmo2DecoderLayer, Olmo2Attention, LlamaMLP, RMSNorm, "post"),
-             Olmo3Model: _Family(Olmo2DecoderLayer, Olmo2Attention, LlamaMLP, RMSNorm, "post"),
-             Exaone4Model: _Family(Exaone4DecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, "post"),
-             GemmaModel: _Family(GemmaDecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, "pre"),
-             Gemma2Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, "sandwich"),
-             Gemma3Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, "sandwich")}
+_FAMILIES = {LlamaModel: _Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, PRE),
+             GraniteModel: _Family(GraniteDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, PRE, scaled=True),
+             QwenMoeModel: _Family(QwenMoeDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, PRE),
+             MixtralModel: _Family(MixtralDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, PRE),
+             GraniteMoeModel: _Family(GraniteMoeDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, PRE, scaled=True),
+             OlmoeModel: _Family(OlmoeDecoderLayer, OlmoeAttention, LlamaMLP, RMSNorm, PRE, qk_whole=True),
+             Olmo2Model: _Family(Olmo2DecoderLayer, Olmo2Attention, LlamaMLP, RMSNorm, POST, qk_whole=True),
+             Olmo3Model: _Family(Olmo2DecoderLayer, Olmo2Attention, LlamaMLP, RMSNorm, POST, qk_whole=True),
+             Exaone4Model: _Family(Exaone4DecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, POST),
+             Glm4Model: _Family(Glm4DecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, GLM4_SANDWICH),
+             GemmaModel: _Family(GemmaDecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, PRE),
+             Gemma2Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, GEMMA_SANDWICH),
+             Gemma3Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, GEMMA_SANDWICH)}
 _ACTIVATIONS = {SiluAndMul: ACT_SILU, GeluTanhAndMul: ACT_GELU_TANH}
 
 
@@ -235,7 +242,7 @@ def make_native_decode(model: nn.Module, *, device: torch.device, enabled: bool)
 def describe(model: nn.Module) -> _Plan:
     """Point the C structs at ``model``'s weights and KV caches; DoesNotFit says why they cannot be."""
     decoder = getattr(model, "model", None)
-    family = _FAMILIES.get(type(decoder))
+    family = _family_of(decoder)
     if family is None:
         raise DoesNotFit(f"{type(model).__name__}'s decoder is not Llama's, Granite's, OLMo's or Gemma's")
     if getattr(getattr(model, "ops", None), "name", None) != "native":
@@ -273,7 +280,7 @@ def describe(model: nn.Module) -> _Plan:
                     cache_dtype=CACHE_CODES[cache.dtype], table_dtype=DTYPE_CODES[rotary.cos_cache.dtype],
                     norm_float=int(family.norm is GemmaRMSNorm), act=act,
                     branch_scale=first.residual_multiplier if family.scaled else 1.0,
-                    qk_norm_whole=int(type(attention) is Olmo2Attention), eps=width_norm.eps,
+                    qk_norm_whole=int(family.qk_whole), eps=width_norm.eps, clip_qkv=_clip_qkv(attention),
                     block_size=cache.shape[1], num_slots=cache.shape[0] * cache.shape[1],
                     max_position=rotary.cos_cache.shape[0], group_rows=group_rows,
                     group_from=row_group_from(group_rows))
@@ -281,6 +288,17 @@ def describe(model: nn.Module) -> _Plan:
     for index, layer in enumerate(layers):
         described[index] = _describe_layer(layer, index, family, spec, rotary, cache, keep)
     return _Plan(model, attention.attn, cache.data_ptr(), dtype, spec, described, keep, group_rows)
+
+
+def _family_of(decoder: nn.Module | None) -> _Family | None:
+    """The family of the decoder's class or of the nearest base class in _FAMILIES whose forward it runs as it is
+    (a subclass that only builds itself otherwise, e.g. its rotary tables: its layers are checked one by one)."""
+    for cls in type(decoder).__mro__:
+        family = _FAMILIES.get(cls)
+        if family is not None:
+            kept = all(getattr(type(decoder), name) is getattr(cls, name) for name in ("forward", "run_layers"))
+            return family if kept else None
+    return None
 
 
 def _rotary_of(layers: list[nn.Module]) -> RotaryEmbedding:
@@ -325,8 +343,10 @@ def _describe_layer(layer: nn.Module, index: int, family: _Family, spec: _Decode
     if family.scaled and _F(layer.residual_multiplier).value != spec.branch_scale:
         raise DoesNotFit(f"layer {index}'s residual_multiplier differs from layer 0's")
     attn = attention.attn
-    if attn.has_score_terms or attn.v_head_dim != attn.head_dim:
-        raise DoesNotFit(f"layer {index}'s attention adds score terms or has narrower values")
+    if (attn.has_score_terms and not attn.only_softcapped) or attn.v_head_dim != attn.head_dim:
+        raise DoesNotFit(f"layer {index}'s attention adds score terms (but a soft cap) or has narrower values")
+    if _F(_clip_qkv(attention)).value != spec.clip_qkv:
+        raise DoesNotFit(f"layer {index}'s clip_qkv differs from layer 0's")
     if (attn.k_cache is None or attn.v_cache is None or attn.k_cache.dtype != cache.dtype
             or attn.k_cache.shape != cache.shape or not (attn.k_cache.is_contiguous() and attn.v_cache.is_contiguous())
             or attn.v_cache.dtype != cache.dtype or attn.num_heads != spec.heads or attn.num_kv_heads != spec.kv_heads):
@@ -340,7 +360,12 @@ def _describe_layer(layer: nn.Module, index: int, family: _Family, spec: _Decode
                   gate_up=Packed() if moe else _packed(mlp.gate_up_proj, index, keep),
                   down=Packed() if moe else _packed(mlp.down_proj, index, keep),
                   k_cache=_ptr(attn.k_cache, keep), v_cache=_ptr(attn.v_cache, keep), window=attn.sliding_window or 0,
-                  scale=attn.scale, rope=int(attention.rotary_emb is not None), moe=moe)
+                  scale=attn.scale, softcap=attn.softcap or 0.0, rope=int(attention.rotary_emb is not None), moe=moe)
+
+
+def _clip_qkv(attention: nn.Module) -> float:
+    """The bound OLMoE's attention clamps q, k and v to (0: none)."""
+    return (attention.clip_qkv or 0.0) if type(attention) is OlmoeAttention else 0.0
 
 
 def _moe_block(block: SparseMoeBlock, index: int, spec: _Decoder, keep: list[Any]) -> int:

@@ -81,18 +81,19 @@ def _decode_both_ways(runner: ModelRunner, steps: int = 12) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3", "phi3-partial-rotary",
-                                  "granite", "olmo2", "olmo3", "exaone4", "gemma", "gemma3_text", "gemma2-no-softcap",
-                                  "qwen3_moe", "qwen2_moe", "mixtral", "granitemoe", "granitemoeshared"])
+                                  "granite", "olmo2", "olmo3", "exaone4", "glm4", "gemma", "gemma3_text", "gemma2",
+                                  "qwen3_moe", "qwen2_moe", "mixtral", "granitemoe", "granitemoeshared", "olmoe"])
 def test_the_stack_gives_the_modules_hidden_states_bit_for_bit(tiny_checkpoint_factory, native_packed, arch,
                                                                  quantization, dtype):
-    """Granite's multipliers, OLMo 2 / 3's and EXAONE 4's post-norm layers (OLMo's q / k norms over all heads) and
-    Gemma's decoders too: float32 norms of 1 + w (core_rms_norm_float), GELU-tanh * up, Gemma 2 and 3's norms of
-    the attention's and the MLP's outputs, Gemma 3's sliding layers with their own rotary table. The sparse MoE
-    models' blocks (a dense layer among them in Qwen3-MoE's, Qwen2-MoE's gated and Granite MoE Shared's ungated
-    shared experts) run routing and experts in moe_mix.c's one call, from the modules and from the stack alike."""
+    """Granite's multipliers, OLMo 2 / 3's and EXAONE 4's post-norm layers (OLMo's q / k norms over all heads),
+    GLM-4's RMSNorm sandwich (and GLM's pairwise partial rotary) and Gemma's decoders too: float32 norms of 1 + w
+    (core_rms_norm_float), GELU-tanh * up, Gemma 2 and 3's norms of the attention's and the MLP's outputs, Gemma 2's
+    soft-capped scores (the native op set's decode attention caps them as the stack's does), Gemma 3's sliding layers
+    with their own rotary table. The sparse MoE models' blocks (a dense layer among them in Qwen3-MoE's, Qwen2-MoE's
+    gated and Granite MoE Shared's ungated shared experts, OLMoE's experts without renormalization after its q, k
+    and v clamped by clip_qkv) run routing and experts in moe_mix.c's one call, from the modules and from the stack
+    alike."""
     overrides = PACKED_SHARED.get(arch, {})
-    if arch == "gemma2-no-softcap":  # Gemma 2's layers without its soft-capped scores (which take the modules)
-        arch, overrides = "gemma2", dict(attn_logit_softcapping=None)
     if arch == "phi3-partial-rotary":  # Phi-4-mini's: rotary on the first three quarters of each head
         arch, overrides = "phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                         "partial_rotary_factor": 0.75})
@@ -327,9 +328,7 @@ def test_models_it_does_not_take_are_refused_at_start_with_the_reason(tiny_check
     with caplog.at_level(logging.INFO, logger="core_pytorch_backend.native_decode"):
         reference = _runner(_load(path, "int8", kind="reference"))
     assert reference.decode_path is None and "native op set" in caplog.text
-    gemma2 = _runner(_load(tiny_checkpoint_factory("gemma2"), "int8"))  # soft-capped attention scores: the modules
-    assert gemma2.decode_path is None
-    assert _runner(_load(tiny_checkpoint_factory("olmoe"), "int8")).decode_path is None  # OLMoE's attention
+    assert _runner(_load(tiny_checkpoint_factory("gpt2"), "int8")).decode_path is None  # LayerNorm, ungated MLP
     with caplog.at_level(logging.INFO, logger="core_pytorch_backend.native_decode"):  # a shared expert int4 leaves
         assert _runner(_load(tiny_checkpoint_factory("qwen2_moe"), "int4")).decode_path is None  # float: modules
     assert "layer 0's MoE block is not one native call" in caplog.text
@@ -338,6 +337,13 @@ def test_models_it_does_not_take_are_refused_at_start_with_the_reason(tiny_check
     runner = ModelRunner(packed, block_size=BLOCK, num_blocks=64, device=CPU, dtype=torch.float32)
     assert runner.decode_path is None
     describe(packed)  # fits, its cache bound
+    llama = type(packed.model)
+    packed.model.__class__ = type("BuiltOtherwise", (llama,), {"make_norm": llama.make_norm})
+    describe(packed)  # a subclass that runs Llama's forward (its layers checked one by one) fits
+    packed.model.__class__ = type("RunsOtherwise", (llama,), {"run_layers": lambda self, *a: llama.run_layers(self, *a)})
+    with pytest.raises(DoesNotFit, match="decoder is not"):  # one with a forward of its own does not
+        describe(packed)
+    packed.model.__class__ = llama
     handle = packed.model.layers[1].self_attn.o_proj.register_forward_hook(lambda *a: None)  # a TP all-reduce
     with pytest.raises(DoesNotFit, match="hooks"):
         describe(packed)

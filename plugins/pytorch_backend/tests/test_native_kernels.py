@@ -738,11 +738,8 @@ def random_cache(num_blocks: int, block_size: int, hkv: int, d: int, cache_dtype
     return kv_int8.quantize(values) if kv_int8.is_int8(cache_dtype) else values.to(cache_dtype)
 
 
-@pytest.mark.parametrize("dtypes", ATTENTION_DTYPES)
-@pytest.mark.parametrize("window", [None, 10])
-@pytest.mark.parametrize("case", ATTENTION_CASES)
-@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])  # (Hq, Hkv, D): grouped and plain
-def test_paged_attention_matches_the_reference(ops, dtypes, window, case, heads):
+def attention_case(case: str, heads: tuple[int, int, int], dtypes: str):
+    """(query, k cache, v cache, meta) of ATTENTION_CASES[case], the caches' blocks out of order."""
     hq, hkv, d = heads
     dtype, cache_dtype = ATTENTION_DTYPES[dtypes]
     block_size, num_blocks = 16, 128
@@ -759,9 +756,12 @@ def test_paged_attention_matches_the_reference(ops, dtypes, window, case, heads)
         used += count
     meta = AttentionMetadata.build(computed, new, tables, block_size)
     query = torch.randn(sum(new), hq, d, generator=generator).to(dtype)
-    mine = ops.paged_attention(query, k_cache, v_cache, meta, d**-0.5, window)
-    meta.op_cache.clear()
-    oracle = reference.paged_attention(query, k_cache, v_cache, meta, d**-0.5, window)
+    return query, k_cache, v_cache, meta
+
+
+def attention_tolerance(dtypes: str, d: int) -> dict[str, float]:
+    """How close the native attention comes to the reference's for these dtypes and head width."""
+    dtype, cache_dtype = ATTENTION_DTYPES[dtypes]
     # the avx512-bf16 and amx-bf16 variants multiply a bfloat16 cache in bfloat16 (heads of 64 or 128; decode rows in
     # csrc partial_bf16, the query and the softmax weights rounded to bfloat16; prefill chunks in chunk_attention.c's
     # run_task_bf16, the weights rounded): a float32 query over it is held to bf16's bar
@@ -773,9 +773,39 @@ def test_paged_attention_matches_the_reference(ops, dtypes, window, case, heads)
     query_steps = kv_int8.is_int8(cache_dtype) and native.kernels().variant in ("avx512-vnni", "avx512-bf16", "amx-bf16") \
         and d in (64, 128)
     exact = dtype == torch.float32 and not bf16_math
-    tol = {"rtol": 2e-4, "atol": 2e-4} if exact and query_steps else {"rtol": 1e-5, "atol": 1e-5} if exact else \
+    return {"rtol": 2e-4, "atol": 2e-4} if exact and query_steps else {"rtol": 1e-5, "atol": 1e-5} if exact else \
         {"rtol": 0.016, "atol": 0.016}
-    torch.testing.assert_close(mine, oracle, **tol)
+
+
+@pytest.mark.parametrize("dtypes", ATTENTION_DTYPES)
+@pytest.mark.parametrize("window", [None, 10])
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])  # (Hq, Hkv, D): grouped and plain
+def test_paged_attention_matches_the_reference(ops, dtypes, window, case, heads):
+    query, k_cache, v_cache, meta = attention_case(case, heads, dtypes)
+    scale = heads[2] ** -0.5
+    mine = ops.paged_attention(query, k_cache, v_cache, meta, scale, window)
+    meta.op_cache.clear()
+    oracle = reference.paged_attention(query, k_cache, v_cache, meta, scale, window)
+    torch.testing.assert_close(mine, oracle, **attention_tolerance(dtypes, heads[2]))
+
+
+@pytest.mark.parametrize("dtypes", ATTENTION_DTYPES)
+@pytest.mark.parametrize("case", ["decode rows mixed with a chunk", "contexts of several partitions"])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32)])  # each variant's loops of 64 and the plain C's
+def test_softcapped_attention_matches_the_reference(ops, dtypes, case, heads):
+    """Gemma 2's soft-capped scores (cap * tanh(score / cap)): decode rows capped in every variant of
+    core_decode_attention's loop (csrc cpu_ops.c cap_scores), chunks through the reference. A cap of 2 bends
+    these scores (about N(0, 1)) well away from the uncapped attention's."""
+    query, k_cache, v_cache, meta = attention_case(case, heads, dtypes)
+    scale, window = heads[2] ** -0.5, 40
+    mine = ops.softcapped_attention(query, k_cache, v_cache, meta, scale, window, 2.0)
+    meta.op_cache.clear()
+    oracle = reference.paged_attention(query, k_cache, v_cache, meta, scale, window, 2.0)
+    torch.testing.assert_close(mine, oracle, **attention_tolerance(dtypes, heads[2]))
+    meta.op_cache.clear()
+    uncapped = reference.paged_attention(query, k_cache, v_cache, meta, scale, window)
+    assert (mine.float() - uncapped.float()).abs().max() > 0.05
 
 
 @pytest.mark.parametrize("dtypes", ATTENTION_DTYPES)

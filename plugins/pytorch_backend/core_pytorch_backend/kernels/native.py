@@ -72,14 +72,16 @@ def _decode_fits(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                     lengths: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
-    """[R, Hq, D] attention of one new token per row over its paged context (``core_decode_attention``)."""
+                     lengths: torch.Tensor, scale: float, sliding_window: int | None,
+                     softcap: float | None = None) -> torch.Tensor:
+    """[R, Hq, D] attention of one new token per row over its paged context (``core_decode_attention``; ``softcap``:
+    its scores capped first, as Gemma 2's)."""
     query = query.contiguous()
     out = torch.empty_like(query)
     rows, hq, d = query.shape
     kernels().call("core_decode_attention", query.data_ptr(), _code(query), rows, hq, d, k_cache.data_ptr(),
                    v_cache.data_ptr(), _cache_code(k_cache), k_cache.shape[1], k_cache.shape[2], tables.data_ptr(),
-                   tables.shape[1], lengths.data_ptr(), sliding_window or 0, scale, out.data_ptr())
+                   tables.shape[1], lengths.data_ptr(), sliding_window or 0, scale, softcap or 0.0, out.data_ptr())
     return out
 
 
@@ -120,23 +122,36 @@ def chunk_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                    scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """As ``reference.paged_attention``: decode rows and prefill chunks through the native kernels
-    (bidirectional spans, other dtypes and larger heads through the reference)."""
+    (bidirectional spans, other dtypes and larger heads through the reference; with ``softcap`` the chunks too,
+    as ``core_chunk_attention`` does not cap scores)."""
     if not _decode_fits(query, k_cache, v_cache) or getattr(meta, "bidirectional_spans", None) \
             or query.shape[2] > MAX_CHUNK_HEAD_DIM:
-        return reference.paged_attention(query, k_cache, v_cache, meta, scale, sliding_window)
+        return reference.paged_attention(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
     decode, chunks = _decode_rows(meta), _chunk_rows(meta)
     if decode is not None and decode.rows is None:
-        return decode_attention(query, k_cache, v_cache, decode.tables, decode.lengths, scale, sliding_window)
+        return decode_attention(query, k_cache, v_cache, decode.tables, decode.lengths, scale, sliding_window,
+                                softcap)
     query = query.contiguous()
-    out = torch.empty_like(query)
-    if chunks is not None:
-        chunk_attention(query, k_cache, v_cache, chunks, scale, sliding_window, out)
+    if chunks is not None and softcap:
+        out = reference.paged_chunks(query, k_cache, v_cache, meta, scale, sliding_window,
+                                     reference.ScoreTerms(softcap=softcap))
+    else:
+        out = torch.empty_like(query)
+        if chunks is not None:
+            chunk_attention(query, k_cache, v_cache, chunks, scale, sliding_window, out)
     if decode is not None:
         out[decode.rows] = decode_attention(query[decode.rows], k_cache, v_cache, decode.tables, decode.lengths,
-                                            scale, sliding_window)
+                                            scale, sliding_window, softcap)
     return out
+
+
+def softcapped_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                         scale: float, sliding_window: int | None, softcap: float) -> torch.Tensor:
+    """``paged_attention`` of a layer whose only score term is Gemma 2's soft cap (``layers.attention``), its
+    decode rows capped in ``core_decode_attention`` as the native decode stack caps them."""
+    return paged_attention(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

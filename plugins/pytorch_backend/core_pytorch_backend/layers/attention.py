@@ -19,7 +19,8 @@ class Attention(nn.Module):
     dict; ``unbind_kv_cache`` drops them (e.g. KV freed while sleeping).
 
     What a layer adds to the scores (``reference.ScoreTerms``) runs the plain-torch reference attention,
-    whatever the op set: ``softcap`` (Gemma 2), ``alibi_slopes`` [num_heads] (ALiBi: Bloom, MPT; float32
+    whatever the op set (but a soft cap alone, which an op set's ``softcapped_attention`` takes where it has one: the
+    native set's decode kernel): ``softcap`` (Gemma 2), ``alibi_slopes`` [num_heads] (ALiBi: Bloom, MPT; float32
     whatever the model's dtype, as transformers keeps its bias: no buffer, which a cast would round) and
     ``sinks`` (gpt-oss: the layer's parameter ``sinks`` [num_heads], one more logit per head in the softmax,
     loaded from the checkpoint). ``v_head_dim``: V's head width where it is narrower than Q's and K's
@@ -99,7 +100,10 @@ class Attention(nn.Module):
             if self.v_head_dim < self.head_dim:
                 v = nn.functional.pad(v, (0, self.head_dim - self.v_head_dim))
             self.ops.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if self.has_score_terms:
+        capped = getattr(self.ops, "softcapped_attention", None) if self.only_softcapped else None
+        if capped is not None:  # the op set's own kernels cap the scores (the native decode stack's, on the CPU)
+            out = capped(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window, self.softcap)
+        elif self.has_score_terms:
             out = reference.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window,
                                             self.softcap, alibi_slopes=self._slopes_on(q.device), sinks=self.sinks,
                                             chunk=self.chunk)
@@ -116,6 +120,11 @@ class Attention(nn.Module):
     def has_score_terms(self) -> bool:
         """Whether the scores take more than the scaled dot products (the reference attention then runs)."""
         return bool(self.softcap) or self.sinks is not None or self.alibi_slopes is not None or self.chunk is not None
+
+    @property
+    def only_softcapped(self) -> bool:
+        """Whether Gemma 2's soft cap is the only score term (which an op set's ``softcapped_attention`` takes)."""
+        return bool(self.softcap) and self.sinks is None and self.alibi_slopes is None and self.chunk is None
 
 
 def attention_layers(model: nn.Module) -> list[Attention]:

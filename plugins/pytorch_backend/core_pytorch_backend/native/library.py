@@ -15,7 +15,7 @@ from pathlib import Path
 from .build import CpuBuildError, build_library, chosen_variant
 
 log = logging.getLogger(__name__)
-ABI_VERSION = 19  # csrc/packed_linear.c CORE_PACKED_ABI
+ABI_VERSION = 20  # csrc/packed_linear.c CORE_PACKED_ABI
 STATUS = {1: "bad arguments", 2: "out of memory", 3: "no prompt loop (a build without AVX512-BF16)"}
 
 # csrc/packed_linear.c core_packed_prompt_loop: the packed matmuls' loop for prompt tokens' rows
@@ -32,8 +32,8 @@ SIGNATURES: dict[str, list] = {
     # the same arguments; y [M, N / 2]: silu(gate) * up of a merged [gate | up] weight's product
     "core_packed_linear_tiles_silu": [_P, _I, _L, _L, _P, _I, _I, _L, _L, _P, _P, _I, _P, _P, _I],
     # q, q dtype, rows, Hq, D, k cache, v cache, cache dtype (kernels/native.py CACHE_CODES: 3 an int8 cache's
-    # rows, kernels/kv_int8.py), block size, Hkv, tables, table width, lengths, window, scale, out
-    "core_decode_attention": [_P, _I, _L, _L, _L, _P, _P, _I, _L, _L, _P, _L, _P, _L, _F, _P],
+    # rows, kernels/kv_int8.py), block size, Hkv, tables, table width, lengths, window, scale, softcap (0: none), out
+    "core_decode_attention": [_P, _I, _L, _L, _L, _P, _P, _I, _L, _L, _P, _L, _P, _L, _F, _F, _P],
     # x, dtype, T, H, residual, weight, weight dtype, eps, out, residual out
     "core_rms_norm": [_P, _I, _L, _L, _P, _P, _I, _F, _P, _P],
     # x, dtype, T, H, residual, weight (float32), eps, out, residual out: Gemma's norm (weights 1 + w, in float32)

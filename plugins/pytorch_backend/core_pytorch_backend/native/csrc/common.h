@@ -273,7 +273,7 @@ void core_half_bf16_blocks(const uint16_t *first, int blocks, const uint16_t *ac
 int core_decode_attention(const void *q, int q_dtype, int64_t rows, int64_t hq, int64_t d, const void *k_cache,
                           const void *v_cache, int cache_dtype, int64_t block_size, int64_t hkv,
                           const int32_t *tables, int64_t table_width, const int32_t *lengths, int64_t window,
-                          float scale, void *out);
+                          float scale, float softcap, void *out);
 int core_rms_norm(const void *x, int x_dtype, int64_t tokens, int64_t hidden, const void *residual,
                   const void *weight, int w_dtype, float eps, void *out, void *residual_out);
 int core_silu_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, void *out);

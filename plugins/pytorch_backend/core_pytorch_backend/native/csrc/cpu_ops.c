@@ -45,6 +45,18 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return total;
 }
 
+/* s[j] <- softcap tanh(s[j] / softcap), Gemma 2's soft-capped scores (softcap 0: none), before the softmax as the
+ * reference attention caps them; tanh as (1 - e^-2|x|) / (1 + e^-2|x|) with its sign, so that the loop vectorizes
+ * (fast_exp): within a few float32 ulps of tanh, an absolute 1e-7 near 0 */
+static inline void cap_scores(float *s, int64_t n, float softcap) {
+    if (softcap <= 0.f) return;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+        const float x = s[j] / softcap, e = fast_exp(-2.f * fabsf(x)), t = (1.f - e) / (1.f + e);
+        s[j] = softcap * (x < 0.f ? -t : t);
+    }
+}
+
 /* s[j] = e^(s[j] - top) */
 static inline void exp_shifted(float *s, int64_t n, float top) {
 #pragma omp simd
@@ -104,7 +116,7 @@ static inline __attribute__((always_inline)) int partial(const void *q, int q_dt
                                                           int64_t d, const void *k_cache, const void *v_cache,
                                                           int cache_dtype, int64_t block_size, int64_t hkv,
                                                           const int32_t *table, int64_t begin, int64_t end,
-                                                          float scale, float *part) {
+                                                          float scale, float softcap, float *part) {
     const int64_t group = hq / hkv, span = end - begin;
     float cached[MAX_HEAD_DIM];
     /* one buffer: the queries [hq][d], then the scores [hq][span] */
@@ -124,6 +136,7 @@ static inline __attribute__((always_inline)) int partial(const void *q, int q_dt
     }
     for (int64_t head = 0; head < hq; ++head) {
         float *s = scores + head * span, top = -INFINITY, sum = 0.f;
+        cap_scores(s, span, softcap);
         for (int64_t j = 0; j < span; ++j) top = s[j] > top ? s[j] : top;
         exp_shifted(s, span, top);
 #pragma omp simd reduction(+ : sum)
@@ -172,10 +185,11 @@ static inline __attribute__((always_inline)) void gather_rows(const void *k_cach
     }
 }
 
-/* One query head's softmax header (maximum, sum of e^(s - maximum)) over its scores, which become the
- * exponentials. */
-static inline void softmax_header(float *s, int64_t span, float *part) {
+/* One query head's softmax header (maximum, sum of e^(s - maximum)) over its scores (capped: cap_scores),
+ * which become the exponentials. */
+static inline void softmax_header(float *s, int64_t span, float softcap, float *part) {
     float top = -INFINITY, sum = 0.f;
+    cap_scores(s, span, softcap);
 #pragma omp simd reduction(max : top)
     for (int64_t j = 0; j < span; ++j) top = s[j] > top ? s[j] : top;
     exp_shifted(s, span, top);
@@ -235,7 +249,8 @@ static inline __attribute__((always_inline)) int partial_simd(const void *q, int
                                                                int64_t d, const void *k_cache, const void *v_cache,
                                                                int cache_dtype, int64_t block_size, int64_t hkv,
                                                                const int32_t *table, int64_t begin, int64_t end,
-                                                               float scale, context_walk *next, float *part) {
+                                                               float scale, float softcap, context_walk *next,
+                                                               float *part) {
     const int64_t group = hq / hkv, span = end - begin, chunks = d / LANES;
     const int64_t slot_bytes = hkv * cache_row_bytes(cache_dtype, d);
     float *queries = malloc((size_t)(hq * d + hq * span + 2 * hkv * span * d) * sizeof(float));
@@ -263,7 +278,7 @@ static inline __attribute__((always_inline)) int partial_simd(const void *q, int
             }
             for (; j < span; ++j) s[j] = dot(qh, keys + j * d, d) * scale;
             float *o = part + head * (2 + d);
-            softmax_header(s, span, o);
+            softmax_header(s, span, softcap, o);
             vec_t out[MAX_CHUNKS];
             for (int64_t c = 0; c < chunks; ++c) out[c] = VZERO();
             for (j = 0; j < span; ++j) {
@@ -373,8 +388,8 @@ static inline __attribute__((always_inline)) int partial_bf16(const void *q, int
                                                                int64_t d, const uint16_t *k_cache,
                                                                const uint16_t *v_cache, int64_t block_size,
                                                                int64_t hkv, const int32_t *table, int64_t begin,
-                                                               int64_t end, float scale, context_walk *next,
-                                                               float *part) {
+                                                               int64_t end, float scale, float softcap,
+                                                               context_walk *next, float *part) {
     const int64_t group = hq / hkv, span = end - begin, chunks = d / 32, pairs = (span + 1) / 2;
     const int64_t slot_bytes = hkv * d * (int64_t)sizeof(uint16_t);
     const int pass = BF16_PASS_VECTORS / (2 * chunks) > MAX_BF16_PASS_HEADS ? MAX_BF16_PASS_HEADS
@@ -406,6 +421,7 @@ static inline __attribute__((always_inline)) int partial_bf16(const void *q, int
             float *s = scores + head * span, *header = part + head * (2 + d);
             head_scores_bf16(qv, chunks, k_cache, v_cache, rows, span, scale, head == kv * group, next, block_size,
                              slot_bytes, s);
+            cap_scores(s, span, softcap);
             float top = -INFINITY, sum = 0.f;
 #pragma omp simd reduction(max : top)
             for (int64_t j = 0; j < span; ++j) top = s[j] > top ? s[j] : top;
@@ -557,7 +573,7 @@ static inline __attribute__((always_inline)) int partial_kv8(const void *q, int 
                                                               int64_t d, const uint8_t *k_cache, const uint8_t *v_cache,
                                                               int64_t block_size, int64_t hkv, const int32_t *table,
                                                               int64_t begin, int64_t end, float scale,
-                                                              context_walk *next, float *part) {
+                                                              float softcap, context_walk *next, float *part) {
     const int64_t group = hq / hkv, span = end - begin, runs = d / 64, row_bytes = d + KV8_EXTRA;
     const int64_t slot_bytes = hkv * row_bytes;
     const int pass = KV8_PASS_SUMS / (int)(d / 16) > KV8_MAX_PASS_HEADS ? KV8_MAX_PASS_HEADS
@@ -600,14 +616,7 @@ static inline __attribute__((always_inline)) int partial_kv8(const void *q, int 
             for (; j < span; ++j)
                 s[j] = (scales[j] * _mm512_reduce_add_ps(kv8_dot(k_cache + rows[j], av, bv, runs)) * step + lows[j] * total) *
                        scale;
-            float top = -INFINITY, sum = 0.f;
-#pragma omp simd reduction(max : top)
-            for (int64_t i = 0; i < span; ++i) top = s[i] > top ? s[i] : top;
-            exp_shifted(s, span, top);
-#pragma omp simd reduction(+ : sum)
-            for (int64_t i = 0; i < span; ++i) sum += s[i];
-            part[head * (2 + d)] = top;
-            part[head * (2 + d) + 1] = sum;
+            softmax_header(s, span, softcap, part + head * (2 + d));
         }
         for (int64_t j = 0; j < span; ++j) kv8_tail(v_cache + rows[j], d, scales + j, lows + j);
         for (int64_t head = kv * group; head < (kv + 1) * group; head += pass) {
@@ -641,17 +650,17 @@ static inline __attribute__((always_inline)) int partial_kv8(const void *q, int 
 
 static int partial_any(const void *q, int q_dtype, int64_t row, int64_t hq, int64_t d, const void *k_cache,
                        const void *v_cache, int cache_dtype, int64_t block_size, int64_t hkv, const int32_t *table,
-                       int64_t begin, int64_t end, float scale, context_walk *next, float *part) {
+                       int64_t begin, int64_t end, float scale, float softcap, context_walk *next, float *part) {
 #if defined(__AVX2__)
 #define PARTIAL(QT, CT, D) partial_simd(q, QT, row, hq, D, k_cache, v_cache, CT, block_size, hkv, table, begin, end, \
-                                        scale, next, part)
+                                        scale, softcap, next, part)
 #else
 #define PARTIAL(QT, CT, D) partial(q, QT, row, hq, D, k_cache, v_cache, CT, block_size, hkv, table, begin, end, \
-                                   scale, part)
+                                   scale, softcap, part)
 #endif
 #if defined(__AVX512BF16__)
 #define PARTIAL_BF16(QT, D) partial_bf16(q, QT, row, hq, D, k_cache, v_cache, block_size, hkv, table, begin, end, \
-                                         scale, next, part)
+                                         scale, softcap, next, part)
     if (cache_dtype == DT_BF16 && (d == 64 || d == 128)) {
         if (q_dtype == DT_BF16) return d == 64 ? PARTIAL_BF16(DT_BF16, 64) : PARTIAL_BF16(DT_BF16, 128);
         return d == 64 ? PARTIAL_BF16(DT_F32, 64) : PARTIAL_BF16(DT_F32, 128);
@@ -660,7 +669,7 @@ static int partial_any(const void *q, int q_dtype, int64_t row, int64_t hq, int6
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PARTIAL_KV8(D) partial_kv8(q, q_dtype, row, hq, D, k_cache, v_cache, block_size, hkv, table, begin, end, scale, \
-                                   next, part)
+                                   softcap, next, part)
     /* a constant head size (the query's dtype only reaches one load_row: not worth a copy each) */
     if (cache_dtype == DT_KV8 && (d == 64 || d == 128)) return d == 64 ? PARTIAL_KV8(64) : PARTIAL_KV8(128);
 #undef PARTIAL_KV8
@@ -681,7 +690,7 @@ static int partial_any(const void *q, int q_dtype, int64_t row, int64_t hq, int6
         return d == 64 ? PARTIAL(q_dtype, DT_KV8, 64) : PARTIAL(q_dtype, DT_KV8, 128);
 #endif
     return partial(q, q_dtype, row, hq, d, k_cache, v_cache, cache_dtype, block_size, hkv, table, begin, end, scale,
-                   part);
+                   softcap, part);
 #undef PARTIAL
 }
 
@@ -709,7 +718,8 @@ static void combine(const float *parts, int64_t count, int64_t apart, int64_t hq
     }
 }
 
-/* out[R, Hq, D] = softmax(q K^T * scale) V for R decode rows, each over its own paged context:
+/* out[R, Hq, D] = softmax(q K^T * scale) V for R decode rows, each over its own paged context (softcap > 0: the
+ * scores capped first, cap_scores):
  * caches [num_blocks, block_size, Hkv, D] (an int8 cache's rows D + KV8_EXTRA bytes); tables [R, table_width] int32; lengths [R] int32 (cached
  * tokens, the new one included); window > 0 keeps the last `window` positions only.
  *
@@ -742,7 +752,7 @@ typedef struct {
     int64_t table_width;
     const int32_t *lengths;
     int64_t window;
-    float scale;
+    float scale, softcap;
     void *out;
     const int64_t *first; /* each row's first partition */
     float *parts;
@@ -764,8 +774,8 @@ static void attention_work(void *context, int64_t thread, int64_t threads) {
             next = context_walk_at(c->tables + next_row * c->table_width, next_begin, next_end, c->block_size);
         }
         const int s = partial_any(c->q, c->q_dtype, r, c->hq, c->d, c->k_cache, c->v_cache, c->cache_dtype,
-                                  c->block_size, c->hkv, c->tables + r * c->table_width, begin, end, c->scale, &next,
-                                  c->parts + index * c->stride);
+                                  c->block_size, c->hkv, c->tables + r * c->table_width, begin, end, c->scale,
+                                  c->softcap, &next, c->parts + index * c->stride);
         if (s != OK) team_fail(&c->status, s);
     }
     team_barrier(threads);
@@ -780,11 +790,11 @@ static void attention_work(void *context, int64_t thread, int64_t threads) {
 int core_decode_attention(const void *q, int q_dtype, int64_t rows, int64_t hq, int64_t d, const void *k_cache,
                           const void *v_cache, int cache_dtype, int64_t block_size, int64_t hkv,
                           const int32_t *tables, int64_t table_width, const int32_t *lengths, int64_t window,
-                          float scale, void *out) {
+                          float scale, float softcap, void *out) {
     if ((rows > 0 && (!q || !tables || !lengths || !out)) || !k_cache || !v_cache || rows < 0 || hkv <= 0 ||
         hq % hkv || hq / hkv > MAX_GROUP || d <= 0 || d > MAX_HEAD_DIM || block_size <= 0 ||
         (q_dtype != DT_F32 && q_dtype != DT_BF16) || (cache_dtype != DT_F32 && cache_dtype != DT_BF16 &&
-                                                       cache_dtype != DT_KV8))
+                                                       cache_dtype != DT_KV8) || !(softcap >= 0.f))
         return ERR_ARGS;
     if (rows == 0) return OK;
     const int64_t stride = hq * (2 + d); /* floats of one partition */
@@ -804,7 +814,7 @@ int core_decode_attention(const void *q, int q_dtype, int64_t rows, int64_t hq, 
         return ERR_MEMORY;
     }
     attention_team ctx = {q, q_dtype, rows, hq, d, k_cache, v_cache, cache_dtype, block_size, hkv, tables,
-                          table_width, lengths, window, scale, out, first, parts, stride, partitions, OK};
+                          table_width, lengths, window, scale, softcap, out, first, parts, stride, partitions, OK};
     run_team(work * hq * d > 50000, attention_work, &ctx);
     const int status = ctx.status;
     free(parts);

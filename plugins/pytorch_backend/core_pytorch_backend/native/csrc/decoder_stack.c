@@ -41,6 +41,7 @@ typedef struct {
     void *k_cache, *v_cache; /* [slots, Hkv, D] of the cache dtype */
     int64_t window;          /* sliding window, 0: none */
     float scale;             /* softmax scale */
+    float softcap;           /* the scores soft-capped (Gemma 2's attn_logit_softcapping: cpu_ops.c cap_scores), 0: not */
     int32_t rope;            /* 1: rotary on q and k; 0: none (SmolLM3's no-rope layers) */
     const core_moe *moe;     /* the MLP a sparse MoE block (moe_mix.c; gate_up and down unused), or NULL */
 } core_layer;
@@ -54,6 +55,7 @@ typedef struct {
     float branch_scale; /* multiplies what the attention and the MLP add to the residual (Granite); 1: none */
     int32_t qk_norm_whole; /* 1: q and k normalised over all their heads at once (OLMo 2, 3), 0: head by head */
     float eps;
+    float clip_qkv;        /* q, k and v clamped to [-clip_qkv, clip_qkv] after the q and k norms (OLMoE), 0: not */
     int64_t block_size, num_slots, max_position;
     int32_t tiles;         /* 1: the packed weights multiply on the AMX tiles (core_packed_linear_tiles) */
     int32_t group_rows;    /* the fewest rows of a unit of the row-group path (0: never that path) */
@@ -94,6 +96,24 @@ static void scale_rows(const core_decoder *m, char *x, int64_t rows, int64_t wid
     } else {
         float *v = (float *)x;
         for (int64_t i = 0; i < n; ++i) v[i] *= m->branch_scale;
+    }
+}
+
+/* `rows` rows of `width` values `stride` apart clamped to [-m->clip_qkv, m->clip_qkv] in place (as torch's clamp:
+ * compared in float32, the bound rounded to the dtype) */
+static void clamp_rows(const core_decoder *m, char *x, int64_t stride, int64_t rows, int64_t width) {
+    const float high = m->clip_qkv, low = -m->clip_qkv;
+    for (int64_t t = 0; t < rows; ++t) {
+        if (m->dtype == DT_BF16) {
+            uint16_t *v = (uint16_t *)x + t * stride;
+            for (int64_t i = 0; i < width; ++i) {
+                const float f = bf16_to_f32(v[i]);
+                v[i] = f32_to_bf16(f < low ? low : f > high ? high : f);
+            }
+        } else {
+            float *v = (float *)x + t * stride;
+            for (int64_t i = 0; i < width; ++i) v[i] = v[i] < low ? low : v[i] > high ? high : v[i];
+        }
     }
 }
 
@@ -191,6 +211,11 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
         CHECK(norm(m, kn, whole ? tokens : tokens * hkv, whole ? kv_width : d, NULL, L->k_norm, kn, NULL));
         q = qn, k = kn, q_stride = q_width, k_stride = kv_width;
     }
+    if (m->clip_qkv > 0.f) { /* q and k where they are now (the buffers of this call), v in the projection's */
+        clamp_rows(m, (char *)q, q_stride, tokens, q_width);
+        clamp_rows(m, (char *)k, k_stride, tokens, kv_width);
+        clamp_rows(m, (char *)v, qkv_width, tokens, kv_width);
+    }
     if (L->rope) {
         CHECK(core_rotary_part(q, k, m->dtype, tokens, hq, hkv, d, m->rotary_dim, q_stride, k_stride, r->positions,
                                L->cos, L->sin, m->table_dtype, m->max_position, q_rot, k_rot));
@@ -201,7 +226,8 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
     CHECK(core_store_kv(k_rot, v, m->dtype, tokens, hkv, d, kv_width, qkv_width, r->slots, L->k_cache, L->v_cache,
                         m->cache_dtype, m->num_slots));
     CHECK(core_decode_attention(q_rot, m->dtype, tokens, hq, d, L->k_cache, L->v_cache, m->cache_dtype, m->block_size,
-                                hkv, r->tables, table_width, r->lengths, L->window, L->scale, b->attn));
+                                hkv, r->tables, table_width, r->lengths, L->window, L->scale, L->softcap,
+                                b->attn));
     CHECK(linear(m, &L->o, b->attn, tokens, q_width, r->hidden));
     if (L->attn_out_norm) CHECK(norm(m, r->hidden, tokens, h, NULL, L->attn_out_norm, r->hidden, NULL));
     if (m->branch_scale != 1.f) scale_rows(m, r->hidden, tokens, h);
@@ -301,7 +327,7 @@ int core_decoder_layers(const core_decoder *m, const core_layer *layers, int64_t
     if (!m || (num_layers > 0 && !layers) || num_layers < 0 || tokens < 0 || (tokens > 0 && (!hidden ||
         !residual || !positions || !slots || !tables || !lengths)) || (m->dtype != DT_F32 && m->dtype != DT_BF16) ||
         m->hidden <= 0 || m->heads <= 0 || m->kv_heads <= 0 || m->head_dim <= 0 || m->inter <= 0 ||
-        m->group_rows < 0 || (m->act != ACT_SILU && m->act != ACT_GELU_TANH))
+        m->group_rows < 0 || (m->act != ACT_SILU && m->act != ACT_GELU_TANH) || !(m->clip_qkv >= 0.f))
         return ERR_ARGS;
     if (tokens == 0 || num_layers == 0) return OK;
     const int64_t threads = omp_get_max_threads();
