@@ -7,7 +7,8 @@ YaRN; Moonlight: no q LoRA, one group), each routing rule against transformers' 
 (models/glm4_moe.py) and dots.llm1 (models/dots1.py), the same router under GQA attention, in their real
 layouts (GLM-4.5: rotary on half of each head, q/k/v biases, one expert group, a multi-token-prediction layer in
 the file; dots.llm1: per-head q/k norms, two shared experts) and variants (GLM's q/k norms and expert groups,
-dots' windowed layers)."""
+dots' windowed layers), and Solar Open (models/solar_open.py: the router on every layer under Llama's
+attention)."""
 
 from __future__ import annotations
 
@@ -110,6 +111,12 @@ GLM_CONFIGS = {
     "dots1-window-bias": ("Dots1Config", dict(norm_topk_prob=False, routed_scaling_factor=1.0, n_shared_experts=1,
                                               n_group=4, topk_group=2, sliding_window=5, max_window_layers=1,
                                               attention_bias=True)),
+    # Solar Open: every layer sparse (whatever first_k_dense_replace says), Llama's attention with q/k/v biases
+    "solar-open": ("SolarOpenConfig", dict(**ROUTED, attention_bias=True, n_group=1, topk_group=1)),
+    # ... no biases, two shared experts, the best 2 of 4 groups, unnormalized weights
+    "solar-open-groups-no-bias": ("SolarOpenConfig", dict(norm_topk_prob=False, routed_scaling_factor=1.5,
+                                                          attention_bias=False, n_shared_experts=2, n_group=4,
+                                                          topk_group=2)),
 }
 
 # EXAONE MoE: the same router, its own field names (num_experts, num_shared_experts), EXAONE 4.0's attention in
@@ -126,7 +133,7 @@ EXAONE_CONFIGS = {
         layer_types=["full_attention", "sliding_attention"], mlp_layer_types=["sparse", "sparse"])),
 }
 
-PARITY = ("v2-lite", "v3", "glm4.7-flash", "minicpm3", "glm4.5", "dots1", "exaone-moe")
+PARITY = ("v2-lite", "v3", "glm4.7-flash", "minicpm3", "glm4.5", "dots1", "exaone-moe", "solar-open")
 VARIANTS = [name for name in (*CONFIGS, *GLM_CONFIGS, *EXAONE_CONFIGS) if name not in PARITY]
 
 
