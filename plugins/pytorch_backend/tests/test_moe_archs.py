@@ -37,6 +37,9 @@ def _longrope(**extra) -> dict:
             "long_factor": [40.0] * 8, "short_mscale": 1.3, "long_mscale": 0.8, **extra}
 
 
+# DBRX's own names for COMMON's sizes (its config takes them in their place)
+DBRX = dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=256)
+
 # name -> (config class name, overrides). ERNIE: 4 layers, experts on layers 1 and 2 (a dense first and last one),
 # 4 experts of 32, two a token, two shared experts, biases; Hunyuan: 4 experts of 128 and the shared MLP;
 # PhiMoE: 4 experts, biased attention and LM head, Phi-3.5-MoE's jitter.
@@ -109,8 +112,20 @@ CONFIGS = {
     "flex-olmo-normalized-top-3-bias-tied": ("FlexOlmoConfig", dict(
         intermediate_size=32, num_experts=4, num_experts_per_tok=3, norm_topk_prob=True, attention_bias=True,
         tie_word_embeddings=True)),
+    # DBRX: Wqkv clamped at 0.5, 4 experts of 32 stacked in the file, two a token (their sum-normalized softmax
+    # probabilities), bias-free LayerNorms; rope_theta as attn_config holds it (and transformers' rope_parameters)
+    "dbrx": ("DbrxConfig", dict(
+        **DBRX, attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=500.0), ffn_config=dict(
+            ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2), tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+    # the released clamp (8, which transformers needs: it fails unclamped), one KV head, three experts a token
+    # normalized by their 2-norm
+    "dbrx-one-kv-head-top-3-2-norm": ("DbrxConfig", dict(
+        **DBRX, attn_config=dict(kv_n_heads=1, clip_qkv=8.0, rope_theta=10000.0), ffn_config=dict(
+            ffn_hidden_size=32, moe_num_experts=4, moe_top_k=3, moe_normalize_expert_weights=2.0),
+        tie_word_embeddings=False)),
 }
-PARITY = ("ernie", "hunyuan", "phimoe", "llama4", "cohere2-moe", "flex-olmo")
+PARITY = ("ernie", "hunyuan", "phimoe", "llama4", "cohere2-moe", "flex-olmo", "dbrx")
 VARIANTS = [name for name in CONFIGS if name not in PARITY]
 
 
@@ -218,6 +233,25 @@ def test_phimoe_longrope_past_its_original_context_matches_transformers_for_long
     prompts = random_prompts([48 + 9, 48 + 30], seed=6)
     assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=2) == [hf_greedy(hf, p) for p in prompts]
     assert load_checkpoint(path, dtype="float32").max_model_len == 48
+
+
+def test_dbrx_rotates_by_the_rope_theta_its_attn_config_holds(checkpoint, tmp_path):
+    """DBRX's checkpoints name their base in attn_config alone (500,000); transformers 5 rotates by the top-level
+    rope_parameters' (10,000 by default) whatever it says: a file without them is served as one with them."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig
+
+    folder = tmp_path / "attn-config-theta"
+    shutil.copytree(checkpoint("dbrx"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["rope_parameters"]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert AutoConfig.from_pretrained(folder).rope_parameters["rope_theta"] == 10000.0
+    prompts = random_prompts([9, 23], seed=4)
+    expected = paged_greedy(load_checkpoint(checkpoint("dbrx"), dtype="float32").model, prompts)
+    assert paged_greedy(load_checkpoint(folder, dtype="float32").model, prompts) == expected
 
 
 # ---------------------------------------------------------------- each router against transformers' own
