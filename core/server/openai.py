@@ -23,7 +23,7 @@ from core.request import RequestOutput
 from core.response import Response as EngineResponse
 from core.server import openai_translate as tr
 from core.server.errors import Protocol, core_error_body, protocol_of
-from core.server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from core.server.openai_protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from core.server.postprocess import ChatPostprocessor
 from core.server.serving import (
     EventStreamResponse,
@@ -110,8 +110,7 @@ async def chat_completions(request: Request) -> Response:
     post = state.postprocessors.for_prepared(started.prepared[0])
     calls = tr.reports_tool_calls(req)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _stream(_chat_events(state, response_id, started.model, source, post, include_usage, calls),
+        return _stream(_chat_events(state, response_id, started.model, source, post, req.stream_options, calls),
                        response_id, [source])
     [result] = await until_disconnected(request, collect_all([source]))
     return JSONResponse(chat_response(state, response_id, started.model, result, post, calls),
@@ -149,33 +148,39 @@ def chat_response(state: ServerState, response_id: str, model: str, result: Engi
 
 
 async def _chat_events(state: ServerState, response_id: str, model: str, source: AsyncIterator[RequestOutput],
-                       post: ChatPostprocessor, include_usage: bool, calls: bool) -> AsyncIterator[str]:
+                       post: ChatPostprocessor, options: StreamOptions | None, calls: bool) -> AsyncIterator[str]:
     created = int(time.time())
     started: set[int] = set()
-    totals = _Totals()
+    totals = _Totals(options)
+
+    def chunk(choice: dict[str, Any]) -> str:
+        return sse_data(tr.chat_chunk(response_id, created, model, [choice], totals.running()))
+
     async for out in source:
         if out.index not in started:
             started.add(out.index)
-            role = tr.chat_delta_choice(out.index, {"role": "assistant", "content": ""})
-            yield sse_data(tr.chat_chunk(response_id, created, model, [role]))
+            totals.add(0, dataclasses.replace(out, completion_tokens=0))
+            yield chunk(tr.chat_delta_choice(out.index, {"role": "assistant", "content": ""}))
+        totals.add(0, out)
         deltas = tr.chat_deltas(post.delta(out.index, out.text, finished=out.finish_reason is not None))
         finish = tr.finish_reason(out.finish_reason, tool_calls=calls and post.called_tools(out.index))
         logprobs = tr.chat_logprobs(out.logprobs, state.engine.detokenize)
         for delta in deltas[:-1]:
-            yield sse_data(tr.chat_chunk(response_id, created, model, [tr.chat_delta_choice(out.index, delta)]))
+            yield chunk(tr.chat_delta_choice(out.index, delta))
         last = deltas[-1] if deltas else {}
         if last or finish or logprobs:
-            choice = tr.chat_delta_choice(out.index, last, finish, logprobs)
-            yield sse_data(tr.chat_chunk(response_id, created, model, [choice]))
-        totals.add(0, out)
-    if include_usage:
+            yield chunk(tr.chat_delta_choice(out.index, last, finish, logprobs))
+    if totals.include:
         yield sse_data(tr.chat_chunk(response_id, created, model, [], totals.usage()))
 
 
 class _Totals:
-    """Token counts of a streamed response: prompt tokens per request, completion tokens per choice."""
+    """Token counts of a streamed response: prompt tokens per request, completion tokens per choice; whether
+    the stream ends with them (`include`) and puts them so far on every chunk (`running`), as `options` ask."""
 
-    def __init__(self) -> None:
+    def __init__(self, options: StreamOptions | None) -> None:
+        self.include = bool(options and options.include_usage)
+        self.continuous = bool(options and options.continuous)
         self.prompt: dict[int, int] = {}
         self.cached: dict[int, int] = {}
         self.completion: dict[tuple[int, int], int] = {}
@@ -187,6 +192,10 @@ class _Totals:
 
     def usage(self) -> dict[str, Any]:
         return tr.usage(sum(self.prompt.values()), sum(self.completion.values()), sum(self.cached.values()))
+
+    def running(self) -> dict[str, Any] | None:
+        """The usage so far for a chunk: only with continuous usage stats."""
+        return self.usage() if self.continuous else None
 
 
 # -- completions -----------------------------------------------------------------------------------
@@ -203,8 +212,7 @@ async def completions(request: Request) -> Response:
     echoes = [tr.completion_echo(req, p, prepared.prompt_token_ids, decode)
               for p, prepared in zip(prompts, started.prepared, strict=True)]
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = _completion_events(state, response_id, started.model, sources, config.n, echoes, include_usage)
+        events = _completion_events(state, response_id, started.model, sources, config.n, echoes, req.stream_options)
         return _stream(events, response_id, sources)
     results = await until_disconnected(request, collect_all(sources))
     body = completion_response(state, response_id, started.model, results, config.n, echoes,
@@ -238,11 +246,11 @@ def completion_response(state: ServerState, response_id: str, model: str, result
 
 async def _completion_events(state: ServerState, response_id: str, model: str,
                              sources: Sequence[AsyncIterator[RequestOutput]], n: int, echoes: Sequence[tr.Echo],
-                             include_usage: bool) -> AsyncIterator[str]:
+                             options: StreamOptions | None) -> AsyncIterator[str]:
     created, decode = int(time.time()), state.engine.detokenize
     offsets: dict[int, int] = {}  # text streamed so far per choice
     prompts: dict[int, Any] = {}  # prompt logprobs per request (its first output carries them)
-    totals = _Totals()
+    totals = _Totals(options)
     async for i, out in merge(sources):
         index = i * n + out.index
         echo, first = echoes[i], index not in offsets
@@ -253,7 +261,7 @@ async def _completion_events(state: ServerState, response_id: str, model: str,
         offsets[index] = offsets.get(index, 0) + len(text)
         finish = "length" if echo.prompt_only and out.finish_reason else tr.finish_reason(out.finish_reason)
         choice = tr.completion_choice(index, text, finish, logprobs)
-        yield sse_data(tr.completion_chunk(response_id, created, model, [choice]))
         totals.add(i, dataclasses.replace(out, completion_tokens=0) if echo.prompt_only else out)
-    if include_usage:
+        yield sse_data(tr.completion_chunk(response_id, created, model, [choice], totals.running()))
+    if totals.include:
         yield sse_data(tr.completion_chunk(response_id, created, model, [], totals.usage()))

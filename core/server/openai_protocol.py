@@ -30,10 +30,17 @@ def check_name(name: Any, param: str) -> None:
 
 
 class StreamOptions(BaseModel):
-    """`stream_options`: only valid together with `stream: true`."""
+    """`stream_options`: only valid together with `stream: true`. vLLM's `continuous_usage_stats` (with
+    include_usage) puts the usage so far on every chunk."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+    @property
+    def continuous(self) -> bool:
+        """Whether every chunk carries the running usage."""
+        return self.include_usage and self.continuous_usage_stats
 
 
 class SamplingFields(BaseModel):

@@ -282,8 +282,10 @@ def _call_item(call: ToolCall) -> dict[str, Any]:
 
 
 def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """The Responses usage object (reasoning tokens are not counted apart)."""
-    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+    """The Responses usage object (reasoning tokens are not counted apart; the prefix cache is no prompt cache a
+    request writes to, so cache_write_tokens, which the client requires, is 0)."""
+    return {"input_tokens": input_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": input_tokens + output_tokens}
 

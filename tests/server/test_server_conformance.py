@@ -1,0 +1,87 @@
+"""Every response body and streamed event, validated against the official clients' own typed models.
+
+The clients build their objects without validation, so a field they declare required, a value outside a
+Literal or a wrong type goes unnoticed until a typed caller reads it. Here the raw JSON of each route is
+validated strictly (`model_validate`) against openai.types and anthropic.types.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+from anthropic.types import Message, RawMessageStreamEvent
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+from server_helpers import MESSAGES
+
+from core.testing.parse import parse_sse
+
+ANTHROPIC_HEADERS = {"anthropic-version": "2023-06-01"}
+RESPONSE_EVENT = TypeAdapter(ResponseStreamEvent)
+ANTHROPIC_EVENT = TypeAdapter(RawMessageStreamEvent)
+
+
+def streamed(http: httpx.Client, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> list[Any]:
+    """The JSON payloads of a streamed response (without OpenAI's closing [DONE])."""
+    response = http.post(path, json={**body, "stream": True}, headers=headers)
+    assert response.status_code == 200, response.text
+    return [json.loads(data) for _, data in parse_sse(response.text) if data != "[DONE]"]
+
+
+def test_whole_responses_validate_as_the_clients_types(http: httpx.Client, model: str):
+    chat = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, "logprobs": True,
+                                                   "top_logprobs": 2, "n": 2})
+    ChatCompletion.model_validate(chat.json())
+    Completion.model_validate(http.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 3}).json())
+    Response.model_validate(http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 4}).json())
+    message = http.post("/v1/messages", json={"model": model, "messages": MESSAGES, "max_tokens": 4},
+                        headers=ANTHROPIC_HEADERS)
+    Message.model_validate(message.json())
+
+
+def test_streamed_events_validate_as_the_clients_types(http: httpx.Client, model: str):
+    chunks = streamed(http, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4,
+                                                     "stream_options": {"include_usage": True}})
+    for chunk in chunks:
+        ChatCompletionChunk.model_validate(chunk)
+    events = streamed(http, "/v1/responses", {"input": "Hi", "max_output_tokens": 4})
+    for event in events:
+        RESPONSE_EVENT.validate_python(event)
+    Response.model_validate(events[-1]["response"])
+    for event in streamed(http, "/v1/messages", {"model": model, "messages": MESSAGES, "max_tokens": 4},
+                          ANTHROPIC_HEADERS):
+        ANTHROPIC_EVENT.validate_python(event)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_continuous_usage_stats_put_the_running_usage_on_every_chunk(http: httpx.Client, n: int):
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens streamed so far."""
+    body = {"messages": MESSAGES, "max_tokens": 5, "n": n, "temperature": 1.0,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = streamed(http, "/v1/chat/completions", body)
+    final = chunks[-1]
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 5 * n
+    assert all(c.get("usage") is not None for c in chunks)
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[0] == 0
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {final["usage"]["prompt_tokens"]}
+    for c in chunks:
+        assert c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+
+
+def test_continuous_usage_stats_of_a_completion_list(http: httpx.Client):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = streamed(http, "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 3, "stream_options": options})
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 6 and chunks[-1]["choices"] == []
+
+
+def test_continuous_usage_stats_without_include_usage_add_nothing(http: httpx.Client):
+    chunks = streamed(http, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3,
+                                                     "stream_options": {"continuous_usage_stats": True}})
+    assert all("usage" not in c for c in chunks) and chunks[-1]["choices"]
