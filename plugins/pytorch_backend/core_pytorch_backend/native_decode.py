@@ -372,8 +372,11 @@ def _moe_block(block: SparseMoeBlock, index: int, spec: _Decoder, keep: list[Any
     """The pointer the C layer reads for a sparse MoE block: its core_moe (native/expert_mix.py), kept alive."""
     kernel = block.native_kernel(torch.device("cpu"))
     if kernel is None or kernel.moe is None or DTYPE_CODES[kernel.router_dtype] != spec.dtype:
-        raise DoesNotFit(f"layer {index}'s MoE block is not one native call (packed experts, a float router of the "
-                         "activations' dtype)")
+        unpacked = next((f"its {name} of {linear.weight.shape[1]} inputs is not a packed weight"
+                         for name, linear in block.named_modules()
+                         if name.endswith(("gate_up_proj", "down_proj")) and packed_of(linear, []) is None),
+                        "packed experts, a float router of the activations' dtype")
+        raise DoesNotFit(f"layer {index}'s MoE block is not one native call ({unpacked})")
     keep.append(kernel)
     return ctypes.addressof(kernel.moe)
 

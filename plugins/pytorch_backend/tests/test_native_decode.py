@@ -329,9 +329,12 @@ def test_models_it_does_not_take_are_refused_at_start_with_the_reason(tiny_check
         reference = _runner(_load(path, "int8", kind="reference"))
     assert reference.decode_path is None and "native op set" in caplog.text
     assert _runner(_load(tiny_checkpoint_factory("gpt2"), "int8")).decode_path is None  # LayerNorm, ungated MLP
-    with caplog.at_level(logging.INFO, logger="core_pytorch_backend.native_decode"):  # a shared expert int4 leaves
-        assert _runner(_load(tiny_checkpoint_factory("qwen2_moe"), "int4")).decode_path is None  # float: modules
-    assert "layer 0's MoE block is not one native call" in caplog.text
+    # the tiny configs' shared experts are 48 wide: --quantization leaves a down projection of 48 inputs (not whole
+    # groups of 32) float, and the block takes the modules (released Qwen2-MoE / Granite MoE Shared widths pack)
+    with caplog.at_level(logging.INFO, logger="core_pytorch_backend.native_decode"):
+        assert _runner(_load(tiny_checkpoint_factory("qwen2_moe"), "int8")).decode_path is None
+    assert ("layer 0's MoE block is not one native call (its shared_expert.down_proj of 48 inputs is not a packed "
+            "weight)") in caplog.text
     packed = _load(path, "int8")
     assert make_native_decode(packed, device=CPU, enabled=False) is None  # --enforce-eager
     runner = ModelRunner(packed, block_size=BLOCK, num_blocks=64, device=CPU, dtype=torch.float32)
@@ -359,12 +362,13 @@ def test_models_it_does_not_take_are_refused_at_start_with_the_reason(tiny_check
         describe(packed)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "olmo2"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "olmo2", "gemma2"])
 async def test_the_engine_serves_decode_steps_through_the_stack_unless_eager(tiny_checkpoint_factory, native_packed,
                                                                            monkeypatch, arch):
     """16 concurrent greedy requests of different lengths, chunked prefill, a cache small enough to
     preempt: token for token the same through the stack as through the modules (--enforce-eager), for a Llama
-    layer, Gemma 3's sandwich norms and sliding layers, and OLMo 2's post-norm layers."""
+    layer, Gemma 3's sandwich norms and sliding layers, OLMo 2's post-norm layers and Gemma 2's soft-capped
+    scores (chunks capped by the reference, decode rows by the C kernel)."""
     from core.config import EngineConfig, GenerationConfig
     from core.engine import AsyncEngine
     from core.response import collect
