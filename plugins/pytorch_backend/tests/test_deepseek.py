@@ -8,7 +8,7 @@ YaRN; Moonlight: no q LoRA, one group), each routing rule against transformers' 
 layouts (GLM-4.5: rotary on half of each head, q/k/v biases, one expert group, a multi-token-prediction layer in
 the file; dots.llm1: per-head q/k norms, two shared experts) and variants (GLM's q/k norms and expert groups,
 dots' windowed layers), and Solar Open (models/solar_open.py: the router on every layer under Llama's
-attention)."""
+attention) and Youtu-LLM (models/youtu.py: V3's attention over dense MLPs)."""
 
 from __future__ import annotations
 
@@ -85,6 +85,13 @@ CONFIGS = {
     "minicpm3-no-q-lora-biases-tied-yarn": ("MiniCPM3Config", dict(
         **MLA, q_lora_rank=None, attention_bias=True, mlp_bias=True, tie_word_embeddings=True, scale_emb=2.5,
         scale_depth=1.0, dim_model_base=32, **yarn(0.707))),
+    # Youtu-LLM: V3's attention (q LoRA, pair rotary) over dense MLPs on every layer, tied embeddings. No pad
+    # token: transformers' Youtu zeroes the pad token's embedding row as it loads, whatever the file holds
+    "youtu": ("YoutuConfig", dict(**MLA, q_lora_rank=48, tie_word_embeddings=True, pad_token_id=None)),
+    # ... no q LoRA, rotate-half rotary, biases, YaRN's mscale in the softmax scale, untied
+    "youtu-no-q-lora-rotate-half-bias-yarn": ("YoutuConfig", dict(
+        **MLA, q_lora_rank=None, rope_interleave=False, attention_bias=True, tie_word_embeddings=False,
+        pad_token_id=None, **yarn(0.707))),
     # biases on q_a_proj, kv_a_proj_with_mqa (its rotary rows reordered with the weight's) and o_proj; an
     # rms_norm_eps the latent norms do not take (theirs is 1e-6) large enough to show
     "v2-attention-bias": ("DeepseekV2Config", dict(**MLA, q_lora_rank=48, topk_method="group_limited_greedy",
@@ -133,7 +140,7 @@ EXAONE_CONFIGS = {
         layer_types=["full_attention", "sliding_attention"], mlp_layer_types=["sparse", "sparse"])),
 }
 
-PARITY = ("v2-lite", "v3", "glm4.7-flash", "minicpm3", "glm4.5", "dots1", "exaone-moe", "solar-open")
+PARITY = ("v2-lite", "v3", "glm4.7-flash", "minicpm3", "youtu", "glm4.5", "dots1", "exaone-moe", "solar-open")
 VARIANTS = [name for name in (*CONFIGS, *GLM_CONFIGS, *EXAONE_CONFIGS) if name not in PARITY]
 
 
