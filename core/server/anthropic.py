@@ -44,7 +44,7 @@ async def messages(request: Request) -> Response:
                                 lambda req: _messages_plan(req, state.postprocessors.tool_call_format),
                                 param_names=ap.PARAM_NAMES, id_prefix="msg_")
     req, message_id, [prepared], [source] = started.body, started.response_id, started.prepared, started.sources
-    post = state.postprocessors.for_prepared(prepared)
+    post = state.postprocessors.for_prepared(prepared, ap.parallel_tool_use(req))
     if req.stream:
         events = _message_events(message_id, started.model, len(prepared.prompt_token_ids), source, post,
                                  req.stop_sequences)

@@ -202,6 +202,11 @@ def chat_tools(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]
     return tools or None
 
 
+def parallel_tool_use(req: MessagesRequest) -> bool:
+    """Whether a response may make several tool calls (tool_choice's disable_parallel_tool_use: one at most)."""
+    return not (req.tool_choice or {}).get("disable_parallel_tool_use")
+
+
 THINKING_TYPES = ("enabled", "adaptive", "disabled")
 MIN_THINKING_BUDGET = 1024  # Anthropic's least budget_tokens
 

@@ -107,7 +107,7 @@ async def chat_completions(request: Request) -> Response:
                                 param_names=tr.chat_param_names, id_prefix="chatcmpl-",
                                 body_request_id=lambda req: req.request_id)
     req, response_id, [source] = started.body, started.response_id, started.sources
-    post = state.postprocessors.for_prepared(started.prepared[0])
+    post = state.postprocessors.for_prepared(started.prepared[0], req.parallel_tool_calls is not False)
     calls = tr.reports_tool_calls(req)
     if req.stream:
         return _stream(_chat_events(state, response_id, started.model, source, post, req.stream_options, calls),

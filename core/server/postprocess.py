@@ -67,8 +67,9 @@ class StreamPiece:
 class _ChoiceParsers:
     """The parsers of one choice of one response (parsers keep state, so one pair per choice)."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None) -> None:
-        self.reasoning, self.tools = reasoning, tools
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None,
+                 parallel_calls: bool = True) -> None:
+        self.reasoning, self.tools, self.parallel_calls = reasoning, tools, parallel_calls
         self.called_tools = False
         self.broken = False
 
@@ -87,6 +88,8 @@ class _ChoiceParsers:
     def _tool_pieces(self, delta: ToolCallDelta) -> list[StreamPiece]:
         pieces = [StreamPiece("content", delta.content)] if delta.content else []
         for fragment in delta.tool_calls:
+            if fragment.index > 0 and not self.parallel_calls:
+                continue
             if fragment.name is not None:
                 self.called_tools = True
                 pieces.append(StreamPiece("tool_call", index=fragment.index, id=fragment.id, name=fragment.name))
@@ -100,11 +103,13 @@ class ChatPostprocessor:
 
     :param reasoning: makes a started reasoning parser (one per choice), or None.
     :param tools: makes a started tool-call parser (one per choice), or None.
+    :param parallel_calls: False keeps a response's first tool call only (OpenAI's parallel_tool_calls,
+        Anthropic's disable_parallel_tool_use), as vLLM does: the model may have written more.
     """
 
     def __init__(self, reasoning: Callable[[], ReasoningParser] | None = None,
-                 tools: Callable[[], ToolCallParser] | None = None) -> None:
-        self._reasoning, self._tools = reasoning, tools
+                 tools: Callable[[], ToolCallParser] | None = None, parallel_calls: bool = True) -> None:
+        self._reasoning, self._tools, self._parallel_calls = reasoning, tools, parallel_calls
         self._choices: dict[int, _ChoiceParsers] = {}
 
     @property
@@ -122,7 +127,8 @@ class ChatPostprocessor:
             return ChatMessageParts(content=text)
         if parsed is None or not parsed.tool_calls:
             return ChatMessageParts(content, reasoning)
-        return ChatMessageParts(parsed.content or None, reasoning, list(parsed.tool_calls))
+        calls = list(parsed.tool_calls) if self._parallel_calls else list(parsed.tool_calls[:1])
+        return ChatMessageParts(parsed.content or None, reasoning, calls)
 
     def delta(self, choice: int, text: str, finished: bool = False) -> list[StreamPiece]:
         """The pieces that the next streamed text of choice `choice` completes; `finished` on its last text
@@ -146,7 +152,7 @@ class ChatPostprocessor:
     def _new_choice(self) -> _ChoiceParsers:
         try:
             return _ChoiceParsers(self._reasoning() if self._reasoning else None,
-                                  self._tools() if self._tools else None)
+                                  self._tools() if self._tools else None, self._parallel_calls)
         except Exception:
             log.exception("a response parser could not be created; this response is plain content")
             parsers = _ChoiceParsers(None, None)
@@ -213,18 +219,20 @@ class Postprocessors:
         marker = self.tokenizer.encode(parser.reasoning_end, add_special_tokens=False)
         return dataclasses.replace(prepared, constraint=prepared.constraint.after(marker))
 
-    def for_prepared(self, prepared: PreparedRequest) -> ChatPostprocessor:
+    def for_prepared(self, prepared: PreparedRequest, parallel_calls: bool = True) -> ChatPostprocessor:
         """The postprocessor of a prepared request: its prompt as rendered, its tools and template switches,
-        and whether its output is a forced tool call."""
+        whether its output is a forced tool call, and whether it keeps more than one call."""
         forced = isinstance(prepared.config.structured_output, ForcedToolCall)
-        return self.for_request(prepared.prompt_text, prepared.tools, prepared.chat_template_kwargs, forced)
+        return self.for_request(prepared.prompt_text, prepared.tools, prepared.chat_template_kwargs, forced,
+                                parallel_calls)
 
     def for_request(self, prompt: str, tools: Sequence[Mapping[str, Any]] | None = None,
                     chat_template_kwargs: Mapping[str, Any] | None = None,
-                    forced_call: bool = False) -> ChatPostprocessor:
+                    forced_call: bool = False, parallel_calls: bool = True) -> ChatPostprocessor:
         """The postprocessor of one request whose rendered prompt is `prompt`; tool calls are parsed only
         when the request sends tools. `forced_call`: the output was generated as one call in
-        `tool_call_format`, which `ForcedCallParser` reads where that is the bare JSON object."""
+        `tool_call_format`, which `ForcedCallParser` reads where that is the bare JSON object.
+        `parallel_calls` False: only the first call is kept (ChatPostprocessor)."""
         tool_parser = self.tools
         if forced_call and self.tool_call_format is None:
             tool_parser = ForcedCallParser
@@ -234,7 +242,7 @@ class Postprocessors:
         reasoning, tool_calls = self.reasoning, tool_parser if tools else None
         return ChatPostprocessor(
             (lambda: reasoning(self.tokenizer).start(context)) if reasoning else None,
-            (lambda: tool_calls(self.tokenizer).start(context)) if tool_calls else None,
+            (lambda: tool_calls(self.tokenizer).start(context)) if tool_calls else None, parallel_calls,
         )
 
 

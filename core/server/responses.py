@@ -48,7 +48,8 @@ async def create_response(request: Request) -> Response:
     started = await start_route(request, rp.ResponsesRequest, lambda req: _plan(req, call_format),
                                 param_names=rp.PARAM_NAMES, id_prefix="resp_")
     req, response_id, [prepared], [source] = started.body, started.response_id, started.prepared, started.sources
-    post, created = state.postprocessors.for_prepared(prepared), int(time.time())
+    post = state.postprocessors.for_prepared(prepared, req.parallel_tool_calls is not False)
+    created = int(time.time())
     headers = {"X-Request-Id": response_id}
     describe = _Describe(response_id, created, started.model, req)
     if req.stream:

@@ -122,6 +122,25 @@ def test_the_clients_stream_helper_assembles_the_same_message(hermes_client: ope
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_keeps_the_first_call(hermes_client: openai.OpenAI, stream: bool):
+    """As vLLM does: the model may write several calls, the response carries the first."""
+    options = {"tools": TOOLS, "parallel_tool_calls": False}
+    if stream:
+        chunks = _stream(hermes_client, TWO_CALLS, **options)
+        entries = [e for c in chunks for ch in c.choices for e in ch.delta.tool_calls or ()]
+        assert {e.index for e in entries} == {0} and [e.function.name for e in entries if e.function.name] == [
+            "get_weather"]
+        assert json.loads("".join(e.function.arguments or "" for e in entries)) == {"city": "Paris"}
+        content = "".join(ch.delta.content or "" for c in chunks for ch in c.choices)
+        finish = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason]
+    else:
+        choice = _chat(hermes_client, TWO_CALLS, **options).choices[0]
+        assert _calls(choice.message.tool_calls) == [("get_weather", {"city": "Paris"})]
+        content, finish = choice.message.content, [choice.finish_reason]
+    assert content == "Let me check both." and finish == ["tool_calls"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_malformed_tool_call_is_plain_content(hermes_client: openai.OpenAI, stream: bool):
     if stream:
         chunks = _stream(hermes_client, MALFORMED, tools=TOOLS)
@@ -225,6 +244,26 @@ def test_anthropic_stream_uses_its_block_events(qwen3: Any):
     assert json.loads(arguments) == {"city": "Paris"}
     assert [d["index"] for n, d in events if n == "content_block_stop"] == [0, 1]
     assert next(d for n, d in events if n == "message_delta")["delta"]["stop_reason"] == "tool_use"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_disable_parallel_tool_use_keeps_the_first_call(qwen3: Any, stream: bool):
+    choice = {"type": "auto", "disable_parallel_tool_use": True}
+    response = httpx.post(qwen3.url("/v1/messages"), json=_anthropic_body(TWO_CALLS, tool_choice=choice, stream=stream))
+    if stream:
+        events = [json.loads(data) for _, data in parse_sse(response.text)]
+        blocks = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+    else:
+        blocks = response.json()["content"]
+    assert [b["type"] for b in blocks] == ["text", "tool_use"]
+
+
+def test_responses_parallel_tool_calls_false_keeps_the_first_call(qwen3: Any):
+    body = {"input": ask(TWO_CALLS), "tools": [{"type": "function", **TOOLS[0]["function"]}],
+            "parallel_tool_calls": False}
+    output = httpx.post(qwen3.url("/v1/responses"), json=body).json()["output"]
+    assert [(item["type"], item.get("arguments")) for item in output] == [
+        ("message", None), ("function_call", '{"city": "Paris"}')]
 
 
 def test_anthropic_tool_result_renders_like_openai_tool_messages(qwen3: Any):
