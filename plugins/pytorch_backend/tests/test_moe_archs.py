@@ -1,4 +1,5 @@
-"""ERNIE 4.5 MoE, Hunyuan MoE, PhiMoE and Llama 4's text decoder on the pytorch backend: greedy parity with
+"""ERNIE 4.5 MoE, Hunyuan MoE, PhiMoE, Llama 4's text decoder, Command A's MoE (Cohere2Moe), FlexOlmo, DBRX and
+JetMoE (experts in the attention too) on the pytorch backend: greedy parity with
 transformers' generate (one sequence, a batch of different lengths, chunked prefill) and logits parity on tiny
 random checkpoints, config variants the real checkpoints use, each router against transformers' own, and the
 layouts refused at load."""
@@ -124,8 +125,15 @@ CONFIGS = {
         **DBRX, attn_config=dict(kv_n_heads=1, clip_qkv=8.0, rope_theta=10000.0), ffn_config=dict(
             ffn_hidden_size=32, moe_num_experts=4, moe_top_k=3, moe_normalize_expert_weights=2.0),
         tie_word_embeddings=False)),
+    # JetMoE: 4 experts, two a token, in the MLP (of 32) and the attention (query heads for the 2 k/v heads of 16
+    # each: 4 query heads a token), biases after both mixes, tied
+    "jetmoe": ("JetMoeConfig", dict(kv_channels=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
+    # three experts a token (6 query heads over 2 k/v heads), untied, an rms_norm_eps only the final norm takes
+    "jetmoe-top-3-untied-eps": ("JetMoeConfig", dict(kv_channels=16, intermediate_size=32, num_local_experts=4,
+                                                     num_experts_per_tok=3, tie_word_embeddings=False,
+                                                     rms_norm_eps=0.01)),
 }
-PARITY = ("ernie", "hunyuan", "phimoe", "llama4", "cohere2-moe", "flex-olmo", "dbrx")
+PARITY = ("ernie", "hunyuan", "phimoe", "llama4", "cohere2-moe", "flex-olmo", "dbrx", "jetmoe")
 VARIANTS = [name for name in CONFIGS if name not in PARITY]
 
 

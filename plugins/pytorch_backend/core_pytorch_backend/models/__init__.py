@@ -73,6 +73,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "MiniCPM3ForCausalLM": "core_pytorch_backend.models.minicpm3:MiniCPM3ForCausalLM",  # MLA, dense MLPs
     "FlexOlmoForCausalLM": "core_pytorch_backend.models.flex_olmo:FlexOlmoForCausalLM",
     "DbrxForCausalLM": "core_pytorch_backend.models.dbrx:DbrxForCausalLM",
+    "JetMoeForCausalLM": "core_pytorch_backend.models.jetmoe:JetMoeForCausalLM",  # experts in attention and MLP
     "Gemma4ForCausalLM": "core_pytorch_backend.models.gemma4:Gemma4ForCausalLM",
     # the released checkpoints' class: their language model, for text only (no vision processor registered)
     "Gemma4ForConditionalGeneration": "core_pytorch_backend.models.gemma4:Gemma4ForConditionalGeneration",
