@@ -412,3 +412,18 @@ def test_apertus_reads_each_layers_xielu_beta_and_eps(tiny_checkpoint_factory, t
     assert float(ours.model.layers[1].mlp.act_fn.eps) == -2.0
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     assert_greedy_matches((ours, hf), [12, 5], seed=6)
+
+
+@pytest.mark.parametrize("arch", ["ministral3", "apertus", "vaultgemma", "nanochat", "jais2"])
+def test_int8_quantization_packs_every_projection_and_keeps_the_text(arch, tiny_checkpoint_factory):
+    """--quantization int8 on the newer decoders' own layers (Apertus's xIELU MLP, NanoChat's fc1 / fc2 and
+    reordered q / k rows, Jais 2's biased ungated MLP): every linear layer packed, the LM head too, and the
+    float model's greedy tokens."""
+    path = tiny_checkpoint_factory(arch)
+    packed = load_checkpoint(path, dtype="float32", quantization="int8").model
+    dense = [name for name, module in packed.named_modules()
+             if hasattr(module, "matmul") and isinstance(module.weight, torch.Tensor)]
+    assert dense == []
+    prompts = random_prompts([11, 4], seed=5)
+    assert paged_greedy(packed, prompts, max_new=8) == paged_greedy(load_checkpoint(path, dtype="float32").model,
+                                                                      prompts, max_new=8)
