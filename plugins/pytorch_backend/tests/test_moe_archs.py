@@ -12,9 +12,12 @@ import pytest
 import torch
 
 from core_pytorch_backend.attention_metadata import AttentionMetadata
-from core_pytorch_backend.kernels import reference
+from core_pytorch_backend.kernels import reference, select_ops
 from core_pytorch_backend.layers import allocate_kv_caches, unbind_kv_caches
 from core_pytorch_backend.loader import load_checkpoint
+from core_pytorch_backend.models.sparse_moe import SparseMoeBlock
+from core_pytorch_backend.native.library import available
+from core_pytorch_backend.quant.kernel_choice import PackedKernel
 from core_pytorch_backend.testing import (
     TINY_VOCAB,
     assert_greedy_matches,
@@ -260,6 +263,30 @@ def test_dbrx_rotates_by_the_rope_theta_its_attn_config_holds(checkpoint, tmp_pa
     prompts = random_prompts([9, 23], seed=4)
     expected = paged_greedy(load_checkpoint(checkpoint("dbrx"), dtype="float32").model, prompts)
     assert paged_greedy(load_checkpoint(folder, dtype="float32").model, prompts) == expected
+
+
+@pytest.mark.skipif(available() is None, reason="the native kernels do not build here")
+@pytest.mark.parametrize("name, native", [("cohere2-moe", "block"), ("flex-olmo", "block"), ("jetmoe", "block"),
+                                          ("dbrx", "mix")])
+@torch.inference_mode()
+def test_int8_experts_pack_and_their_native_path_matches_the_modules(name, native, checkpoint, monkeypatch):
+    """Quantized at load, the experts are packed native weights: Cohere 2 MoE's, FlexOlmo's and JetMoE's blocks
+    (routers SparseMoeBlock's own) run as one C call, router and shared expert included; DBRX's (its p-norm routing
+    in torch) through the native mix; either within float rounding of the modules' torch path over the same weights."""
+    monkeypatch.setattr("core_pytorch_backend.loader.packed_kernel", lambda: PackedKernel(available(), torch.float32))
+    model = load_checkpoint(checkpoint(name), dtype="float32", quantization="int8",
+                            ops=select_ops("cpu", kind="native")).model
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    hidden = _hidden(17)
+    assert len(blocks) == 2
+    for block in blocks:
+        kernel = block.native_kernel(hidden.device)
+        assert kernel is not None and (kernel.moe is not None) == (native == "block")
+        through_native = block(hidden)
+        ids = block._native[0]
+        block._native = (ids, None)  # described as not fitting: torch routing and mix_experts
+        torch.testing.assert_close(through_native, block(hidden), rtol=1e-4, atol=1e-5)
+        block._native = (ids, kernel)
 
 
 # ---------------------------------------------------------------- each router against transformers' own
