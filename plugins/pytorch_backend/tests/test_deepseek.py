@@ -8,7 +8,9 @@ YaRN; Moonlight: no q LoRA, one group), each routing rule against transformers' 
 layouts (GLM-4.5: rotary on half of each head, q/k/v biases, one expert group, a multi-token-prediction layer in
 the file; dots.llm1: per-head q/k norms, two shared experts) and variants (GLM's q/k norms and expert groups,
 dots' windowed layers), and Solar Open (models/solar_open.py: the router on every layer under Llama's
-attention) and Youtu-LLM (models/youtu.py: V3's attention over dense MLPs)."""
+attention) and Youtu-LLM (models/youtu.py: V3's attention over dense MLPs). GLM-4.7-Flash is V3's decoder with
+dense layers by mlp_layer_types, MiniCPM3 MLA over dense MLPs (rotate-half rotary, Granite-style scalings), EXAONE
+MoE the grouped router under EXAONE 4's attention with its own field names."""
 
 from __future__ import annotations
 
