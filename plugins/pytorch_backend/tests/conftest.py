@@ -25,10 +25,10 @@ if not torch.cuda.is_available():
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
          "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe", "granitemoeshared",
          "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj", "gpt_bigcode", "falcon",
-         "ministral3", "apertus", "vaultgemma", "nanochat", "jais2")
+         "ministral3", "apertus", "vaultgemma", "nanochat", "jais2", "persimmon")
 
 # reinit_ sets whatever is named "norm" near 1, LayerNorm biases too: these would repeat one token
-LAYER_NORM_BIAS_ARCHS = ("jais2",)
+LAYER_NORM_BIAS_ARCHS = ("jais2", "persimmon")
 
 
 def tiny_config(arch: str, **overrides):
@@ -69,6 +69,7 @@ def tiny_config(arch: str, **overrides):
         OlmoConfig,
         OlmoeConfig,
         OPTConfig,
+        PersimmonConfig,
         Phi3Config,
         PhiConfig,
         Qwen2Config,
@@ -203,6 +204,8 @@ def tiny_config(arch: str, **overrides):
         "nanochat": (NanoChatConfig, dict(tie_word_embeddings=False, attention_bias=True, final_logit_softcapping=15.0)),
         # LayerNorms, q/k/v/o and MLP biases, an ungated relu² MLP
         "jais2": (Jais2Config, dict(tie_word_embeddings=False, num_key_value_heads=2)),
+        # GPT-NeoX's fused q/k/v in sequential layers, a LayerNorm per head of q and k, rotary on half of each head
+        "persimmon": (PersimmonConfig, dict(tie_word_embeddings=False, num_key_value_heads=None, qk_layernorm=True)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

@@ -31,15 +31,22 @@ class GPTNeoXAttention(nn.Module):
     def __init__(self, config: Any, ops: Any, layer_index: int, rotary: RotaryEmbedding):
         super().__init__()
         self.head_dim = head_dim_of(config)
-        heads, hidden, bias = config.num_attention_heads, config.hidden_size, bool(config.attention_bias)
+        heads, hidden = config.num_attention_heads, config.hidden_size
+        bias = bool(getattr(config, "attention_bias", True))  # Persimmon's config has no field: biases always
         self.query_key_value = Linear(hidden, 3 * heads * self.head_dim, bias=bias)
         self.dense = Linear(heads * self.head_dim, hidden, bias=bias)
+        # Persimmon's qk_layernorm: one LayerNorm of a head's width for every head of q, another for k
+        qk_norm = getattr(config, "qk_layernorm", False)
+        self.q_layernorm = LayerNorm(self.head_dim, config.layer_norm_eps) if qk_norm else None
+        self.k_layernorm = LayerNorm(self.head_dim, config.layer_norm_eps) if qk_norm else None
         self.rotary_emb = rotary
         self.attn = Attention(heads, heads, self.head_dim, self.head_dim ** -0.5, ops, None, layer_index)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = hidden.shape[0]
         q, k, v = self.query_key_value(hidden).view(t, -1, 3 * self.head_dim).chunk(3, dim=-1)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous())
         return self.dense(self.attn(q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), meta))
 
@@ -55,7 +62,7 @@ class GPTNeoXLayer(nn.Module):
                               ("dense_h_to_4h", "dense_4h_to_h"))
         self.input_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
         self.post_attention_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
-        self.parallel = bool(config.use_parallel_residual)
+        self.parallel = bool(getattr(config, "use_parallel_residual", False))  # Persimmon's: sequential
 
     def forward(self, positions, hidden, residual, meta):
         if residual is not None:
