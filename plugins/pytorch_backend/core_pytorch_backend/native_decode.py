@@ -38,7 +38,7 @@ from torch import nn
 from core_pytorch_backend.kernels.native import ACT_GELU_TANH, ACT_SILU, CACHE_CODES
 from core_pytorch_backend.layers.activation import GeluTanhAndMul, SiluAndMul
 from core_pytorch_backend.layers.attention import attention_layers
-from core_pytorch_backend.layers.norm import RMSNorm
+from core_pytorch_backend.layers.norm import LayerNorm, RMSNorm
 from core_pytorch_backend.layers.rotary import RotaryEmbedding
 from core_pytorch_backend.models.exaone4 import Exaone4DecoderLayer, Exaone4Model
 from core_pytorch_backend.models.gemma import GemmaDecoderLayer, GemmaModel
@@ -59,6 +59,7 @@ from core_pytorch_backend.models.olmo2 import Olmo2Attention, Olmo2DecoderLayer,
 from core_pytorch_backend.models.olmo3 import Olmo3Model
 from core_pytorch_backend.models.olmoe import OlmoeAttention, OlmoeDecoderLayer, OlmoeModel
 from core_pytorch_backend.models.sparse_moe import QwenMoeDecoderLayer, QwenMoeModel, SparseMoeBlock
+from core_pytorch_backend.models.stablelm import StableLmAttention, StableLmDecoderLayer, StableLmModel
 from core_pytorch_backend.native import tile_rows
 from core_pytorch_backend.native.library import CpuKernels, available
 from core_pytorch_backend.native.packed_struct import Packed, packed_of
@@ -81,14 +82,14 @@ class _Layer(ctypes.Structure):  # core_layer
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("attn_out_norm", _P),
                 ("mlp_out_norm", _P), ("cos", _P), ("sin", _P), ("qkv", Packed), ("o", Packed), ("gate_up", Packed),
                 ("down", Packed), ("k_cache", _P), ("v_cache", _P), ("window", _L), ("scale", _F), ("softcap", _F),
-                ("rope", _I), ("moe", _P)]
+                ("rope", _I), ("moe", _P), ("input_bias", _P), ("post_bias", _P)]
 
 
 class _Decoder(ctypes.Structure):  # core_decoder
     _fields_ = [("hidden", _L), ("heads", _L), ("kv_heads", _L), ("head_dim", _L), ("inter", _L),
                 ("rotary_dim", _L),
-                ("dtype", _I), ("cache_dtype", _I), ("table_dtype", _I), ("norm_float", _I), ("act", _I),
-                ("branch_scale", _F), ("qk_norm_whole", _I), ("eps", _F), ("clip_qkv", _F),
+                ("dtype", _I), ("cache_dtype", _I), ("table_dtype", _I), ("norm_kind", _I), ("act", _I),
+                ("branch_scale", _F), ("qk_norm_whole", _I), ("eps", _F), ("clip_qkv", _F), ("parallel", _I),
                 ("block_size", _L), ("num_slots", _L), ("max_position", _L), ("tiles", _I),
                 ("group_rows", _I), ("group_from", _I)]
 
@@ -111,10 +112,13 @@ class _Family:
     layer: type
     attention: type
     mlp: type
-    norm: type  # RMSNorm (weights of the activations' dtype) or GemmaRMSNorm (float32 1 + w: norm_float)
+    norm: type  # RMSNorm (weights of the activations' dtype), GemmaRMSNorm (float32 1 + w) or LayerNorm (a bias)
     places: tuple[str | None, ...]  # the layer's norms at the C layer's places (PRE, GEMMA_SANDWICH, ...)
     scaled: bool = False  # the attention's and the MLP's outputs times the layer's residual_multiplier (Granite)
     qk_whole: bool = False  # q and k normalized over all their heads at once (OLMo 2 and 3, OLMoE)
+    # a layer without a norm before its MLP runs the MLP on the attention's input norm, and adds both outputs to the
+    # residual (StableLM's use_parallel_residual); False: such a layer is post-norm (OLMo 2)
+    parallel_without_mlp_norm: bool = False
 
     def norms(self, layer: nn.Module) -> dict[str, nn.Module | None]:
         """The layer's norms by the place the C layer has for each (None: none there)."""
@@ -133,10 +137,13 @@ _FAMILIES = {LlamaModel: _Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RM
              Olmo3Model: _Family(Olmo2DecoderLayer, Olmo2Attention, LlamaMLP, RMSNorm, POST, qk_whole=True),
              Exaone4Model: _Family(Exaone4DecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, POST),
              Glm4Model: _Family(Glm4DecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, GLM4_SANDWICH),
+             StableLmModel: _Family(StableLmDecoderLayer, StableLmAttention, LlamaMLP, LayerNorm, PRE,
+                                    parallel_without_mlp_norm=True),
              GemmaModel: _Family(GemmaDecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, PRE),
              Gemma2Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, GEMMA_SANDWICH),
              Gemma3Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, GEMMA_SANDWICH)}
 _ACTIVATIONS = {SiluAndMul: ACT_SILU, GeluTanhAndMul: ACT_GELU_TANH}
+_NORM_KINDS = {RMSNorm: 0, GemmaRMSNorm: 1, LayerNorm: 2}  # csrc/decoder_stack.c NORM_RMS, NORM_RMS_FLOAT, NORM_LAYER
 
 
 class DoesNotFit(ValueError):
@@ -278,7 +285,7 @@ def describe(model: nn.Module) -> _Plan:
                     head_dim=head_dim, rotary_dim=rotary.rotary_dim, inter=1 if dense is None else dense.down_proj.input_size,
                     dtype=DTYPE_CODES[dtype],
                     cache_dtype=CACHE_CODES[cache.dtype], table_dtype=DTYPE_CODES[rotary.cos_cache.dtype],
-                    norm_float=int(family.norm is GemmaRMSNorm), act=act,
+                    norm_kind=_NORM_KINDS[family.norm], act=act, parallel=int(_parallel(first, family)),
                     branch_scale=first.residual_multiplier if family.scaled else 1.0,
                     qk_norm_whole=int(family.qk_whole), eps=width_norm.eps, clip_qkv=_clip_qkv(attention),
                     block_size=cache.shape[1], num_slots=cache.shape[0] * cache.shape[1],
@@ -345,13 +352,16 @@ def _describe_layer(layer: nn.Module, index: int, family: _Family, spec: _Decode
     attn = attention.attn
     if (attn.has_score_terms and not attn.only_softcapped) or attn.v_head_dim != attn.head_dim:
         raise DoesNotFit(f"layer {index}'s attention adds score terms (but a soft cap) or has narrower values")
-    if _F(_clip_qkv(attention)).value != spec.clip_qkv:
-        raise DoesNotFit(f"layer {index}'s clip_qkv differs from layer 0's")
+    if _F(_clip_qkv(attention)).value != spec.clip_qkv or _parallel(layer, family) != spec.parallel:
+        raise DoesNotFit(f"layer {index}'s clip_qkv or residual form differs from layer 0's")
+    if type(attention) is StableLmAttention and attention.q_layernorm is not None:
+        raise DoesNotFit(f"layer {index} has LayerNorms of each head of q and k (StableLM's qk_layernorm)")
     if (attn.k_cache is None or attn.v_cache is None or attn.k_cache.dtype != cache.dtype
             or attn.k_cache.shape != cache.shape or not (attn.k_cache.is_contiguous() and attn.v_cache.is_contiguous())
             or attn.v_cache.dtype != cache.dtype or attn.num_heads != spec.heads or attn.num_kv_heads != spec.kv_heads):
         raise DoesNotFit(f"layer {index}'s KV cache or heads differ from layer 0's")
-    weights = {name: _norm_weight(norm, family, spec, index, keep) for name, norm in family.norms(layer).items()}
+    norms = family.norms(layer)
+    weights = {name: _norm_weight(norm, family, spec, index, keep) for name, norm in norms.items()}
     rotary = attention.rotary_emb or first_rotary  # a layer without rotary (rope 0) never reads the table
     return _Layer(input_norm=weights["input"], post_norm=weights["before_mlp"], q_norm=weights["q"],
                   k_norm=weights["k"], attn_out_norm=weights["attn_out"], mlp_out_norm=weights["mlp_out"],
@@ -360,7 +370,13 @@ def _describe_layer(layer: nn.Module, index: int, family: _Family, spec: _Decode
                   gate_up=Packed() if moe else _packed(mlp.gate_up_proj, index, keep),
                   down=Packed() if moe else _packed(mlp.down_proj, index, keep),
                   k_cache=_ptr(attn.k_cache, keep), v_cache=_ptr(attn.v_cache, keep), window=attn.sliding_window or 0,
-                  scale=attn.scale, softcap=attn.softcap or 0.0, rope=int(attention.rotary_emb is not None), moe=moe)
+                  scale=attn.scale, softcap=attn.softcap or 0.0, rope=int(attention.rotary_emb is not None), moe=moe,
+                  input_bias=_norm_bias(norms["input"], keep), post_bias=_norm_bias(norms["before_mlp"], keep))
+
+
+def _parallel(layer: nn.Module, family: _Family) -> bool:
+    """Whether the layer's MLP reads the attention's input norm (StableLM's parallel residual)."""
+    return family.parallel_without_mlp_norm and family.norms(layer)["before_mlp"] is None
 
 
 def _clip_qkv(attention: nn.Module) -> float:
@@ -383,17 +399,26 @@ def _moe_block(block: SparseMoeBlock, index: int, spec: _Decoder, keep: list[Any
 
 def _norm_weight(norm: nn.Module | None, family: _Family, spec: _Decoder, index: int,
                  keep: list[torch.Tensor]) -> int | None:
-    """The pointer the C layer reads for ``norm`` (None: no such norm): an RMSNorm's weight as it is; a
-    GemmaRMSNorm's 1 + weight in float32, computed as its forward computes it on every call."""
+    """The pointer the C layer reads for ``norm`` (None: no such norm): an RMSNorm's or a LayerNorm's weight as it
+    is; a GemmaRMSNorm's 1 + weight in float32, computed as its forward computes it on every call."""
     if norm is None:
         return None
     if type(norm) is not family.norm or _F(norm.eps).value != spec.eps:
         raise DoesNotFit(f"layer {index}'s norms differ (type or eps)")
+    if type(norm) is LayerNorm and getattr(norm.ops, "layer_norm", None) is None:
+        raise DoesNotFit(f"layer {index}'s LayerNorms are torch's, not the op set's (core_layer_norm)")
+    if type(norm) is LayerNorm and norm.bias is not None and norm.bias.dtype != norm.weight.dtype:
+        raise DoesNotFit(f"layer {index}'s LayerNorm bias is not of its weight's dtype")
     if family.norm is GemmaRMSNorm:
         return _ptr((1.0 + norm.weight.float()).contiguous(), keep)
     if DTYPE_CODES.get(norm.weight.dtype) != spec.dtype:
         raise DoesNotFit(f"layer {index}'s norm weights are not of the activations' dtype")
     return _ptr(norm.weight, keep)
+
+
+def _norm_bias(norm: nn.Module | None, keep: list[torch.Tensor]) -> int | None:
+    """A LayerNorm's bias (None: none, or not a LayerNorm)."""
+    return _ptr(norm.bias, keep) if type(norm) is LayerNorm and norm.bias is not None else None
 
 
 def _packed(linear: nn.Module, index: int, keep: list[torch.Tensor]) -> Packed:

@@ -1,5 +1,5 @@
-"""ERNIE 4.5 MoE, Hunyuan MoE, PhiMoE, Llama 4's text decoder, Command A's MoE (Cohere2Moe), FlexOlmo, DBRX and
-JetMoE (experts in the attention too) on the pytorch backend: greedy parity with
+"""ERNIE 4.5 MoE, Hunyuan MoE, PhiMoE, Llama 4's text decoder, Command A's MoE (Cohere2Moe), FlexOlmo, DBRX,
+JetMoE (experts in the attention too) and AFMoE on the pytorch backend: greedy parity with
 transformers' generate (one sequence, a batch of different lengths, chunked prefill) and logits parity on tiny
 random checkpoints, config variants the real checkpoints use, each router against transformers' own, and the
 layouts refused at load."""
@@ -135,8 +135,19 @@ CONFIGS = {
     "jetmoe-top-3-untied-eps": ("JetMoeConfig", dict(kv_channels=16, intermediate_size=32, num_local_experts=4,
                                                      num_experts_per_tok=3, tie_word_embeddings=False,
                                                      rms_norm_eps=0.01)),
+    # AFMoE (Arcee's Trinity): a dense first layer, then 8 experts of 32, two a token (sigmoid scores chosen with
+    # the expert bias, renormalized, x 2.5) beside a shared one; gated attention with per-head q/k norms, a windowed
+    # layer with rotary and a global one without; four norms a layer
+    "afmoe": ("AfmoeConfig", dict(head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                  num_shared_experts=1, num_dense_layers=1, global_attn_every_n_layers=2,
+                                  sliding_window=6, route_scale=2.5)),
+    # muP-scaled embeddings, experts on every layer, two shared experts, the global layer first, biases, tied
+    "afmoe-mup-all-sparse-global-first-bias-tied": ("AfmoeConfig", dict(
+        head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3, num_shared_experts=2,
+        num_dense_layers=0, layer_types=["full_attention", "sliding_attention"], sliding_window=5, route_scale=1.0,
+        mup_enabled=True, attention_bias=True, tie_word_embeddings=True)),
 }
-PARITY = ("ernie", "hunyuan", "phimoe", "llama4", "cohere2-moe", "flex-olmo", "dbrx", "jetmoe")
+PARITY = ("ernie", "hunyuan", "phimoe", "llama4", "cohere2-moe", "flex-olmo", "dbrx", "jetmoe", "afmoe")
 VARIANTS = [name for name in CONFIGS if name not in PARITY]
 
 
@@ -160,7 +171,7 @@ def _build(name: str, folder: Path, **overrides) -> Path:
         for param_name, param in model.named_parameters():
             if "norm" in param_name and param_name.endswith(".bias"):
                 param.sub_(1.0)
-            elif param_name.endswith("e_score_correction_bias"):
+            elif param_name.endswith(("e_score_correction_bias", "expert_bias")):
                 param.mul_(3.0)
     model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
@@ -267,18 +278,18 @@ def test_dbrx_rotates_by_the_rope_theta_its_attn_config_holds(checkpoint, tmp_pa
 
 @pytest.mark.skipif(available() is None, reason="the native kernels do not build here")
 @pytest.mark.parametrize("name, native", [("cohere2-moe", "block"), ("flex-olmo", "block"), ("jetmoe", "block"),
-                                          ("dbrx", "mix")])
+                                          ("dbrx", "mix"), ("afmoe", "mix")])
 @torch.inference_mode()
 def test_int8_experts_pack_and_their_native_path_matches_the_modules(name, native, checkpoint, monkeypatch):
     """Quantized at load, the experts are packed native weights: Cohere 2 MoE's, FlexOlmo's and JetMoE's blocks
     (routers SparseMoeBlock's own) run as one C call, router and shared expert included; DBRX's (its p-norm routing
-    in torch) through the native mix; either within float rounding of the modules' torch path over the same weights."""
+    in torch) and AFMoE's (the grouped router's) through the native mix; either within float rounding of the modules' torch path over the same weights."""
     monkeypatch.setattr("core_pytorch_backend.loader.packed_kernel", lambda: PackedKernel(available(), torch.float32))
     model = load_checkpoint(checkpoint(name), dtype="float32", quantization="int8",
                             ops=select_ops("cpu", kind="native")).model
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     hidden = _hidden(17)
-    assert len(blocks) == 2
+    assert blocks
     for block in blocks:
         kernel = block.native_kernel(hidden.device)
         assert kernel is not None and (kernel.moe is not None) == (native == "block")

@@ -82,11 +82,14 @@ def _decode_both_ways(runner: ModelRunner, steps: int = 12) -> None:
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3", "phi3-partial-rotary",
                                   "granite", "olmo2", "olmo3", "exaone4", "glm4", "gemma", "gemma3_text", "gemma2",
-                                  "qwen3_moe", "qwen2_moe", "mixtral", "granitemoe", "granitemoeshared", "olmoe"])
+                                  "stablelm", "stablelm-parallel", "qwen3_moe", "qwen2_moe", "mixtral", "granitemoe",
+                                  "granitemoeshared", "olmoe"])
 def test_the_stack_gives_the_modules_hidden_states_bit_for_bit(tiny_checkpoint_factory, native_packed, arch,
                                                                  quantization, dtype):
     """Granite's multipliers, OLMo 2 / 3's and EXAONE 4's post-norm layers (OLMo's q / k norms over all heads),
-    GLM-4's RMSNorm sandwich (and GLM's pairwise partial rotary) and Gemma's decoders too: float32 norms of 1 + w
+    GLM-4's RMSNorm sandwich (and GLM's pairwise partial rotary), StableLM's LayerNorms with biases
+    (core_layer_norm, from the modules' LayerNorm and from the stack), its parallel residual (the MLP on the
+    attention's input norm) and partial rotary, and Gemma's decoders too: float32 norms of 1 + w
     (core_rms_norm_float), GELU-tanh * up, Gemma 2 and 3's norms of the attention's and the MLP's outputs, Gemma 2's
     soft-capped scores (the native op set's decode attention caps them as the stack's does), Gemma 3's sliding layers
     with their own rotary table. The sparse MoE models' blocks (a dense layer among them in Qwen3-MoE's, Qwen2-MoE's
@@ -94,6 +97,8 @@ def test_the_stack_gives_the_modules_hidden_states_bit_for_bit(tiny_checkpoint_f
     and v clamped by clip_qkv) run routing and experts in moe_mix.c's one call, from the modules and from the stack
     alike."""
     overrides = PACKED_SHARED.get(arch, {})
+    if arch == "stablelm-parallel":  # use_parallel_residual: h + attn(norm(h)) + mlp(norm(h))
+        arch, overrides = "stablelm", dict(use_parallel_residual=True)
     if arch == "phi3-partial-rotary":  # Phi-4-mini's: rotary on the first three quarters of each head
         arch, overrides = "phi3", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                         "partial_rotary_factor": 0.75})

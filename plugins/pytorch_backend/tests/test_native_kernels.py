@@ -610,6 +610,22 @@ def test_rms_norm_matches_the_reference(ops, dtype, with_residual):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_layer_norm_matches_the_reference(ops, dtype, with_residual, with_bias):
+    """core_layer_norm (StableLM's norms, from the modules' LayerNorm and the decode stack): torch's layer_norm of
+    x + residual, rows off the mean of 3 so that a variance taken about 0 would show."""
+    x, residual = (torch.randn(5, 96) + 3).to(dtype), torch.randn(5, 96).to(dtype)
+    weight, bias = (torch.rand(96) + 0.5).to(dtype), torch.randn(96).to(dtype) if with_bias else None
+    mine = ops.layer_norm(x, weight, bias, 1e-5, residual if with_residual else None)
+    oracle = reference.layer_norm(x, weight, bias, 1e-5, residual if with_residual else None)
+    for a, b in zip(mine if with_residual else [mine], oracle if with_residual else [oracle], strict=True):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a, b, rtol=1e-5 if dtype == torch.float32 else 2**-7,
+                                   atol=1e-5 if dtype == torch.float32 else 2**-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_the_reference(ops, dtype):
     x = (torch.randn(7, 2 * 80) * 4).to(dtype)
     tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 0.008, "atol": 1e-3}

@@ -22,8 +22,9 @@ from . import reference
 OP_NAMES = ("store_kv_cache", "paged_attention", "rms_norm", "apply_rotary", "silu_and_mul",
             "gelu_tanh_and_mul")
 # what a set may add (sampling.py falls back to torch without them): the greedy rows' argmax, a fused sampler;
-# attention whose scores are soft-capped (Gemma 2: layers.attention falls back to the reference without it)
-OPTIONAL_OP_NAMES = ("argmax_rows", "sample_tokens", "softcapped_attention")
+# attention whose scores are soft-capped (Gemma 2: layers.attention falls back to the reference without it); a
+# LayerNorm that a LayerNorm built with the op set calls (layers.norm: torch's layer_norm without it)
+OPTIONAL_OP_NAMES = ("argmax_rows", "sample_tokens", "softcapped_attention", "layer_norm")
 KINDS = ("reference", "native", "triton")
 KERNELS_ENV = "CORE_KERNELS"
 

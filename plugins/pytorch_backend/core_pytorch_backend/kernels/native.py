@@ -170,6 +170,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out if residual is None else (out, summed)
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+               residual: torch.Tensor | None = None):
+    """``layers.norm.LayerNorm``'s (x + residual, then torch's layer_norm) in one ``core_layer_norm`` call, computed in
+    float32 and rounded once as torch's is: the decode stack calls the same kernel (StableLM's norms)."""
+    if (_code(x) is None or _code(weight) is None or x.device.type != "cpu" or (bias is not None and bias.dtype !=
+                                                                                 weight.dtype)
+            or (residual is not None and residual.dtype != x.dtype)):
+        return reference.layer_norm(x, weight, bias, eps, residual)
+    x, weight = x.contiguous(), weight.contiguous()  # named: a temporary would free its memory mid-call
+    bias = None if bias is None else bias.contiguous()
+    residual = None if residual is None else residual.contiguous()
+    hidden = x.shape[-1]
+    out = torch.empty_like(x)
+    summed = None if residual is None else torch.empty_like(x)
+    kernels().call("core_layer_norm", x.data_ptr(), _code(x), x.numel() // hidden, hidden,
+                   None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                   None if bias is None else bias.data_ptr(), _code(weight), eps, out.data_ptr(),
+                   None if summed is None else summed.data_ptr())
+    return out if residual is None else (out, summed)
+
+
 ACT_SILU, ACT_GELU_TANH = 0, 1  # csrc/common.h
 
 

@@ -306,6 +306,16 @@ def rms_norm(
     return out if residual is None else (out, residual)
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+               residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """torch's layer_norm with ``rms_norm``'s residual protocol (``layers.norm.LayerNorm``'s)."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    out = F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+    return out if residual is None else (out, residual)
+
+
 def apply_rotary(
     query: torch.Tensor,
     key: torch.Tensor,

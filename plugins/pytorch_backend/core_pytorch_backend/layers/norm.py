@@ -23,15 +23,22 @@ class RMSNorm(nn.Module):
 
 class LayerNorm(nn.Module):
     """torch's LayerNorm (the call transformers' ``nn.LayerNorm`` makes, so the same values), with the
-    residual protocol of RMSNorm: with ``residual``, ``(norm(x + residual), x + residual)``."""
+    residual protocol of RMSNorm: with ``residual``, ``(norm(x + residual), x + residual)``. Built with ``ops``
+    whose set has a ``layer_norm`` (the native set's), that op instead: the native decode stack calls its kernel."""
 
-    def __init__(self, hidden_size: int, eps: float, bias: bool = True):
+    ops: Any = None  # the subclasses' (parameter-free) norms are torch's whatever the op set
+
+    def __init__(self, hidden_size: int, eps: float, bias: bool = True, ops: Any = None):
         super().__init__()
         self.eps = eps
+        self.ops = ops
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        native = getattr(self.ops, "layer_norm", None)
+        if native is not None:
+            return native(x, self.weight, self.bias, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x

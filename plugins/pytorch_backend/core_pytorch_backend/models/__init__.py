@@ -75,6 +75,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "FlexOlmoForCausalLM": "core_pytorch_backend.models.flex_olmo:FlexOlmoForCausalLM",
     "DbrxForCausalLM": "core_pytorch_backend.models.dbrx:DbrxForCausalLM",
     "JetMoeForCausalLM": "core_pytorch_backend.models.jetmoe:JetMoeForCausalLM",  # experts in attention and MLP
+    "AfmoeForCausalLM": "core_pytorch_backend.models.afmoe:AfmoeForCausalLM",  # Arcee's Trinity
     "Gemma4ForCausalLM": "core_pytorch_backend.models.gemma4:Gemma4ForCausalLM",
     # the released checkpoints' class: their language model, for text only (no vision processor registered)
     "Gemma4ForConditionalGeneration": "core_pytorch_backend.models.gemma4:Gemma4ForConditionalGeneration",

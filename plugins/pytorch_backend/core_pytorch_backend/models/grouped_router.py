@@ -45,7 +45,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 @dataclass(frozen=True)
 class ExpertCounts:
     """How many routed experts a sparse layer has and how many experts' widths its shared MLP is: DeepSeek's
-    ``n_routed_experts`` / ``n_shared_experts``, or EXAONE MoE's ``num_experts`` / ``num_shared_experts``."""
+    ``n_routed_experts`` / ``n_shared_experts``, or EXAONE MoE's and AFMoE's ``num_experts`` / ``num_shared_experts``."""
 
     routed: int
     shared: int

@@ -53,9 +53,10 @@ class StableLmDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = StableLmAttention(config, ops, spec, layer_index, rotary)
         self.mlp = LlamaMLP(config, ops)
-        self.input_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
+        self.input_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps, ops=ops)
         parallel = bool(getattr(config, "use_parallel_residual", False))
-        self.post_attention_layernorm = None if parallel else LayerNorm(config.hidden_size, config.layer_norm_eps)
+        self.post_attention_layernorm = None if parallel else LayerNorm(config.hidden_size, config.layer_norm_eps,
+                                                                        ops=ops)
 
     def forward(self, positions, hidden, residual, meta):
         """In the Llama layers' (hidden, residual) protocol: the next layer (or the final norm) adds the two."""

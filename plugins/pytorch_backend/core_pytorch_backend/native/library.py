@@ -38,6 +38,8 @@ SIGNATURES: dict[str, list] = {
     "core_rms_norm": [_P, _I, _L, _L, _P, _P, _I, _F, _P, _P],
     # x, dtype, T, H, residual, weight (float32), eps, out, residual out: Gemma's norm (weights 1 + w, in float32)
     "core_rms_norm_float": [_P, _I, _L, _L, _P, _P, _F, _P, _P],
+    # x, dtype, T, H, residual, weight, bias (or NULL), their dtype, eps, out, residual out: LayerNorm
+    "core_layer_norm": [_P, _I, _L, _L, _P, _P, _P, _I, _F, _P, _P],
     # x, dtype, T, I, out
     "core_silu_and_mul": [_P, _I, _L, _L, _P],
     # x, dtype, T, I, activation (0 silu, 1 GELU-tanh: csrc/common.h ACT_*), out

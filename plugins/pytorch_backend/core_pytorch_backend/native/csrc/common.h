@@ -280,6 +280,8 @@ int core_silu_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, v
 int core_act_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, int act, void *out);
 int core_rms_norm_float(const void *x, int x_dtype, int64_t tokens, int64_t hidden, const void *residual,
                         const float *weight, float eps, void *out, void *residual_out);
+int core_layer_norm(const void *x, int x_dtype, int64_t tokens, int64_t hidden, const void *residual,
+                    const void *weight, const void *bias, int w_dtype, float eps, void *out, void *residual_out);
 int core_rotary_part(const void *q, const void *k, int dtype, int64_t tokens, int64_t hq, int64_t hkv, int64_t d,
                      int64_t rotary_dim, int64_t q_row_stride, int64_t k_row_stride, const int64_t *positions,
                      const void *cos_table, const void *sin_table, int table_dtype, int64_t max_position, void *q_out,

@@ -832,6 +832,8 @@ typedef struct {
     float eps;
     void *out, *residual_out;
     int status;
+    const float *bias; /* a LayerNorm's (centered) */
+    int centered;      /* 1: LayerNorm, the row less its mean normalised, times w plus bias in float32 */
 } rms_team;
 
 static void rms_work(void *context, int64_t thread, int64_t threads) {
@@ -850,12 +852,23 @@ static void rms_work(void *context, int64_t thread, int64_t threads) {
                 for (int64_t i = 0; i < hidden; ++i) row[i] = round_to(row[i] + other[i], x_dtype);
                 store_row(c->residual_out, x_dtype, t * hidden, hidden, row);
             }
+            if (c->centered) { /* LayerNorm: the row less its mean (two passes, as the variance is then exact) */
+                float total = 0.f;
+#pragma omp simd reduction(+ : total)
+                for (int64_t i = 0; i < hidden; ++i) total += row[i];
+                const float mean = total / (float)hidden;
+                for (int64_t i = 0; i < hidden; ++i) row[i] -= mean;
+            }
             float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
             for (int64_t i = 0; i < hidden; ++i) squares += row[i] * row[i];
             const float inv = 1.f / sqrtf(squares / (float)hidden + c->eps);
-            for (int64_t i = 0; i < hidden; ++i)
-                row[i] = c->fused ? row[i] * inv * c->w[i] : round_to(c->w[i] * round_to(row[i] * inv, x_dtype), x_dtype);
+            if (c->centered)
+                for (int64_t i = 0; i < hidden; ++i) row[i] = row[i] * inv * c->w[i] + c->bias[i];
+            else
+                for (int64_t i = 0; i < hidden; ++i)
+                    row[i] = c->fused ? row[i] * inv * c->w[i]
+                                      : round_to(c->w[i] * round_to(row[i] * inv, x_dtype), x_dtype);
             store_row(c->out, x_dtype, t * hidden, hidden, row);
         }
     }
@@ -885,6 +898,24 @@ int core_rms_norm(const void *x, int x_dtype, int64_t tokens, int64_t hidden, co
 /* Gemma's RMSNorm: out = s * rsqrt(mean(s^2) + eps) * weight all in float32 (weight float32: the model's 1 + w),
  * rounded once to x_dtype, as models/gemma3.py's GemmaRMSNorm computes it (x upcast, core_rms_norm's float32
  * product, then rounded); s as core_rms_norm's (x + residual rounded to the dtype, written to residual_out). */
+/* LayerNorm (StableLM's): s as core_rms_norm's (x + residual rounded to the dtype, written to residual_out), out =
+ * (s - mean(s)) / sqrt(var(s) + eps) * weight + bias in float32 (the biased variance, as torch), rounded once to
+ * x_dtype. weight and bias [H] of w_dtype; bias NULL: none. */
+int core_layer_norm(const void *x, int x_dtype, int64_t tokens, int64_t hidden, const void *residual,
+                    const void *weight, const void *bias, int w_dtype, float eps, void *out, void *residual_out) {
+    if ((tokens > 0 && (!x || !out)) || !weight || tokens < 0 || hidden <= 0 || (residual && !residual_out) ||
+        (x_dtype != DT_F32 && x_dtype != DT_BF16) || (w_dtype != DT_F32 && w_dtype != DT_BF16))
+        return ERR_ARGS;
+    float *w = calloc((size_t)(2 * hidden), sizeof(float));
+    if (!w) return ERR_MEMORY;
+    load_row(weight, w_dtype, 0, hidden, w);
+    if (bias) load_row(bias, w_dtype, 0, hidden, w + hidden);
+    rms_team ctx = {x, x_dtype, tokens, hidden, residual, w, 1, eps, out, residual_out, OK, w + hidden, 1};
+    run_team(tokens * hidden > PARALLEL_MIN_WORK, rms_work, &ctx);
+    free(w);
+    return ctx.status;
+}
+
 int core_rms_norm_float(const void *x, int x_dtype, int64_t tokens, int64_t hidden, const void *residual,
                         const float *weight, float eps, void *out, void *residual_out) {
     if ((tokens > 0 && (!x || !out)) || !weight || tokens < 0 || hidden <= 0 || (residual && !residual_out) ||

@@ -7,7 +7,7 @@
  * allocation (a third of a one-row decode step of SmolLM2-135M on a 2-core EPYC).
  *
  * Gemma's decoders (models/gemma.py, gemma2.py, gemma3.py) take the same layer with their differences as data:
- * norms of float32 weights (1 + w) multiplied in float32 (norm_float: core_rms_norm_float), GELU-tanh * up
+ * norms of float32 weights (1 + w) multiplied in float32 (NORM_RMS_FLOAT: core_rms_norm_float), GELU-tanh * up
  * (act), norms of the attention's and the MLP's outputs before each joins the residual (Gemma 2 and 3's
  * sandwich norms: attn_out_norm, mlp_out_norm), and a rotary table per layer (Gemma 3's sliding layers have
  * their own base). Granite's (models/granite.py) multiplies what the attention and the MLP add to the residual
@@ -32,7 +32,7 @@
 #include "common.h"
 
 typedef struct {
-    const void *input_norm, *post_norm;       /* [H] before the attention and before the MLP (see norm_float), or
+    const void *input_norm, *post_norm;       /* [H] before the attention and before the MLP (see norm_kind), or
                                                  NULL (post-norm layers: the residual stream as it is) */
     const void *q_norm, *k_norm;              /* [D] (Qwen3, Gemma 3) or [Hq D], [Hkv D] (qk_norm_whole), or NULL */
     const void *attn_out_norm, *mlp_out_norm; /* [H] of the attention's and the MLP's outputs (Gemma 2, 3), or NULL */
@@ -44,18 +44,26 @@ typedef struct {
     float softcap;           /* the scores soft-capped (Gemma 2's attn_logit_softcapping: cpu_ops.c cap_scores), 0: not */
     int32_t rope;            /* 1: rotary on q and k; 0: none (SmolLM3's no-rope layers) */
     const core_moe *moe;     /* the MLP a sparse MoE block (moe_mix.c; gate_up and down unused), or NULL */
+    const void *input_bias, *post_bias; /* [H] input_norm's and post_norm's biases (NORM_LAYER), or NULL: none */
 } core_layer;
+
+/* core_decoder.norm_kind: every norm of the layers is one of these */
+enum { NORM_RMS = 0,       /* RMSNorm, weights of the activations' dtype (core_rms_norm) */
+       NORM_RMS_FLOAT = 1, /* weights float32, multiplied in float32 and rounded once (Gemma: 1 + w) */
+       NORM_LAYER = 2 };   /* LayerNorm with a bias, weights of the activations' dtype (core_layer_norm: StableLM) */
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter; /* inter: the dense MLPs' (the widest; MoE layers' own) */
     int64_t rotary_dim; /* each head's rotated values (partial_rotary_factor: fewer than head_dim; the rest as is) */
-    int32_t dtype, cache_dtype, table_dtype; /* dtype: the activations' (and the norm weights', but norm_float) */
-    int32_t norm_float; /* 1: norm weights float32, multiplied in float32 and rounded once (Gemma: 1 + w) */
+    int32_t dtype, cache_dtype, table_dtype; /* dtype: the activations' (and the norm weights', but NORM_RMS_FLOAT) */
+    int32_t norm_kind;  /* NORM_RMS, NORM_RMS_FLOAT or NORM_LAYER */
     int32_t act;        /* ACT_SILU or ACT_GELU_TANH (common.h) */
     float branch_scale; /* multiplies what the attention and the MLP add to the residual (Granite); 1: none */
     int32_t qk_norm_whole; /* 1: q and k normalised over all their heads at once (OLMo 2, 3), 0: head by head */
     float eps;
     float clip_qkv;        /* q, k and v clamped to [-clip_qkv, clip_qkv] after the q and k norms (OLMoE), 0: not */
+    int32_t parallel;      /* 1: the MLP reads the attention's input (its norm), and the attention's output joins the
+                              residual as the MLP's does (StableLM's use_parallel_residual; post_norm NULL) */
     int64_t block_size, num_slots, max_position;
     int32_t tiles;         /* 1: the packed weights multiply on the AMX tiles (core_packed_linear_tiles) */
     int32_t group_rows;    /* the fewest rows of a unit of the row-group path (0: never that path) */
@@ -78,11 +86,13 @@ static void copy_rows(const char *src, int64_t stride, int64_t rows, int64_t wid
     for (int64_t t = 0; t < rows; ++t) memcpy(dst + t * width * size, src + t * stride * size, (size_t)(width * size));
 }
 
-/* RMSNorm of `rows` rows of `width` (with `residual`: of x + residual, the sum written to residual_out), with the
- * model's kind of norm weight */
+/* The model's kind of norm (norm_kind) of `rows` rows of `width` (with `residual`: of x + residual, the sum written
+ * to residual_out); `bias` a LayerNorm's (or NULL) */
 static int norm(const core_decoder *m, const void *x, int64_t rows, int64_t width, const void *residual,
-                const void *weight, void *out, void *residual_out) {
-    if (m->norm_float)
+                const void *weight, const void *bias, void *out, void *residual_out) {
+    if (m->norm_kind == NORM_LAYER)
+        return core_layer_norm(x, m->dtype, rows, width, residual, weight, bias, m->dtype, m->eps, out, residual_out);
+    if (m->norm_kind == NORM_RMS_FLOAT)
         return core_rms_norm_float(x, m->dtype, rows, width, residual, weight, m->eps, out, residual_out);
     return core_rms_norm(x, m->dtype, rows, width, residual, weight, m->dtype, m->eps, out, residual_out);
 }
@@ -177,14 +187,15 @@ static row_span span_of(const core_decoder *m, int64_t first, int64_t count, voi
 
 /* What the attention (or the MLP) reads: `norm` of hidden + residual, the sum left in residual (layer 0's
  * `start`: hidden itself), or with no norm the sum itself */
-static int branch_input(const core_decoder *m, const void *weight, int start, const row_span *r, char *normed,
-                        const char **input) {
+static int branch_input(const core_decoder *m, const void *weight, const void *bias, int start, const row_span *r,
+                        char *normed, const char **input) {
     const int64_t h = m->hidden, tokens = r->count;
     if (start) memcpy(r->residual, r->hidden, (size_t)(tokens * h * elem_size(m->dtype)));
     else if (!weight) add_rows(m, r->hidden, r->residual, tokens * h);
     *input = weight ? normed : r->residual;
     if (!weight) return OK;
-    return norm(m, r->hidden, tokens, h, start ? NULL : r->residual, weight, normed, start ? NULL : r->residual);
+    return norm(m, r->hidden, tokens, h, start ? NULL : r->residual, weight, bias, normed,
+                start ? NULL : r->residual);
 }
 
 /* One decoder layer of the rows in `r` (start: layer 0 without a given residual, which it starts from the
@@ -198,7 +209,7 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
     char *q_rot = b->rotated, *k_rot = b->rotated + tokens * q_width * size;
     int status = OK;
     const char *input;
-    CHECK(branch_input(m, L->input_norm, start, r, b->normed, &input));
+    CHECK(branch_input(m, L->input_norm, L->input_bias, start, r, b->normed, &input));
     CHECK(linear(m, &L->qkv, input, tokens, h, b->qkv));
     const char *q = b->qkv, *k = b->qkv + q_width * size, *v = b->qkv + (q_width + kv_width) * size;
     int64_t q_stride = qkv_width, k_stride = qkv_width;
@@ -207,8 +218,8 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
         copy_rows(q, qkv_width, tokens, q_width, size, qn);
         copy_rows(k, qkv_width, tokens, kv_width, size, kn);
         const int64_t whole = m->qk_norm_whole; /* rows of all heads, or of one head */
-        CHECK(norm(m, qn, whole ? tokens : tokens * hq, whole ? q_width : d, NULL, L->q_norm, qn, NULL));
-        CHECK(norm(m, kn, whole ? tokens : tokens * hkv, whole ? kv_width : d, NULL, L->k_norm, kn, NULL));
+        CHECK(norm(m, qn, whole ? tokens : tokens * hq, whole ? q_width : d, NULL, L->q_norm, NULL, qn, NULL));
+        CHECK(norm(m, kn, whole ? tokens : tokens * hkv, whole ? kv_width : d, NULL, L->k_norm, NULL, kn, NULL));
         q = qn, k = kn, q_stride = q_width, k_stride = kv_width;
     }
     if (m->clip_qkv > 0.f) { /* q and k where they are now (the buffers of this call), v in the projection's */
@@ -229,16 +240,17 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
                                 hkv, r->tables, table_width, r->lengths, L->window, L->scale, L->softcap,
                                 b->attn));
     CHECK(linear(m, &L->o, b->attn, tokens, q_width, r->hidden));
-    if (L->attn_out_norm) CHECK(norm(m, r->hidden, tokens, h, NULL, L->attn_out_norm, r->hidden, NULL));
+    if (L->attn_out_norm) CHECK(norm(m, r->hidden, tokens, h, NULL, L->attn_out_norm, NULL, r->hidden, NULL));
     if (m->branch_scale != 1.f) scale_rows(m, r->hidden, tokens, h);
-    CHECK(branch_input(m, L->post_norm, 0, r, b->normed, &input));
+    CHECK(branch_input(m, L->post_norm, L->post_bias, 0, r, b->normed, &input));
+    if (m->parallel) input = b->normed; /* the residual took the attention's output; the MLP the input norm's */
     if (L->moe) {
         CHECK(core_moe_block(L->moe, input, m->dtype, tokens, h, NULL, m->tiles, r->hidden));
     } else {
         CHECK(packed_gated(&L->gate_up, input, m->dtype, tokens, h, m->tiles, m->act, b->gate_up, b->act));
         CHECK(linear(m, &L->down, b->act, tokens, m->inter, r->hidden));
     }
-    if (L->mlp_out_norm) CHECK(norm(m, r->hidden, tokens, h, NULL, L->mlp_out_norm, r->hidden, NULL));
+    if (L->mlp_out_norm) CHECK(norm(m, r->hidden, tokens, h, NULL, L->mlp_out_norm, NULL, r->hidden, NULL));
     if (m->branch_scale != 1.f) scale_rows(m, r->hidden, tokens, h);
     return OK;
 }
@@ -327,7 +339,8 @@ int core_decoder_layers(const core_decoder *m, const core_layer *layers, int64_t
     if (!m || (num_layers > 0 && !layers) || num_layers < 0 || tokens < 0 || (tokens > 0 && (!hidden ||
         !residual || !positions || !slots || !tables || !lengths)) || (m->dtype != DT_F32 && m->dtype != DT_BF16) ||
         m->hidden <= 0 || m->heads <= 0 || m->kv_heads <= 0 || m->head_dim <= 0 || m->inter <= 0 ||
-        m->group_rows < 0 || (m->act != ACT_SILU && m->act != ACT_GELU_TANH) || !(m->clip_qkv >= 0.f))
+        m->group_rows < 0 || (m->act != ACT_SILU && m->act != ACT_GELU_TANH) || !(m->clip_qkv >= 0.f) ||
+        m->norm_kind < NORM_RMS || m->norm_kind > NORM_LAYER)
         return ERR_ARGS;
     if (tokens == 0 || num_layers == 0) return OK;
     const int64_t threads = omp_get_max_threads();
