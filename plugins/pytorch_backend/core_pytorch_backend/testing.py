@@ -56,6 +56,19 @@ def tiny_tokenizer():
     )
 
 
+def save_tiny_checkpoint(config: Any, folder: Path, seed: int = 0) -> Path:
+    """A random float32 model of the transformers ``config`` (``reinit_``'s weights) saved with ``tiny_tokenizer``
+    into ``folder``; returns it."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    reinit_(model, seed=seed)
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
 def allocate_poisoned_states(model, slots: int) -> list[int]:
     """Bind ``slots`` recurrent-state slots of ``model`` (if it has recurrent layers) filled with NaN, as memory
     never written may be (a fresh sequence must never read its slot), and return them shuffled."""

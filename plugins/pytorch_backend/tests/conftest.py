@@ -25,10 +25,11 @@ if not torch.cuda.is_available():
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
          "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe", "granitemoeshared",
          "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj", "gpt_bigcode", "falcon",
-         "ministral3", "apertus", "vaultgemma", "nanochat", "jais2", "persimmon")
+         "ministral3", "apertus", "vaultgemma", "nanochat", "jais2", "persimmon", "codegen")
 
-# reinit_ sets whatever is named "norm" near 1, LayerNorm biases too: these would repeat one token
-LAYER_NORM_BIAS_ARCHS = ("jais2", "persimmon")
+# reinit_ sets whatever is named "norm" near 1, LayerNorm biases too, and LayerNorms named otherwise (CodeGen's
+# ln_1) near 0: these would repeat one token
+LAYER_NORM_BIAS_ARCHS = ("jais2", "persimmon", "codegen")
 
 
 def tiny_config(arch: str, **overrides):
@@ -36,6 +37,7 @@ def tiny_config(arch: str, **overrides):
     from transformers import (
         ApertusConfig,
         ArceeConfig,
+        CodeGenConfig,
         Cohere2Config,
         CohereConfig,
         Ernie4_5Config,
@@ -206,6 +208,8 @@ def tiny_config(arch: str, **overrides):
         "jais2": (Jais2Config, dict(tie_word_embeddings=False, num_key_value_heads=2)),
         # GPT-NeoX's fused q/k/v in sequential layers, a LayerNorm per head of q and k, rotary on half of each head
         "persimmon": (PersimmonConfig, dict(tie_word_embeddings=False, num_key_value_heads=None, qk_layernorm=True)),
+        # GPT-J's layout with q, v and k fused in 4 model-parallel groups
+        "codegen": (CodeGenConfig, dict(tie_word_embeddings=False, num_key_value_heads=None, n_inner=128, rotary_dim=8)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

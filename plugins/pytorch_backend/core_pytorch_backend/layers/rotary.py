@@ -290,17 +290,30 @@ def context_positions(config: Any) -> int:
     return base
 
 
-def get_rope(config: Any, head_dim: int, ops: Any) -> RotaryEmbedding:
-    """The rotary embedding an HF decoder config asks for (M-RoPE when it names an mrope_section)."""
+def get_rope(config: Any, head_dim: int, ops: Any, partial: bool = True) -> RotaryEmbedding:
+    """The rotary embedding an HF decoder config asks for (M-RoPE when it names an mrope_section). ``partial``:
+    whether the family turns only ``partial_rotary_factor`` of each head (``whole_head_rotary`` where not)."""
     params = rope_parameters(config)
     max_positions = context_positions(config)
     section = params.get("mrope_section")
-    rotary_dim = rotary_dim_of(config, head_dim)
+    rotary_dim = rotary_dim_of(config, head_dim) if partial else whole_head_rotary(config, head_dim)
     if section:
         if rotary_dim != head_dim:
             raise NotImplementedError("M-RoPE with a partial_rotary_factor is not supported")
         return MRotaryEmbedding(head_dim, max_positions, params, ops, list(section))
     return RotaryEmbedding(head_dim, max_positions, params, ops, rotary_dim)
+
+
+def whole_head_rotary(config: Any, head_dim: int) -> int:
+    """``head_dim``, for the families whose transformers rotary turns whole heads (Llama's and most others'):
+    their default frequencies ignore ``partial_rotary_factor``, and their other rope types fail with one below
+    1 (cos / sin tables narrower than the heads), so such a config is refused by name."""
+    params = rope_parameters(config)
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if partial is not None and int(head_dim * float(partial)) != head_dim and params["rope_type"] != "default":
+        raise NotImplementedError(f"partial_rotary_factor {partial} with rope_type {params['rope_type']!r} is not "
+                                  "supported for this family: its rotary turns whole heads (transformers' fails)")
+    return head_dim
 
 
 def rotary_dim_of(config: Any, head_dim: int) -> int:

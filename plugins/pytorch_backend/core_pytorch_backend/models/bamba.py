@@ -42,6 +42,7 @@ class BambaDecoderLayer(LlamaDecoderLayer):
 
 class BambaModel(LlamaModel):
     layer_class = BambaDecoderLayer
+    partial_rotary = True
 
 
 class BambaForCausalLM(LlamaForCausalLM):

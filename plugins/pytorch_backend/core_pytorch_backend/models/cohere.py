@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from ..layers import LayerNorm, RotaryEmbedding
-from ..layers.rotary import rotary_dim_of
 from ..native.half_weights import HalfWeight
 from ..quant.affine import AffineWeight
 from .llama import (
@@ -81,12 +80,6 @@ class CohereForCausalLM(LlamaForCausalLM):
     model_class = CohereModel
     #: the q/k norms' per-head weights belong to the heads a rank holds; not sharded
     tensor_parallel_plan = None
-
-    def __init__(self, config: Any, ops: Any):
-        if rotary_dim_of(config, head_dim_of(config)) != head_dim_of(config):
-            raise NotImplementedError("partial_rotary_factor is not supported for Cohere (transformers "
-                                      "rotates the whole head)")
-        super().__init__(config, ops)
 
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:

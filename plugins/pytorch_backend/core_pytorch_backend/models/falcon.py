@@ -21,7 +21,6 @@ from torch import nn
 from ..attention_metadata import AttentionMetadata
 from ..layers import Attention, LayerNorm, Linear, RotaryEmbedding
 from ..layers.alibi import alibi_slopes
-from ..layers.rotary import rotary_dim_of
 from ..quant.attach import QuantizedShards
 from .llama import DecoderSpec, LlamaForCausalLM, LlamaModel, head_dim_of, input_norm
 from .names import prefix_renamed
@@ -147,8 +146,6 @@ def _refuse_unsupported(config: Any) -> None:
     if not new and not config.multi_query and config.num_kv_heads != heads:
         raise NotImplementedError(f"Falcon: num_kv_heads {config.num_kv_heads} without new_decoder_architecture "
                                   "or multi_query is not supported")
-    if rotary_dim_of(config, head_dim_of(config)) != head_dim_of(config):
-        raise NotImplementedError("Falcon: partial_rotary_factor is not supported (transformers rotates whole heads)")
 
 
 def _our_name(name: str) -> str:

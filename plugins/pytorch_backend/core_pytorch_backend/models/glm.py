@@ -8,11 +8,16 @@ from __future__ import annotations
 from typing import Any
 
 from ..layers.rotary import rotary_dim_of
-from .llama import DecoderSpec, LlamaForCausalLM, head_dim_of
+from .llama import DecoderSpec, LlamaForCausalLM, LlamaModel, head_dim_of
 from .rotary_pairs import pairs_to_rotate_half
 
 
+class GlmModel(LlamaModel):
+    partial_rotary = True
+
+
 class GlmForCausalLM(LlamaForCausalLM):
+    model_class = GlmModel
     #: the fused gate_up_proj has no gate / up shards of its own to split across ranks
     tensor_parallel_plan = None
 

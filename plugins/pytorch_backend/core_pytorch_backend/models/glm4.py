@@ -26,6 +26,7 @@ class Glm4DecoderLayer(LlamaDecoderLayer):
 
 class Glm4Model(LlamaModel):
     layer_class = Glm4DecoderLayer
+    partial_rotary = True
 
 
 class Glm4ForCausalLM(GlmForCausalLM):

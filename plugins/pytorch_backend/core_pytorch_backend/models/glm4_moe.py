@@ -14,8 +14,12 @@ from .grouped_router import GroupedMoeCheckpoint, GroupedMoeModel
 from .llama import DecoderSpec, LlamaForCausalLM
 
 
+class Glm4MoeModel(GroupedMoeModel):
+    partial_rotary = True  # dots1's, on the same model, turns whole heads
+
+
 class Glm4MoeForCausalLM(GroupedMoeCheckpoint, LlamaForCausalLM):
-    model_class = GroupedMoeModel
+    model_class = Glm4MoeModel
     #: experts are not split across ranks
     tensor_parallel_plan = None
 

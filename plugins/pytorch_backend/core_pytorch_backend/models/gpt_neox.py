@@ -76,6 +76,7 @@ class GPTNeoXLayer(nn.Module):
 
 class GPTNeoXModel(LayerNormModel):
     layer_class = GPTNeoXLayer
+    partial_rotary = True
 
 
 class GPTNeoXForCausalLM(LlamaForCausalLM):

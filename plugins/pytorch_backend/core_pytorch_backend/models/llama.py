@@ -155,6 +155,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     #: The decoder layer's class (Granite scales what each layer adds to the residual).
     layer_class: type[nn.Module] = LlamaDecoderLayer
+    #: Whether rotary turns only ``partial_rotary_factor`` of each head, as transformers' Phi-3, StableLM,
+    #: GPT-NeoX, Phi, GLM and Nemotron do; Llama's and most families' turns whole heads whatever it says
+    partial_rotary: bool = False
 
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec):
         super().__init__()
@@ -167,7 +170,7 @@ class LlamaModel(nn.Module):
 
     def make_rotaries(self, config: Any, ops: Any) -> list[RotaryEmbedding]:
         """Each layer's rotary table: one built once that every layer shares (OLMo 3 has one per layer type)."""
-        return [get_rope(config, head_dim_of(config), ops)] * config.num_hidden_layers
+        return [get_rope(config, head_dim_of(config), ops, self.partial_rotary)] * config.num_hidden_layers
 
     def make_norm(self, config: Any, ops: Any) -> nn.Module:
         """The final norm (and models that use LayerNorm build theirs here)."""

@@ -36,6 +36,7 @@ class NemotronDecoderLayer(LlamaDecoderLayer):
 
 class NemotronModel(LlamaModel):
     layer_class = NemotronDecoderLayer
+    partial_rotary = True
 
     def make_norm(self, config: Any, ops: Any) -> nn.Module:
         return LayerNorm1P(config.hidden_size, config.norm_eps)

@@ -60,6 +60,7 @@ class PhiDecoderLayer(nn.Module):
 
 class PhiModel(LayerNormModel):
     layer_class = PhiDecoderLayer
+    partial_rotary = True
 
 
 class PhiForCausalLM(LlamaForCausalLM):

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .llama import DecoderSpec, LlamaForCausalLM
+from .llama import DecoderSpec, LlamaForCausalLM, LlamaModel
+
+
+class Phi3Model(LlamaModel):
+    partial_rotary = True  # Phi-4-mini's 0.75
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
+    model_class = Phi3Model
     #: the fused weights have no q/k/v or gate/up shards of their own to split across ranks
     tensor_parallel_plan = None
 

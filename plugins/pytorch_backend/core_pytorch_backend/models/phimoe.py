@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..layers import LayerNorm, RotaryEmbedding
-from ..layers.rotary import LONG_FACTORS_KEY, context_positions, rope_parameters, rotary_dim_of
+from ..layers.rotary import LONG_FACTORS_KEY, context_positions, rope_parameters, whole_head_rotary
 from .llama import DecoderSpec, LlamaAttention, LlamaDecoderLayer, LlamaModel, head_dim_of
 from .mixtral import MixtralForCausalLM
 from .sparse_moe import SparseMoeBlock
@@ -63,7 +63,7 @@ class PhimoeModel(LlamaModel):
     def make_rotaries(self, config: Any, ops: Any) -> list[RotaryEmbedding]:
         head_dim = head_dim_of(config)
         rotary = RotaryEmbedding(head_dim, context_positions(config), phimoe_rope_parameters(config), ops,
-                                 rotary_dim_of(config, head_dim))
+                                 whole_head_rotary(config, head_dim))
         return [rotary] * config.num_hidden_layers
 
     def make_norm(self, config: Any, ops: Any) -> nn.Module:

@@ -82,6 +82,7 @@ class Qwen3NextDecoderLayer(HybridDecoderLayer, QwenMoeDecoderLayer):
 
 class Qwen3NextModel(LlamaModel):
     layer_class = Qwen3NextDecoderLayer
+    partial_rotary = True
 
     def make_norm(self, config: Any, ops: Any) -> nn.Module:
         return GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, ops)

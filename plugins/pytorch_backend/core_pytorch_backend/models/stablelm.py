@@ -70,6 +70,7 @@ class StableLmDecoderLayer(nn.Module):
 
 class StableLmModel(LayerNormModel):
     layer_class = StableLmDecoderLayer
+    partial_rotary = True
 
 
 class StableLmForCausalLM(LlamaForCausalLM):
