@@ -71,6 +71,7 @@ async def _message_events(message_id: str, model: str, input_tokens: int, source
     blocks = ContentBlockEvents()
     for name, payload in blocks.open_text() if post.is_plain else ():
         yield sse_event(name, payload)
+    yield sse_event("ping", {"type": "ping"})  # where Anthropic's streams have one (after the first block's start)
     last: RequestOutput | None = None
     async for out in source:
         for name, payload in blocks.events(post.delta(0, out.text, finished=out.finish_reason is not None)):

@@ -15,8 +15,10 @@ from core.server.postprocess import ChatMessageParts
 from core.server.structured_fields import one_constraint, output_format_constraint, tool_call_constraint
 from core.structured_output import StructuredOutput
 
-STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
-# Anthropic has no "aborted": like vLLM, anything else reads as end_turn.
+# Anthropic has no "aborted": an aborted turn (/abort, a sleep, a shutdown's drain) is paused, which tells the
+# client that it stopped early and that sending its content back (a prefill) continues it. vLLM says end_turn,
+# which reads as the model having finished.
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "abort": "pause_turn"}
 PARAM_NAMES = {"max_new_tokens": "max_tokens", "stop": "stop_sequences"}
 
 
@@ -265,7 +267,7 @@ def generation_config(req: MessagesRequest, forced_call: StructuredOutput | None
 def stop_reason(finish_reason: str | None, stop: str | int | None, stop_sequences: list[str] | None,
                 tool_use: bool = False) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence): a user stop sequence reads as stop_sequence, not end_turn; a turn
-    that ended by itself after a tool call reads as tool_use."""
+    that ended by itself after a tool call reads as tool_use; an aborted one as pause_turn."""
     if finish_reason == "stop" and isinstance(stop, str) and stop in (stop_sequences or ()):
         return "stop_sequence", stop
     if finish_reason == "stop" and tool_use:

@@ -6,13 +6,13 @@ import json
 
 import httpx
 import pytest
-from server_helpers import MESSAGES, assert_anthropic_error
+from server_helpers import MESSAGES, abort_while_running, assert_anthropic_error
 
 from core.testing.parse import parse_sse
 
 BODY = {"max_tokens": 8, "temperature": 0.0, "messages": MESSAGES, "system": "Be brief."}
-EVENTS = ["message_start", "content_block_start", "content_block_delta", "content_block_stop", "message_delta",
-          "message_stop"]
+EVENTS = ["message_start", "content_block_start", "ping", "content_block_delta", "content_block_stop", "message_delta",
+          "message_stop"]  # the order of Anthropic's own streams
 
 
 def test_non_stream_message(http: httpx.Client, model: str):
@@ -35,7 +35,7 @@ def test_stream_event_sequence_matches_the_whole_message(http: httpx.Client):
     names = [name for name, _ in events]
     collapsed = [n for i, n in enumerate(names) if i == 0 or n != names[i - 1]]
     assert collapsed == EVENTS
-    assert all(data["type"] == name for name, data in events)
+    assert all(data["type"] == name for name, data in events) and names.count("ping") == 1
     text = "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta")
     assert text == whole["content"][0]["text"]
     delta = next(d for n, d in events if n == "message_delta")
@@ -142,3 +142,20 @@ def test_a_thinking_budget_outside_anthropics_rules_is_a_400(http: httpx.Client,
     if max_tokens > 1024:
         count = http.post("/v1/messages/count_tokens", json={"messages": MESSAGES, "thinking": thinking})
         assert "thinking.budget_tokens" in assert_anthropic_error(count, 400)["message"]
+
+
+def test_an_aborted_message_is_paused_not_ended(http: httpx.Client, model: str, long_tokens: int):
+    """An abort (/abort, a sleep, a shutdown's drain) cuts the turn short: Anthropic's stop reasons have no
+    "aborted", and end_turn (vLLM's answer) told the client the model had finished. pause_turn says the turn
+    stopped early and can be continued by sending the content back (a final assistant turn is a prefill)."""
+    body = {**BODY, "model": model, "max_tokens": long_tokens}
+    headers = {"X-Request-Id": "message-to-abort"}
+    message = abort_while_running(http, lambda: http.post("/v1/messages", json=body, headers=headers).json(),
+                                  "message-to-abort", running=1)
+    assert message["stop_reason"] == "pause_turn" and message["stop_sequence"] is None
+    assert message["usage"]["output_tokens"] < long_tokens
+    events = abort_while_running(
+        http, lambda: parse_sse(http.post("/v1/messages", json={**body, "stream": True}, headers=headers).text),
+        "message-to-abort", running=1)
+    delta = next(json.loads(data) for name, data in events if name == "message_delta")
+    assert delta["delta"]["stop_reason"] == "pause_turn" and [name for name, _ in events][-1] == "message_stop"

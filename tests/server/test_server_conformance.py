@@ -53,9 +53,10 @@ def test_streamed_events_validate_as_the_clients_types(http: httpx.Client, model
     for event in events:
         RESPONSE_EVENT.validate_python(event)
     Response.model_validate(events[-1]["response"])
-    for event in streamed(http, "/v1/messages", {"model": model, "messages": MESSAGES, "max_tokens": 4},
-                          ANTHROPIC_HEADERS):
-        ANTHROPIC_EVENT.validate_python(event)
+    events = streamed(http, "/v1/messages", {"model": model, "messages": MESSAGES, "max_tokens": 4}, ANTHROPIC_HEADERS)
+    for event in events:
+        if event["type"] != "ping":  # the client skips pings, so its union has no type for them
+            ANTHROPIC_EVENT.validate_python(event)
 
 
 @pytest.mark.parametrize("n", [1, 2])
