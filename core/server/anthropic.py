@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -81,8 +80,9 @@ async def _message_events(message_id: str, model: str, input_tokens: int, source
         yield sse_event(name, payload)
     reason, sequence = ap.stop_reason(last.finish_reason if last else None, last.stop_reason if last else None,
                                       stop_sequences, post.called_tools(0))
-    delta: dict[str, Any] = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                             "usage": {"output_tokens": last.completion_tokens if last else 0}}
+    # The whole usage, as Anthropic's message_delta has it (the client's helper copies it onto the message).
+    usage = ap.usage(input_tokens, last.completion_tokens, last.cached_tokens) if last else ap.usage(input_tokens, 0)
+    delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage}
     yield sse_event("message_delta", delta)
     yield sse_event("message_stop", {"type": "message_stop"})
 

@@ -119,6 +119,18 @@ def anthropic_client(server):
         yield client
 
 
+def test_the_clients_stream_helper_gives_the_whole_messages_usage(anthropic_client, model: str):
+    """message_delta carries the whole usage (the client's helper copies its input and cache counts onto the
+    message): the cached prompt tokens were missing from a streamed message's usage."""
+    create = {"model": model, "messages": [{"role": "user", "content": "A prompt of some tokens. " * 8}],
+              "max_tokens": 3}
+    anthropic_client.messages.create(**create)  # its blocks join the prefix cache
+    with anthropic_client.messages.stream(**create) as stream:
+        streamed = stream.get_final_message()
+    whole = anthropic_client.messages.create(**create)
+    assert streamed.usage.model_dump(exclude_none=True) == whole.usage.model_dump(exclude_none=True)
+
+
 def test_adaptive_thinking_is_thinking_on(anthropic_client, model: str):
     """The client's thinking types include {"type": "adaptive"}: it was a 400 (only enabled and disabled were read)."""
     rendered = {kind: anthropic_client.messages.count_tokens(model=model, messages=MESSAGES, thinking=thinking)
