@@ -25,11 +25,12 @@ if not torch.cuda.is_available():
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granite", "phi3", "olmo2", "qwen3_moe", "mixtral", "gemma2", "qwen2_moe",
          "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe", "granitemoeshared",
          "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj", "gpt_bigcode", "falcon",
-         "ministral3", "apertus", "vaultgemma", "nanochat", "jais2", "persimmon", "codegen")
+         "ministral3", "apertus", "vaultgemma", "nanochat", "jais2", "persimmon", "codegen",
+         "xglm")
 
 # reinit_ sets whatever is named "norm" near 1, LayerNorm biases too, and LayerNorms named otherwise (CodeGen's
 # ln_1) near 0: these would repeat one token
-LAYER_NORM_BIAS_ARCHS = ("jais2", "persimmon", "codegen")
+LAYER_NORM_BIAS_ARCHS = ("jais2", "persimmon", "codegen", "xglm")
 
 
 def tiny_config(arch: str, **overrides):
@@ -83,6 +84,7 @@ def tiny_config(arch: str, **overrides):
         StableLmConfig,
         Starcoder2Config,
         VaultGemmaConfig,
+        XGLMConfig,
     )
 
     common = dict(
@@ -210,6 +212,9 @@ def tiny_config(arch: str, **overrides):
         "persimmon": (PersimmonConfig, dict(tie_word_embeddings=False, num_key_value_heads=None, qk_layernorm=True)),
         # GPT-J's layout with q, v and k fused in 4 model-parallel groups
         "codegen": (CodeGenConfig, dict(tie_word_embeddings=False, num_key_value_heads=None, n_inner=128, rotary_dim=8)),
+        # OPT's layers with GELU, scaled embeddings, sinusoidal positions (row 1, XGLM's pad token's, zero); the head
+        # untied (tied, the tiny model repeats one token: test_models' LOGIT_CASES takes that one)
+        "xglm": (XGLMConfig, dict(num_key_value_heads=None, ffn_dim=128, pad_token_id=1, tie_word_embeddings=False)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

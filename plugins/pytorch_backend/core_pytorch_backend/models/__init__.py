@@ -54,6 +54,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "Jais2ForCausalLM": "core_pytorch_backend.models.jais2:Jais2ForCausalLM",
     "PersimmonForCausalLM": "core_pytorch_backend.models.persimmon:PersimmonForCausalLM",
     "CodeGenForCausalLM": "core_pytorch_backend.models.codegen:CodeGenForCausalLM",
+    "XGLMForCausalLM": "core_pytorch_backend.models.xglm:XGLMForCausalLM",
     "SolarOpenForCausalLM": "core_pytorch_backend.models.solar_open:SolarOpenForCausalLM",
     "YoutuForCausalLM": "core_pytorch_backend.models.youtu:YoutuForCausalLM",
     "Ernie4_5_MoeForCausalLM": "core_pytorch_backend.models.ernie4_5_moe:Ernie4_5_MoeForCausalLM",

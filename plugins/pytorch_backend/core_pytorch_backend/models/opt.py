@@ -32,10 +32,15 @@ def check_supported(config: Any) -> None:
         raise NotImplementedError("OPT: a model without its final LayerNorm or its norms' weights is not supported")
 
 
+def biased(config: Any) -> bool:
+    """Whether the projections have biases (``enable_bias``; XGLM's always do)."""
+    return bool(getattr(config, "enable_bias", True))
+
+
 class OPTAttention(nn.Module):
     def __init__(self, config: Any, ops: Any, layer_index: int):
         super().__init__()
-        hidden, heads, bias = config.hidden_size, config.num_attention_heads, bool(config.enable_bias)
+        hidden, heads, bias = config.hidden_size, config.num_attention_heads, biased(config)
         self.head_dim = hidden // heads
         self.scaling = self.head_dim ** -0.5
         self.qkv_proj = QKVLinear(hidden, self.head_dim, heads, heads, bias=bias)
@@ -50,7 +55,7 @@ class OPTAttention(nn.Module):
 class OPTDecoderLayer(nn.Module):
     def __init__(self, config: Any, ops: Any, layer_index: int):
         super().__init__()
-        bias = bool(config.enable_bias)
+        bias = biased(config)
         self.self_attn = OPTAttention(config, ops, layer_index)
         self.self_attn_layer_norm = LayerNorm(config.hidden_size, EPS)
         self.fc1 = Linear(config.hidden_size, config.ffn_dim, bias=bias)
@@ -70,9 +75,13 @@ class OPTModel(LlamaModel):
         nn.Module.__init__(self)  # not LlamaModel's: no rotary, positions of its own
         check_supported(config)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.embed_positions = VocabEmbedding(config.max_position_embeddings + POSITION_OFFSET, config.hidden_size)
+        self.embed_positions = self.make_positions(config)
         self.layers = nn.ModuleList(OPTDecoderLayer(config, ops, i) for i in range(config.num_hidden_layers))
         self.norm = LayerNorm(config.hidden_size, EPS)
+
+    def make_positions(self, config: Any) -> nn.Module:
+        """The table of position embeddings, read at position + 2: OPT's learned one (XGLM's sinusoids)."""
+        return VocabEmbedding(config.max_position_embeddings + POSITION_OFFSET, config.hidden_size)
 
     def forward(self, input_ids, positions, meta, embed_overrides=None):
         hidden = self.embed_inputs(input_ids, embed_overrides) + self.embed_positions(positions + POSITION_OFFSET)
@@ -85,7 +94,7 @@ class OPTForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:
-        bias = bool(config.enable_bias)
+        bias = biased(config)
         return DecoderSpec(qkv_bias=bias, qk_norm=False, sliding_windows=(None,) * config.num_hidden_layers,
                            o_bias=bias)
 
