@@ -99,6 +99,17 @@ def block_text(content: str | list[ContentBlock] | None, param: str) -> str:
     return "".join(block.text or "" for block in content)
 
 
+# The fields each block type needs (an id or a name must not be empty either; a text may be).
+_REQUIRED = {"text": ("text",), "thinking": ("thinking",), "tool_use": ("id", "name"), "tool_result": ("tool_use_id",)}
+
+
+def _check_required(block: ContentBlock, param: str) -> None:
+    for name in _REQUIRED.get(block.type, ()):
+        value = getattr(block, name)
+        if value is None or (value == "" and name not in ("text", "thinking")):
+            raise InvalidRequestError(f"{param}.{name} is required in a {block.type} block", param=f"{param}.{name}")
+
+
 def _unsupported_block(block: ContentBlock, role: str, param: str) -> UnsupportedError:
     allowed = "text, tool_use and thinking" if role == "assistant" else "text, image and tool_result"
     return UnsupportedError(f"{param}: {role} content blocks of type {block.type!r} are not supported "
@@ -111,6 +122,7 @@ def _user_messages(blocks: list[ContentBlock], param: str) -> tuple[list[dict[st
     the block index of each of those parts."""
     messages, texts, parts, origins = [], [], [], []
     for i, block in enumerate(blocks):
+        _check_required(block, f"{param}.{i}")
         if block.type == "text" and block.text is not None:
             texts.append(block.text)
             parts.append({"type": "text", "text": block.text})
@@ -132,6 +144,7 @@ def _assistant_message(blocks: list[ContentBlock], param: str) -> dict[str, Any]
     """Text, thinking (as reasoning_content) and tool_use blocks (as OpenAI tool_calls) of one turn."""
     texts, thinking, calls = [], [], []
     for i, block in enumerate(blocks):
+        _check_required(block, f"{param}.{i}")
         if block.type == "text" and block.text is not None:
             texts.append(block.text)
         elif block.type == "thinking" and block.thinking is not None:

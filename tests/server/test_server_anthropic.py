@@ -93,6 +93,20 @@ def test_values_outside_anthropics_ranges_are_a_400_naming_them(http: httpx.Clie
     assert error["type"] == "invalid_request_error" and error["message"].startswith(param), error
 
 
+@pytest.mark.parametrize(("message", "param"), [
+    ({"role": "assistant", "content": [{"type": "tool_use", "name": "w", "input": {}}]}, "messages.1.content.0.id"),
+    ({"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "input": {}}]}, "messages.1.content.0.name"),
+    ({"role": "assistant", "content": [{"type": "text"}]}, "messages.1.content.0.text"),
+    ({"role": "user", "content": [{"type": "tool_result", "content": "sunny"}]}, "messages.1.content.0.tool_use_id"),
+])
+def test_a_block_without_its_required_field_is_a_400_naming_it(http: httpx.Client, message: dict, param: str):
+    """A tool_use block without an id was refused as a block type "not supported (only text, tool_use and
+    thinking)"."""
+    body = {**BODY, "messages": [*MESSAGES, message, *([MESSAGES[0]] if message["role"] == "assistant" else [])]}
+    error = assert_anthropic_error(http.post("/v1/messages", json=body), 400)
+    assert error["type"] == "invalid_request_error" and error["message"].startswith(f"{param} is required"), error
+
+
 def test_models_answer_anthropics_client_in_its_shape(server, model: str):
     """/v1/models is both APIs': to a request with an anthropic-version header (Anthropic's clients send one) it
     answers with Anthropic's ModelInfo and not-found error, which its client parses (it got OpenAI's objects,
