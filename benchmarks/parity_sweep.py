@@ -155,7 +155,7 @@ DRAWS: dict[str, Any] = {
     "mlp_only_layers": lambda r, n: r.choice([[], [0], [n - 1]]),
     "first_k_dense_replace": lambda r, n: r.choice([0, 1]),
     "shared_expert_intermediate_size": lambda r, n: r.choice([0, 48]),
-    "n_shared_experts": lambda r, n: r.choice([None, 1, 2]),
+    "n_shared_experts": lambda r, n: r.choice([0, 1, 2]),
     "routed_scaling_factor": lambda r, n: r.choice([1.0, 2.5]),
     "attn_logit_softcapping": lambda r, n: r.choice([None, 5.0]),
     "final_logit_softcapping": lambda r, n: r.choice([None, 3.0]),
@@ -207,12 +207,14 @@ def config_fields(config_cls: type) -> dict[str, str]:
 
 
 def modeling_reads(config_cls: type) -> set[str]:
-    """Fields the model's transformers source reads (``config.x``, ``getattr(config, "x"``)."""
+    """Fields transformers reads: in the model's source (``config.x``, ``getattr(config, "x"``) or in the config
+    class's own (``self.x``: Qwen2's use_sliding_window and max_window_layers make its layer_types)."""
     try:
         source = inspect.getsource(importlib.import_module(config_cls.__module__.replace(".configuration_", ".modeling_")))
     except (ImportError, OSError):
-        return set()
-    return set(re.findall(r"config\.(\w+)", source)) | set(re.findall(r"getattr\(\w*config, \"(\w+)\"", source))
+        source = ""
+    reads = set(re.findall(r"config\.(\w+)", source)) | set(re.findall(r"getattr\(\w*config, \"(\w+)\"", source))
+    return reads | set(re.findall(r"self\.(\w+)", inspect.getsource(config_cls)))
 
 
 def draw_variant(config_cls: type, rng: random.Random) -> tuple[dict, dict]:
@@ -223,6 +225,7 @@ def draw_variant(config_cls: type, rng: random.Random) -> tuple[dict, dict]:
     layers = base.get("num_hidden_layers") or base.get("n_layer") or base.get("num_layers") or 2
     reads = modeling_reads(config_cls) | {"tie_word_embeddings", "rope_parameters", "eos_token_id"}
     drawn = {name for name in fields if name in reads and name not in NOT_DRAWN
+             and name not in BASE.get(config_cls.model_type, {})  # sizes the family's others must match
              and (name in DRAWS or fields[name].startswith("bool"))}
     if "layer_types" in base or "sliding_window" not in fields:  # hybrids' layer kinds; no windows to lay out
         drawn.discard("layer_types")
@@ -233,7 +236,26 @@ def draw_variant(config_cls: type, rng: random.Random) -> tuple[dict, dict]:
                 variant[name] = _ropes(rng, getattr(config_cls(**base), "rope_parameters", None))
             else:
                 variant[name] = DRAWS[name](rng, layers) if name in DRAWS else rng.choice([True, False])
+    if "sliding_attention" in variant.get("layer_types", ()) and "use_sliding_window" in fields:
+        variant["use_sliding_window"] = True  # else Qwen2's and Qwen3's configs drop the window they lay out
     return base, variant
+
+
+def legacy_config(folder: Path) -> None:
+    """Rewrite the folder's config.json as transformers 4 wrote it (most checkpoints on the Hub): ``rope_theta``,
+    ``partial_rotary_factor`` and ``rope_scaling`` apart, where transformers 5 keeps one ``rope_parameters``."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    rope = config.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_type" not in rope:  # none, or one per layer type (no such old form)
+        return
+    rope = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = rope.pop("rope_theta", 10000.0)
+    if "partial_rotary_factor" in rope:
+        config["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
+    if rope["rope_type"] != "default":
+        config["rope_scaling"] = rope
+    path.write_text(json.dumps(config, indent=2))
 
 
 def theirs(folder: Path, prompts: list[list[int]]) -> tuple[Any, list[list[int]]]:
@@ -268,13 +290,16 @@ def compare(hf: Any, prompts, expected, got, path: str) -> str | None:
     return None
 
 
-def run_variant(config_cls: type, base: dict, variant: dict, seed: int, verbose: bool) -> tuple[str, str]:
-    """(status, detail) of one variant."""
+def run_variant(config_cls: type, base: dict, variant: dict, seed: int, legacy: bool, verbose: bool
+                ) -> tuple[str, str]:
+    """(status, detail) of one variant (``legacy``: its config.json in transformers 4's form)."""
     from core.errors import UnsupportedError
 
     with tempfile.TemporaryDirectory() as tmp:
         try:
             folder = save_tiny_checkpoint(config_cls(**{**base, **variant}), Path(tmp), seed)
+            if legacy:
+                legacy_config(folder)
             prompts = random_prompts(LENGTHS, seed=seed)
             hf, expected = theirs(folder, prompts)
         except Exception as exc:  # transformers cannot build or run it: not ours to serve
@@ -316,9 +341,12 @@ def main(argv: list[str] | None = None) -> int:
             base, variant = draw_variant(config_cls, rng)
             if args.only is not None and index != args.only:
                 continue
-            status, detail = run_variant(config_cls, base, variant, args.seed + index, args.verbose)
-            rows.append(dict(arch=config_cls.model_type, index=index, status=status, variant=variant, detail=detail))
-            print(f"{config_cls.model_type:18} {index:3} {status:8} {json.dumps(variant)} {detail}", flush=True)
+            legacy = random.Random(json.dumps(variant, sort_keys=True)).random() < 0.5  # the draws' stream untouched
+            status, detail = run_variant(config_cls, base, variant, args.seed + index, legacy, args.verbose)
+            rows.append(dict(arch=config_cls.model_type, index=index, status=status, variant=variant, legacy=legacy,
+                             detail=detail))
+            form = "v4" if legacy else "v5"
+            print(f"{config_cls.model_type:18} {index:3} {form} {status:8} {json.dumps(variant)} {detail}", flush=True)
     counts = {s: sum(r["status"] == s for r in rows) for s in ("pass", "diverge", "error", "refused", "invalid")}
     print(" ".join(f"{k} {v}" for k, v in counts.items()))
     if args.json:

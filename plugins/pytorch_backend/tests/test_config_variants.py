@@ -41,6 +41,10 @@ VARIANTS = {
     "falcon-partial-rotary-factor-ignored": ("falcon", dict(rope_parameters=_rope(partial=0.5))),
     "phimoe-partial-rotary-factor-ignored": ("PhimoeConfig", dict(rope_parameters=_rope(partial=0.5), num_local_experts=4,
                                                              num_experts_per_tok=2)),
+    "olmo-hybrid-partial-rotary-factor-ignored": ("OlmoHybridConfig", dict(
+        num_hidden_layers=4, intermediate_size=96, rope_parameters=_rope(partial=0.5),
+        layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=8)),
     # ... and the families that read it still turn a part
     "glm4-partial-rotary-factor-read": ("glm4", dict(rope_parameters=_rope(partial=0.25))),
     "stablelm-partial-rotary-factor-read": ("stablelm", dict(rope_parameters=_rope(partial=0.5))),

@@ -290,7 +290,7 @@ def context_positions(config: Any) -> int:
     return base
 
 
-def get_rope(config: Any, head_dim: int, ops: Any, partial: bool = True) -> RotaryEmbedding:
+def get_rope(config: Any, head_dim: int, ops: Any, partial: bool = False) -> RotaryEmbedding:
     """The rotary embedding an HF decoder config asks for (M-RoPE when it names an mrope_section). ``partial``:
     whether the family turns only ``partial_rotary_factor`` of each head (``whole_head_rotary`` where not)."""
     params = rope_parameters(config)

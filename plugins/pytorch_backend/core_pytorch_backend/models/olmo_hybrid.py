@@ -81,7 +81,7 @@ class OlmoHybridModel(LlamaModel):
         nn.Module.__init__(self)  # not LlamaModel's: two layer classes, by layer type
         types = hybrid_layer_types(config, "OLMo Hybrid")
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        rotary = get_rope(config, head_dim_of(config), ops) if uses_rope(config) else None
+        rotary = get_rope(config, head_dim_of(config), ops, self.partial_rotary) if uses_rope(config) else None
         self.layers = nn.ModuleList(
             (OlmoHybridLinearLayer if kind == "linear_attention" else OlmoHybridAttentionLayer)(
                 config, ops, spec, index, rotary)
