@@ -11,14 +11,17 @@ It is what CUDA graphs are on a GPU (cuda_graphs.py), with the same interface to
 ``release()`` drops every pointer into the weights and the KV cache (before they are freed), and the next
 ``run`` after a re-allocation describes the layers again.
 
-It takes a model whose decoder is exactly ``models.llama``'s (Llama, Qwen2, Qwen3, Mistral and the VL models over
-them), Granite's (what the attention and the MLP add to the residual times its multiplier), OLMo 2's post-norm
-layers (and OLMo 3's and EXAONE 4's over them: only the attention's and the MLP's outputs normalised; OLMo's q and
-k norms over all heads at once) or one of Gemma's (``models.gemma``, ``gemma2``, ``gemma3``: float32 norms of 1 +
-w, GELU-tanh, Gemma 2 and 3's norms of the attention's and the MLP's outputs, Gemma 3's rotary table per layer
-type; Gemma 2's soft-capped attention scores are not taken), and the sparse MoE models over Llama's layer (Qwen2-MoE,
-Qwen3-MoE, Mixtral, Granite MoE: an MoE layer's block is ``native/expert_mix.py``'s one call, router included, which
-the modules' forward calls too) built on the native op set, with every projection a
+It takes a model whose decoder is ``models.llama``'s (Llama, Qwen2, Qwen3, Mistral and the VL models over them,
+and a subclass that runs its forward as it is), Granite's (what the attention and the MLP add to the residual
+times its multiplier), OLMo 2's post-norm layers (and OLMo 3's and EXAONE 4's over them: only the attention's and
+the MLP's outputs normalised; OLMo's q and k norms over all heads at once), GLM-4's (Llama's norms and those of
+the attention's and the MLP's outputs), StableLM's (LayerNorms with biases, which the native op set's
+``layer_norm`` runs from the modules too; the parallel residual) or one of Gemma's (``models.gemma``, ``gemma2``,
+``gemma3``: float32 norms of 1 + w, GELU-tanh, Gemma 2 and 3's norms of the attention's and the MLP's outputs,
+Gemma 2's soft-capped scores, which the native op set's ``softcapped_attention`` caps in the same C kernel, Gemma
+3's rotary table per layer type), and the sparse MoE models over Llama's layer (Qwen2-MoE, Qwen3-MoE, Mixtral,
+Granite MoE, OLMoE with its clip_qkv: an MoE layer's block is ``native/expert_mix.py``'s one call, router included,
+which the modules' forward calls too) built on the native op set, with every projection a
 ``NativeWeight`` (GGUF quants, ``--quantization int8|int4``), float32 or bfloat16 activations, a float32, bfloat16
 or int8 KV cache, and no hooks (tensor parallel ranks all-reduce in hooks). Steps with a prefill chunk, M-RoPE
 positions or bidirectional image spans, and steps whose rows carry LoRA adapters (the runner routes those

@@ -14,7 +14,11 @@
  * by residual_multiplier (branch_scale). OLMo 2 and 3's and EXAONE 4's post-norm layers (models/olmo2.py) have
  * only the output norms: no input_norm and no post_norm (the attention and the MLP read the residual stream as it
  * is), and OLMo's q and k norms span all heads at once (qk_norm_whole). The sparse MoE models over Llama's layer
- * (Qwen2-MoE, Qwen3-MoE, Mixtral, Granite MoE) have a core_moe_block (moe_mix.c) where the MLP is, routing included.
+ * (Qwen2-MoE, Qwen3-MoE, Mixtral, Granite MoE, OLMoE) have a core_moe_block (moe_mix.c) where the MLP is, routing
+ * included. Gemma 2's attention soft-caps its scores (softcap, in core_decode_attention); GLM-4 has the output norms
+ * beside the input ones (RMSNorms); OLMoE clamps q, k and v after its q and k norms (clip_qkv); StableLM's norms are
+ * LayerNorms with biases (NORM_LAYER: core_layer_norm), and its parallel layers run the MLP on the attention's input
+ * norm, both outputs joining the residual (parallel).
  *
  * The model and its layers are described once (core_decoder, core_layer: pointers into the weights and
  * KV caches, which decoder_stack.py keeps alive and rebuilds when they move); a step passes its rows.
