@@ -26,11 +26,11 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "smollm3", "granit
          "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe", "granitemoeshared",
          "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj", "gpt_bigcode", "falcon",
          "ministral3", "apertus", "vaultgemma", "nanochat", "jais2", "persimmon", "codegen",
-         "xglm")
+         "xglm", "biogpt")
 
 # reinit_ sets whatever is named "norm" near 1, LayerNorm biases too, and LayerNorms named otherwise (CodeGen's
 # ln_1) near 0: these would repeat one token
-LAYER_NORM_BIAS_ARCHS = ("jais2", "persimmon", "codegen", "xglm")
+LAYER_NORM_BIAS_ARCHS = ("jais2", "persimmon", "codegen", "xglm", "biogpt")
 
 
 def tiny_config(arch: str, **overrides):
@@ -38,6 +38,7 @@ def tiny_config(arch: str, **overrides):
     from transformers import (
         ApertusConfig,
         ArceeConfig,
+        BioGptConfig,
         CodeGenConfig,
         Cohere2Config,
         CohereConfig,
@@ -215,6 +216,8 @@ def tiny_config(arch: str, **overrides):
         # OPT's layers with GELU, scaled embeddings, sinusoidal positions (row 1, XGLM's pad token's, zero); the head
         # untied (tied, the tiny model repeats one token: test_models' LOGIT_CASES takes that one)
         "xglm": (XGLMConfig, dict(num_key_value_heads=None, ffn_dim=128, pad_token_id=1, tie_word_embeddings=False)),
+        # OPT's layers with GELU, scaled embeddings, learned positions, the scores scaled (not q); untied as XGLM
+        "biogpt": (BioGptConfig, dict(num_key_value_heads=None, tie_word_embeddings=False)),
     }
     if arch not in per_arch:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")

@@ -23,7 +23,7 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3", "granite", "phi3", "ol
          "gemma", "stablelm", "starcoder2", "gpt_neox", "olmo", "phi", "opt", "gpt2", "internlm3", "ministral", "seed_oss", "helium", "ernie4_5", "arcee", "hunyuan_v1_dense", "olmo3", "exaone4", "olmoe", "granitemoe",
          "granitemoeshared", "glm", "glm4", "cohere", "cohere2", "nemotron", "gptj", "gpt_bigcode", "falcon",
          "ministral3", "apertus", "vaultgemma", "nanochat", "jais2", "persimmon", "codegen",
-         "xglm")
+         "xglm", "biogpt")
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -254,7 +254,7 @@ LOGIT_CASES = {arch: (arch, {}) for arch in ("granite", "gemma3_text", "gemma2",
                                                "gpt_neox", "olmo", "phi", "opt", "gpt2", "cohere", "cohere2",
                                                "nemotron", "gptj", "granitemoe", "gpt_bigcode", "falcon",
                                                "ministral3", "apertus", "vaultgemma", "nanochat", "jais2",
-                                               "persimmon", "codegen", "xglm")}
+                                               "persimmon", "codegen", "xglm", "biogpt")}
 LOGIT_CASES["gpt-bigcode-multi-head"] = ("gpt_bigcode", dict(multi_query=False))
 LOGIT_CASES["falcon-40b-new-architecture"] = ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2))
 LOGIT_CASES["falcon-sequential-bias"] = ("falcon", dict(parallel_attn=False, bias=True))
@@ -264,6 +264,7 @@ LOGIT_CASES["gpt2-scaled-by-inverse-layer"] = ("gpt2", dict(scale_attn_by_invers
 LOGIT_CASES["gpt-neox-20b-gelu-fast"] = ("gpt_neox", dict(hidden_act="gelu_fast"))
 LOGIT_CASES["llama-gated-gelu-new"] = ("llama", dict(hidden_act="gelu_new"))
 LOGIT_CASES["xglm-tied"] = ("xglm", dict(tie_word_embeddings=True))
+LOGIT_CASES["biogpt-tied"] = ("biogpt", dict(tie_word_embeddings=True))
 
 
 @pytest.mark.parametrize("case", list(LOGIT_CASES))

@@ -55,6 +55,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "PersimmonForCausalLM": "core_pytorch_backend.models.persimmon:PersimmonForCausalLM",
     "CodeGenForCausalLM": "core_pytorch_backend.models.codegen:CodeGenForCausalLM",
     "XGLMForCausalLM": "core_pytorch_backend.models.xglm:XGLMForCausalLM",
+    "BioGptForCausalLM": "core_pytorch_backend.models.biogpt:BioGptForCausalLM",
     "SolarOpenForCausalLM": "core_pytorch_backend.models.solar_open:SolarOpenForCausalLM",
     "YoutuForCausalLM": "core_pytorch_backend.models.youtu:YoutuForCausalLM",
     "Ernie4_5_MoeForCausalLM": "core_pytorch_backend.models.ernie4_5_moe:Ernie4_5_MoeForCausalLM",

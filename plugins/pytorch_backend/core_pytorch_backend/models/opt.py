@@ -7,6 +7,7 @@ transformers' ``modeling_opt``; the checkpoints' ``model.decoder.`` names are re
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,6 +18,7 @@ from ..attention_metadata import AttentionMetadata
 from ..layers import Activation, Attention, LayerNorm, Linear, QKVLinear, VocabEmbedding
 from ..quant.attach import QuantizedShards
 from .llama import DecoderSpec, LlamaForCausalLM, LlamaModel, input_norm
+from .names import parts_renamed
 
 POSITION_OFFSET = 2  # OPT's position table starts two rows in (fairseq's padding convention)
 EPS = 1e-5  # torch's LayerNorm default, which OPT keeps
@@ -38,14 +40,19 @@ def biased(config: Any) -> bool:
 
 
 class OPTAttention(nn.Module):
+    #: Whether q is scaled after its projection and the scores not (OPT's order; BioGPT scales the scores)
+    scales_queries = True
+
     def __init__(self, config: Any, ops: Any, layer_index: int):
         super().__init__()
         hidden, heads, bias = config.hidden_size, config.num_attention_heads, biased(config)
         self.head_dim = hidden // heads
-        self.scaling = self.head_dim ** -0.5
+        scale = self.head_dim ** -0.5
+        self.scaling = scale if self.scales_queries else 1.0
         self.qkv_proj = QKVLinear(hidden, self.head_dim, heads, heads, bias=bias)
         self.out_proj = Linear(hidden, hidden, bias=bias)
-        self.attn = Attention(heads, heads, self.head_dim, 1.0, ops, None, layer_index)
+        self.attn = Attention(heads, heads, self.head_dim, 1.0 if self.scales_queries else scale, ops, None,
+                              layer_index)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
@@ -53,14 +60,17 @@ class OPTAttention(nn.Module):
 
 
 class OPTDecoderLayer(nn.Module):
+    attention_class: type[nn.Module] = OPTAttention
+
     def __init__(self, config: Any, ops: Any, layer_index: int):
         super().__init__()
         bias = biased(config)
-        self.self_attn = OPTAttention(config, ops, layer_index)
+        self.self_attn = self.attention_class(config, ops, layer_index)
         self.self_attn_layer_norm = LayerNorm(config.hidden_size, EPS)
-        self.fc1 = Linear(config.hidden_size, config.ffn_dim, bias=bias)
-        self.fc2 = Linear(config.ffn_dim, config.hidden_size, bias=bias)
-        self.act = Activation(config.activation_function)
+        width = getattr(config, "ffn_dim", None) or config.intermediate_size  # BioGPT's name
+        self.fc1 = Linear(config.hidden_size, width, bias=bias)
+        self.fc2 = Linear(width, config.hidden_size, bias=bias)
+        self.act = Activation(getattr(config, "activation_function", None) or config.hidden_act)
         self.final_layer_norm = LayerNorm(config.hidden_size, EPS)
 
     def forward(self, positions, hidden, residual, meta):
@@ -71,12 +81,14 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTModel(LlamaModel):
+    layer_class = OPTDecoderLayer
+
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec):
         nn.Module.__init__(self)  # not LlamaModel's: no rotary, positions of its own
         check_supported(config)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.embed_positions = self.make_positions(config)
-        self.layers = nn.ModuleList(OPTDecoderLayer(config, ops, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, ops, i) for i in range(config.num_hidden_layers))
         self.norm = LayerNorm(config.hidden_size, EPS)
 
     def make_positions(self, config: Any) -> nn.Module:
@@ -88,9 +100,22 @@ class OPTModel(LlamaModel):
         return self.run_layers(hidden, positions, meta)
 
 
+class ScaledEmbeddingOPTModel(OPTModel):
+    """OPT's decoder with its token embeddings times ``sqrt(hidden_size)`` where ``scale_embedding`` (XGLM, BioGPT)."""
+
+    def __init__(self, config: Any, *args: Any) -> None:
+        super().__init__(config, *args)
+        self.embed_scale = math.sqrt(config.hidden_size) if config.scale_embedding else 1.0
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale
+
+
 class OPTForCausalLM(LlamaForCausalLM):
     model_class = OPTModel
     tensor_parallel_plan = None  # its projections are named out_proj / fc1 / fc2, which the Llama plan does not shard
+    #: (theirs, ours) parts of checkpoint names read before OPT's own (XGLM's and BioGPT's)
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:
@@ -99,7 +124,8 @@ class OPTForCausalLM(LlamaForCausalLM):
                            o_bias=bias)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> QuantizedShards:
-        return super().load_weights((_our_name(name), tensor) for name, tensor in weights)
+        renamed = ((parts_renamed(name, self.checkpoint_renames), tensor) for name, tensor in weights)
+        return super().load_weights((_our_name(name), tensor) for name, tensor in renamed)
 
 
 def _our_name(name: str) -> str:

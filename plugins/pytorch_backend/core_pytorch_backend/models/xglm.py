@@ -7,15 +7,12 @@ Following transformers' ``modeling_xglm``; its final ``model.layer_norm`` is rea
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..quant.attach import QuantizedShards
-from .names import parts_renamed
-from .opt import POSITION_OFFSET, OPTForCausalLM, OPTModel
+from .opt import POSITION_OFFSET, OPTForCausalLM, ScaledEmbeddingOPTModel
 
 RENAMED = (("model.layer_norm.", "model.norm."),)
 
@@ -45,21 +42,12 @@ class SinusoidalPositions(nn.Module):
         return self.table[rows]
 
 
-class XGLMModel(OPTModel):
-    def __init__(self, config: Any, *args: Any) -> None:
-        super().__init__(config, *args)
-        self.embed_scale = math.sqrt(config.hidden_size) if config.scale_embedding else 1.0
-
+class XGLMModel(ScaledEmbeddingOPTModel):
     def make_positions(self, config: Any) -> nn.Module:
         return SinusoidalPositions(config.max_position_embeddings + POSITION_OFFSET, config.hidden_size,
                                    config.pad_token_id)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.embed_scale
-
 
 class XGLMForCausalLM(OPTForCausalLM):
     model_class = XGLMModel
-
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> QuantizedShards:
-        return super().load_weights((parts_renamed(name, RENAMED), tensor) for name, tensor in weights)
+    checkpoint_renames = RENAMED
