@@ -24,7 +24,8 @@ class GemmaDecoderLayer(nn.Module):
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary_emb: RotaryEmbedding):
         super().__init__()
         self.self_attn = Gemma3Attention(config, ops, spec, layer_index, rotary_emb)
-        self.mlp = Gemma3MLP(config, ops, activation=config.hidden_act)
+        # Gemma's hidden_act; VaultGemma's config names only Gemma 2's hidden_activation, which Gemma3MLP reads
+        self.mlp = Gemma3MLP(config, ops, activation=getattr(config, "hidden_act", None))
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
