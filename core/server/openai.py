@@ -123,6 +123,7 @@ def chat_plan(req: ChatCompletionRequest, call_format: ToolCallFormat | None = N
     core.forced_tool_call reads)."""
     tools = tr.check_tool_choice(req)
     tr.check_template_fields(req)
+    tr.check_text_output(req)
     config = tr.chat_generation_config(req, tr.forced_tool_call(req, tools, call_format))
     return Plan([req.messages], config, {"tools": tools, "chat_template_kwargs": tr.chat_template_kwargs(req),
                                          "add_generation_prompt": req.add_generation_prompt}, reasoning=True)

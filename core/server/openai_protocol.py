@@ -101,6 +101,8 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: with add_generation_prompt false, as core does anyway
     chat_template: str | None = None  # vLLM's per-request template: refused (a 400), never silently ignored
+    modalities: list[str] | None = None  # "text" alone: audio output is refused (a 400)
+    audio: dict[str, Any] | None = None  # audio output's voice and format: refused
 
 
 class CompletionRequest(SamplingFields):

@@ -161,6 +161,16 @@ def completion_echo(req: CompletionRequest, prompt: str | list[int], token_ids: 
     return Echo(text, tuple(token_ids), req.logprobs, req.max_tokens == 0)
 
 
+def check_text_output(req: ChatCompletionRequest) -> None:
+    """The response is text: a request for audio output (`modalities` with "audio", `audio`) is a 400 naming
+    the field, where ignoring it would leave the client without the message.audio it asked for."""
+    if req.modalities is not None and set(req.modalities) != {"text"}:
+        raise UnsupportedError(f'modalities must be ["text"]: this server gives no audio, got {req.modalities!r}',
+                               param="modalities")
+    if req.audio is not None:
+        raise UnsupportedError("audio output is not supported", param="audio")
+
+
 def check_template_fields(req: ChatCompletionRequest) -> None:
     """vLLM's template fields: ``continue_final_message`` (continue the final assistant message, which core
     does whenever add_generation_prompt is false) and ``chat_template``, which a request may not set."""

@@ -86,3 +86,17 @@ def test_continuous_usage_stats_without_include_usage_add_nothing(http: httpx.Cl
     chunks = streamed(http, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3,
                                                      "stream_options": {"continuous_usage_stats": True}})
     assert all("usage" not in c for c in chunks) and chunks[-1]["choices"]
+
+
+# Fields of the client's create() that change nothing here (as in vLLM, which ignores them too): who asked
+# (user, safety_identifier), bookkeeping (metadata, store false, prompt_cache_key), latency hints (service_tier,
+# prediction), and text output (modalities ["text"]).
+IGNORED = {"user": "u1", "safety_identifier": "s1", "metadata": {"k": "v"}, "store": False, "prompt_cache_key": "p",
+           "service_tier": "auto", "prediction": {"type": "content", "content": "Hello"}, "modalities": ["text"],
+           "verbosity": "low", "web_search_options": {}}
+
+
+def test_fields_that_change_nothing_are_accepted(client, model: str):
+    plain = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, temperature=0.0)
+    ignored = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, temperature=0.0, **IGNORED)
+    assert ignored.choices[0].message.content == plain.choices[0].message.content

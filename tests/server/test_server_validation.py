@@ -64,6 +64,10 @@ CHAT_ERRORS = [
      "response_format.json_schema.name"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a reply", "schema": {"type": "object"}}}},
      "response_format.json_schema.name"),
+    # audio output, which a text model cannot give: it was ignored, so the client found no message.audio
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"modalities": ["audio"]}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     # the removed interactive-state fields are rejected by name
     ({"sequence_start": True}, "sequence_start"),
     ({"sequence_end": True}, "sequence_end"),
