@@ -63,6 +63,8 @@ from core_pytorch_backend.models.olmo3 import Olmo3Model
 from core_pytorch_backend.models.olmoe import OlmoeAttention, OlmoeDecoderLayer, OlmoeModel
 from core_pytorch_backend.models.sparse_moe import QwenMoeDecoderLayer, QwenMoeModel, SparseMoeBlock
 from core_pytorch_backend.models.stablelm import StableLmAttention, StableLmDecoderLayer, StableLmModel
+from core_pytorch_backend.models.starcoder2 import Starcoder2DecoderLayer, Starcoder2Model
+from core_pytorch_backend.models.ungated_mlp import UngatedMLP
 from core_pytorch_backend.native import tile_rows
 from core_pytorch_backend.native.library import CpuKernels, available
 from core_pytorch_backend.native.packed_struct import Packed, packed_of
@@ -93,6 +95,7 @@ class _Decoder(ctypes.Structure):  # core_decoder
                 ("rotary_dim", _L),
                 ("dtype", _I), ("cache_dtype", _I), ("table_dtype", _I), ("norm_kind", _I), ("act", _I),
                 ("branch_scale", _F), ("qk_norm_whole", _I), ("eps", _F), ("clip_qkv", _F), ("parallel", _I),
+                ("ungated", _I),
                 ("block_size", _L), ("num_slots", _L), ("max_position", _L), ("tiles", _I),
                 ("group_rows", _I), ("group_from", _I)]
 
@@ -140,6 +143,7 @@ _FAMILIES = {LlamaModel: _Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RM
              Olmo3Model: _Family(Olmo2DecoderLayer, Olmo2Attention, LlamaMLP, RMSNorm, POST, qk_whole=True),
              Exaone4Model: _Family(Exaone4DecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, POST),
              Glm4Model: _Family(Glm4DecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, GLM4_SANDWICH),
+             Starcoder2Model: _Family(Starcoder2DecoderLayer, LlamaAttention, UngatedMLP, LayerNorm, PRE),
              StableLmModel: _Family(StableLmDecoderLayer, StableLmAttention, LlamaMLP, LayerNorm, PRE,
                                     parallel_without_mlp_norm=True),
              GemmaModel: _Family(GemmaDecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, PRE),
@@ -273,9 +277,9 @@ def describe(model: nn.Module) -> _Plan:
     heads, kv_heads, head_dim = attention.attn.num_heads, attention.attn.num_kv_heads, attention.head_dim
     if head_dim > MAX_HEAD_DIM or heads // kv_heads > MAX_GROUP:
         raise DoesNotFit(f"{head_dim}-wide heads in groups of {heads // kv_heads}")
-    act = ACT_SILU if dense is None else _ACTIVATIONS.get(type(dense.act_fn))
+    act = ACT_SILU if dense is None else _mlp_parts(dense)[2]
     if act is None:
-        raise DoesNotFit(f"the MLP's {type(dense.act_fn).__name__} (silu or GELU-tanh)")
+        raise DoesNotFit("the MLP's activation (silu or GELU-tanh, an ungated one the op set's gelu_tanh)")
     qkv = attention.qkv_proj.weight
     if not isinstance(qkv, NativeWeight):
         raise DoesNotFit("layer 0's qkv_proj is not a native packed weight")
@@ -285,10 +289,11 @@ def describe(model: nn.Module) -> _Plan:
     group_rows = 0 if moe else row_group_rows(qkv.kernels)
     keep: list[Any] = []
     spec = _Decoder(hidden=width_norm.weight.shape[0], heads=heads, kv_heads=kv_heads,
-                    head_dim=head_dim, rotary_dim=rotary.rotary_dim, inter=1 if dense is None else dense.down_proj.input_size,
+                    head_dim=head_dim, rotary_dim=rotary.rotary_dim, inter=1 if dense is None else _mlp_parts(dense)[1].input_size,
                     dtype=DTYPE_CODES[dtype],
                     cache_dtype=CACHE_CODES[cache.dtype], table_dtype=DTYPE_CODES[rotary.cos_cache.dtype],
                     norm_kind=_NORM_KINDS[family.norm], act=act, parallel=int(_parallel(first, family)),
+                    ungated=int(family.mlp is UngatedMLP),
                     branch_scale=first.residual_multiplier if family.scaled else 1.0,
                     qk_norm_whole=int(family.qk_whole), eps=width_norm.eps, clip_qkv=_clip_qkv(attention),
                     block_size=cache.shape[1], num_slots=cache.shape[0] * cache.shape[1],
@@ -346,9 +351,10 @@ def _describe_layer(layer: nn.Module, index: int, family: _Family, spec: _Decode
     attention, mlp = layer.self_attn, layer.mlp
     moe = _moe_block(mlp, index, spec, keep) if type(mlp) is SparseMoeBlock else None
     if (type(layer) is not family.layer or type(attention) is not family.attention
-            or (moe is None and (type(mlp) is not family.mlp or _ACTIVATIONS.get(type(mlp.act_fn)) != spec.act))):
+            or (moe is None and (type(mlp) is not family.mlp or _mlp_parts(mlp)[2] != spec.act))):
         raise DoesNotFit(f"layer {index} is not its family's decoder layer with the dense layers' activation")
-    if moe is None and mlp.down_proj.input_size != spec.inter:
+    up, down = (None, None) if moe else _mlp_parts(mlp)[:2]
+    if moe is None and down.input_size != spec.inter:
         raise DoesNotFit(f"layer {index}'s MLP is not as wide as the other dense layers'")
     if family.scaled and _F(layer.residual_multiplier).value != spec.branch_scale:
         raise DoesNotFit(f"layer {index}'s residual_multiplier differs from layer 0's")
@@ -370,11 +376,20 @@ def _describe_layer(layer: nn.Module, index: int, family: _Family, spec: _Decode
                   k_norm=weights["k"], attn_out_norm=weights["attn_out"], mlp_out_norm=weights["mlp_out"],
                   cos=_ptr(rotary.cos_cache, keep), sin=_ptr(rotary.sin_cache, keep),
                   qkv=_packed(attention.qkv_proj, index, keep), o=_packed(attention.o_proj, index, keep),
-                  gate_up=Packed() if moe else _packed(mlp.gate_up_proj, index, keep),
-                  down=Packed() if moe else _packed(mlp.down_proj, index, keep),
+                  gate_up=Packed() if moe else _packed(up, index, keep),
+                  down=Packed() if moe else _packed(down, index, keep),
                   k_cache=_ptr(attn.k_cache, keep), v_cache=_ptr(attn.v_cache, keep), window=attn.sliding_window or 0,
                   scale=attn.scale, softcap=attn.softcap or 0.0, rope=int(attention.rotary_emb is not None), moe=moe,
                   input_bias=_norm_bias(norms["input"], keep), post_bias=_norm_bias(norms["before_mlp"], keep))
+
+
+def _mlp_parts(mlp: nn.Module) -> tuple[nn.Module, nn.Module, int | None]:
+    """A dense MLP's first projection (gate_up, or an ungated MLP's up), its down projection and the code of its
+    activation (None: one the C layer does not run as the modules do)."""
+    if type(mlp) is UngatedMLP:
+        up, down = mlp.projections()
+        return up, down, None if mlp.act.op is None else ACT_GELU_TANH
+    return mlp.gate_up_proj, mlp.down_proj, _ACTIVATIONS.get(type(mlp.act_fn))
 
 
 def _parallel(layer: nn.Module, family: _Family) -> bool:

@@ -610,6 +610,18 @@ def test_rms_norm_matches_the_reference(ops, dtype, with_residual):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_ungated_gelu_tanh_matches_torch(ops, dtype):
+    """core_act (StarCoder 2's ungated MLP, from the modules' Activation and the decode stack): torch's tanh GELU
+    within a few float32 ulps, and act_and_mul's values for an up of ones."""
+    x = (torch.randn(7, 300) * 4).to(dtype)
+    mine = ops.gelu_tanh(x)
+    assert mine.dtype == dtype
+    torch.testing.assert_close(mine, torch.nn.functional.gelu(x, approximate="tanh"),
+                               rtol=1e-5 if dtype == torch.float32 else 2**-7, atol=1e-5)  # x << 0: ~1e-7 or 0
+    assert torch.equal(mine, ops.gelu_tanh_and_mul(torch.cat([x, torch.ones_like(x)], dim=-1)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_layer_norm_matches_the_reference(ops, dtype, with_residual, with_bias):

@@ -21,9 +21,9 @@ class Starcoder2DecoderLayer(LlamaDecoderLayer):
         nn.Module.__init__(self)  # not LlamaDecoderLayer's: its norms are RMSNorms, its MLP gated
         self.self_attn = LlamaAttention(config, ops, spec, layer_index, rotary)
         self.mlp = UngatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, ("c_fc", "c_proj"),
-                              bias=bool(getattr(config, "use_bias", True)))
-        self.input_layernorm = LayerNorm(config.hidden_size, config.norm_epsilon)
-        self.post_attention_layernorm = LayerNorm(config.hidden_size, config.norm_epsilon)
+                              bias=bool(getattr(config, "use_bias", True)), ops=ops)
+        self.input_layernorm = LayerNorm(config.hidden_size, config.norm_epsilon, ops=ops)
+        self.post_attention_layernorm = LayerNorm(config.hidden_size, config.norm_epsilon, ops=ops)
 
 
 class Starcoder2Model(LlamaModel):

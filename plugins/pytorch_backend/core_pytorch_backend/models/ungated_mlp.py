@@ -5,6 +5,8 @@ those names."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -13,13 +15,17 @@ from ..layers import Activation, Linear
 
 class UngatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, names: tuple[str, str],
-                 bias: bool = True):
+                 bias: bool = True, ops: Any = None):
         super().__init__()
         self.names = names
         setattr(self, names[0], Linear(hidden_size, intermediate_size, bias=bias))
         setattr(self, names[1], Linear(intermediate_size, hidden_size, bias=bias))
-        self.act = Activation(hidden_act)
+        self.act = Activation(hidden_act, ops)  # with ops: the op set's tanh GELU (the native decode stack's)
+
+    def projections(self) -> tuple[nn.Module, nn.Module]:
+        """(up, down) under the architecture's names."""
+        return getattr(self, self.names[0]), getattr(self, self.names[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        up, down = self.names
-        return getattr(self, down)(self.act(getattr(self, up)(x)))
+        up, down = self.projections()
+        return down(self.act(up(x)))

@@ -44,6 +44,8 @@ SIGNATURES: dict[str, list] = {
     "core_silu_and_mul": [_P, _I, _L, _L, _P],
     # x, dtype, T, I, activation (0 silu, 1 GELU-tanh: csrc/common.h ACT_*), out
     "core_act_and_mul": [_P, _I, _L, _L, _I, _P],
+    # the same arguments, x [T, I]: the ungated activation (out may be x)
+    "core_act": [_P, _I, _L, _L, _I, _P],
     # q, k, dtype, T, Hq, Hkv, D, q row stride, k row stride, positions, cos, sin, their dtype,
     # max position, q out, k out
     "core_rotary": [_P, _P, _I, _L, _L, _L, _L, _L, _L, _P, _P, _P, _I, _L, _P, _P],

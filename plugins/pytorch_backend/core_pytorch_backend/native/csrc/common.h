@@ -278,6 +278,7 @@ int core_rms_norm(const void *x, int x_dtype, int64_t tokens, int64_t hidden, co
                   const void *weight, int w_dtype, float eps, void *out, void *residual_out);
 int core_silu_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, void *out);
 int core_act_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, int act, void *out);
+int core_act(const void *x, int dtype, int64_t tokens, int64_t inner, int act, void *out);
 int core_rms_norm_float(const void *x, int x_dtype, int64_t tokens, int64_t hidden, const void *residual,
                         const float *weight, float eps, void *out, void *residual_out);
 int core_layer_norm(const void *x, int x_dtype, int64_t tokens, int64_t hidden, const void *residual,

@@ -933,6 +933,7 @@ typedef struct {
     int act; /* ACT_SILU or ACT_GELU_TANH */
     void *out;
     int status;
+    int ungated; /* 1: x [T, I] is the activation's input alone (times an up of ones: the same bits as act(x)) */
 } act_team;
 
 static void act_work(void *context, int64_t thread, int64_t threads) {
@@ -945,8 +946,13 @@ static void act_work(void *context, int64_t thread, int64_t threads) {
     } else {
         int64_t t, end;
         for (team_share(c->tokens, thread, threads, &t, &end); t < end; ++t) {
-            load_row(c->x, dtype, t * 2 * inner, inner, gate);
-            load_row(c->x, dtype, t * 2 * inner + inner, inner, up);
+            if (c->ungated) {
+                load_row(c->x, dtype, t * inner, inner, gate);
+                for (int64_t i = 0; i < inner; ++i) up[i] = 1.f;
+            } else {
+                load_row(c->x, dtype, t * 2 * inner, inner, gate);
+                load_row(c->x, dtype, t * 2 * inner + inner, inner, up);
+            }
             if (c->act == ACT_GELU_TANH)
                 gelu_tanh_times(gate, up, inner, dtype);
             else
@@ -965,6 +971,17 @@ int core_act_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, in
         (act != ACT_SILU && act != ACT_GELU_TANH))
         return ERR_ARGS;
     act_team ctx = {x, dtype, tokens, inner, act, out, OK};
+    run_team(tokens * inner > PARALLEL_MIN_WORK, act_work, &ctx);
+    return ctx.status;
+}
+
+/* out[T, I] = act(x) for x[T, I] (an ungated MLP's: StarCoder 2's GELU-tanh), the values of core_act_and_mul's
+ * act(gate) with an up of ones; out may be x. */
+int core_act(const void *x, int dtype, int64_t tokens, int64_t inner, int act, void *out) {
+    if ((tokens > 0 && (!x || !out)) || tokens < 0 || inner <= 0 || (dtype != DT_F32 && dtype != DT_BF16) ||
+        (act != ACT_SILU && act != ACT_GELU_TANH))
+        return ERR_ARGS;
+    act_team ctx = {x, dtype, tokens, inner, act, out, OK, 1};
     run_team(tokens * inner > PARALLEL_MIN_WORK, act_work, &ctx);
     return ctx.status;
 }

@@ -68,6 +68,7 @@ typedef struct {
     float clip_qkv;        /* q, k and v clamped to [-clip_qkv, clip_qkv] after the q and k norms (OLMoE), 0: not */
     int32_t parallel;      /* 1: the MLP reads the attention's input (its norm), and the attention's output joins the
                               residual as the MLP's does (StableLM's use_parallel_residual; post_norm NULL) */
+    int32_t ungated;       /* 1: the MLP is down(act(up x)), gate_up the up projection [inter, H] (StarCoder 2) */
     int64_t block_size, num_slots, max_position;
     int32_t tiles;         /* 1: the packed weights multiply on the AMX tiles (core_packed_linear_tiles) */
     int32_t group_rows;    /* the fewest rows of a unit of the row-group path (0: never that path) */
@@ -251,7 +252,12 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
     if (L->moe) {
         CHECK(core_moe_block(L->moe, input, m->dtype, tokens, h, NULL, m->tiles, r->hidden));
     } else {
-        CHECK(packed_gated(&L->gate_up, input, m->dtype, tokens, h, m->tiles, m->act, b->gate_up, b->act));
+        if (m->ungated) {
+            CHECK(linear(m, &L->gate_up, input, tokens, h, b->act));
+            CHECK(core_act(b->act, m->dtype, tokens, m->inter, m->act, b->act));
+        } else {
+            CHECK(packed_gated(&L->gate_up, input, m->dtype, tokens, h, m->tiles, m->act, b->gate_up, b->act));
+        }
         CHECK(linear(m, &L->down, b->act, tokens, m->inter, r->hidden));
     }
     if (L->mlp_out_norm) CHECK(norm(m, r->hidden, tokens, h, NULL, L->mlp_out_norm, NULL, r->hidden, NULL));
