@@ -206,7 +206,7 @@ class RequestPreparer:
         if self.guard is not None:
             (messages, tools), mark = self.guard.mark((messages, tools))
         text = self.render(messages, **{**render_options, "tools": tools})
-        self._refuse_if_too_long(text, max_tokens, ignored=mark or "")
+        self._refuse_if_too_long(text, max_tokens, ignored=mark or "", param="messages")
         add_special = self.template is not None and self.template.encode_with_special_tokens
         ids = tuple(ContentGuard.encode(self.tokenizer, text, mark, add_special))
         return Encoded(ids, text.replace(mark, "") if mark else text, True)
@@ -216,9 +216,11 @@ class RequestPreparer:
         """The tokenizer's least tokens for a text (core.prompt_bound), read once, when a text first needs it."""
         return token_bound(self.tokenizer)
 
-    def _refuse_if_too_long(self, text: str, max_tokens: int | None, ignored: str = "") -> None:
-        """ContextTooLongError for a text that cannot be `max_tokens` tokens or fewer, told without tokenizing
-        it (`ignored`: characters removed before tokenizing). A text it lets pass may still be too long."""
+    def _refuse_if_too_long(self, text: str, max_tokens: int | None, ignored: str = "",
+                            param: str = "prompt") -> None:
+        """ContextTooLongError (naming `param`: chat messages' is "messages") for a text that cannot be
+        `max_tokens` tokens or fewer, told without tokenizing it (`ignored`: characters removed before
+        tokenizing). A text it lets pass may still be too long."""
         if max_tokens is None or len(text) <= max_tokens or self.token_bound is None:
             return  # (the bound is never above the text's length)
         least = self.token_bound.min_tokens(text, ignored)
@@ -226,7 +228,7 @@ class RequestPreparer:
             raise ContextTooLongError(
                 f"the prompt has at least {least} tokens ({len(text)} characters) but the model's context window "
                 f"is {self.model.max_model_len} tokens and at least one token must be generated; shorten the prompt",
-                param="prompt",
+                param=param,
             )
 
     def _multimodal(self, rendered: list[dict[str, Any]], sources: list[ImageSource],
@@ -261,7 +263,7 @@ class RequestPreparer:
         prompt = encoded.token_ids
         if not prompt:
             raise InvalidRequestError("the prompt is empty after tokenization", param="prompt")
-        max_new = self._max_new_tokens(len(prompt), config)
+        max_new = self._max_new_tokens(len(prompt), config, "messages" if encoded.is_chat else "prompt")
         self._check_logit_bias(config)
         self._check_token_ids(config.stop_token_ids, "stop_token_ids")  # banned before min_new_tokens
         self._check_token_ids(config.allowed_token_ids or (), "allowed_token_ids")
@@ -303,13 +305,13 @@ class RequestPreparer:
             raise InvalidRequestError(f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab})",
                                       param="logit_bias")
 
-    def _max_new_tokens(self, prompt_len: int, config: GenerationConfig) -> int:
+    def _max_new_tokens(self, prompt_len: int, config: GenerationConfig, prompt_param: str) -> int:
         window = self.model.max_model_len
         if prompt_len >= window:
             raise ContextTooLongError(
                 f"the prompt has {prompt_len} tokens but the model's context window is {window} tokens "
                 "and at least one token must be generated; shorten the prompt",
-                param="prompt",
+                param=prompt_param,
             )
         room = window - prompt_len
         if config.max_new_tokens is not None and config.max_new_tokens > room:

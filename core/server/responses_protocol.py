@@ -83,6 +83,7 @@ def to_chat_request(req: ResponsesRequest) -> tuple[ChatCompletionRequest, dict[
     if req.instructions:
         messages.insert(0, {"role": "system", "content": req.instructions})
         names = {f"messages[{int(k[9:-1]) + 1}]": v for k, v in names.items()}
+    names["messages"] = "input"  # the conversation as a whole (a prompt too long for the context window)
     chat = ChatCompletionRequest(
         messages=messages, stream=req.stream, max_completion_tokens=req.max_output_tokens,
         temperature=req.temperature, top_p=req.top_p, tools=chat_tools(req.tools),

@@ -118,9 +118,12 @@ def test_prompt_longer_than_the_context_window_says_so(http: httpx.Client, model
         error = assert_openai_error(http.post("/v1/completions", json=body), 400, "prompt")
         assert "context window" in error["message"] and str(window) in error["message"]
     chat = {"messages": [{"role": "user", "content": text}]}
-    error = assert_openai_error(http.post("/v1/chat/completions", json=chat), 400, "prompt")
+    # the field a chat request has, as OpenAI names it (it was "prompt", which a chat request has not)
+    error = assert_openai_error(http.post("/v1/chat/completions", json=chat), 400, "messages")
     assert "context window" in error["message"]
     assert error["code"] == "context_length_exceeded"  # what OpenAI clients check to truncate
+    error = assert_openai_error(http.post("/v1/responses", json={"input": text}), 400, "input")
+    assert "context window" in error["message"] and error["code"] == "context_length_exceeded"
     error = assert_anthropic_error(http.post("/v1/messages", json={**chat, "max_tokens": 4}), 400)
     assert "context window" in error["message"]
     error = assert_openai_error(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": window}), 400,
