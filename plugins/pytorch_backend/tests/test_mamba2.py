@@ -1,4 +1,4 @@
-"""Mamba-2 and the hybrids built on its mixer (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1) on the pytorch
+"""Mamba-2 and the hybrids built on its mixer (Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1, Zamba2) on the pytorch
 backend: greedy parity with transformers' generate (its torch paths: no mamba_ssm / causal_conv1d here) on tiny
 random checkpoints whose prompts cross several scan chunks (``chunk_size`` 8), one sequence, a batch of
 different lengths, prefill in chunks (some shorter than the convolution), logits parity, the config variants
@@ -44,6 +44,8 @@ COMMON = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_
               pad_token_id=259)
 # Each family's mixer: 8 heads of 16, a state of 16 in 2 groups, chunks of 8, under the family's field names.
 MAMBA = dict(mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=8)
+# Zamba2's mixer: 8 heads of 16 (mamba_expand 2 x 64 / 8), a state of 16 in 2 groups, chunks of 8; adapters of 8
+ZAMBA = dict(n_mamba_heads=8, mamba_d_state=16, mamba_ngroups=2, chunk_size=8, adapter_rank=8, rms_norm_eps=1e-6)
 FALCON_MULTIPLIERS = dict(embedding_multiplier=2.0, lm_head_multiplier=0.5, mlp_multipliers=[0.8, 1.3],
                           key_multiplier=1.5, attention_in_multiplier=0.7, attention_out_multiplier=0.9,
                           ssm_multipliers=[1.2, 0.8, 1.1, 0.9, 1.4], ssm_in_multiplier=1.3, ssm_out_multiplier=0.6)
@@ -103,15 +105,29 @@ CONFIGS = {
     "falcon_h1-norm-after-gate-tied": ("FalconH1Config", dict(
         **MAMBA, **FALCON_MULTIPLIERS, num_hidden_layers=2, mamba_d_ssm=128, mamba_rms_norm=True,
         mamba_norm_before_gate=False, tie_word_embeddings=True)),
+    # Zamba2: Mamba layers around two hybrid ones that run one shared block (its attention over [h, embeddings],
+    # scale (head_dim / 2) ** -0.5, a GELU MLP), each with its own adapters, KV cache and output projection
+    "zamba2": ("Zamba2Config", dict(
+        **ZAMBA, num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], num_mem_blocks=1,
+        use_shared_attention_adapter=True, num_key_value_heads=4)),
+    # two blocks taking turns over three hybrid layers (the third runs the first block again, with its own
+    # adapter), rotary, grouped k/v heads, no attention adapters, biased projections, a clamping time_step_min
+    "zamba2-two-blocks-rope-biases": ("Zamba2Config", dict(
+        **ZAMBA, num_hidden_layers=4, layers_block_type=["hybrid", "mamba", "hybrid", "hybrid"], num_mem_blocks=2,
+        use_mem_rope=True, add_bias_linear=True, time_step_min=0.6)),
+    # untied: transformers ties the blocks only with the embeddings, so each hybrid layer has a block of its own
+    "zamba2-untied-own-blocks": ("Zamba2Config", dict(
+        **ZAMBA, num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], num_mem_blocks=1,
+        use_shared_attention_adapter=True, num_key_value_heads=4, tie_word_embeddings=False)),
 }
-PARITY = ("mamba2", "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1")
+PARITY = ("mamba2", "granitemoehybrid", "bamba", "nemotron_h", "falcon_h1", "zamba2")
 VARIANTS = [name for name in CONFIGS if name not in PARITY]
 
 
 def _build(name: str, folder: Path) -> Path:
     """A tiny random checkpoint, weights of std 0.2 (A_log, dt_bias and D too: decays of about e^-0.7 a token,
-    so the state carries the prompt), Nemotron-H's routing correction biases large enough to change which
-    experts are chosen."""
+    so the state carries the prompt; Zamba2's shared blocks 0.1), Nemotron-H's routing correction biases large
+    enough to change which experts are chosen."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -124,6 +140,9 @@ def _build(name: str, folder: Path) -> Path:
         for buffer_name, buffer in model.named_buffers():  # a buffer there, left at zero by reinit_
             if buffer_name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn(buffer.shape) * 0.5)
+        for param_name, param in model.named_parameters():  # Zamba2's shared blocks and their projections at 0.1:
+            if ".shared_transformer." in param_name or param_name.endswith(".linear.weight"):  # at 0.2, float32
+                param.mul_(0.5)  # rounding alone moves its logits past 1e-4 (transformers' own against float64)
     model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return folder
@@ -289,6 +308,8 @@ def test_a_decode_step_matches_the_recurrence_written_out(native):
     ("mamba2", {"n_groups": 3}, "n_groups 3"),
     ("granitemoehybrid", {"layer_types": ["mamba", "sliding_attention", "mamba"]}, r"layer_types\[1\]"),
     ("nemotron_h", {"tie_word_embeddings": True}, "tie_word_embeddings"),
+    # the k/v adapters are as wide as q: transformers fails at its first step
+    ("zamba2", {"num_key_value_heads": 2}, "use_shared_attention_adapter with num_key_value_heads 2"),
 ])
 def test_layouts_not_served_are_refused_at_load(name, edits, match, checkpoint, tmp_path):
     import shutil

@@ -102,6 +102,7 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "Qwen3_5MoeForConditionalGeneration": "core_pytorch_backend.models.qwen3_5:Qwen3_5MoeForConditionalGeneration",
     "OlmoHybridForCausalLM": "core_pytorch_backend.models.olmo_hybrid:OlmoHybridForCausalLM",
     "KimiLinearForCausalLM": "core_pytorch_backend.models.kimi_linear:KimiLinearForCausalLM",  # KDA + MLA layers
+    "Zamba2ForCausalLM": "core_pytorch_backend.models.zamba2:Zamba2ForCausalLM",  # Mamba-2 + shared attention blocks
     # Encoders: served on the pooling path (embeddings and scores), never generating.
     "BertModel": "core_pytorch_backend.models.bert:BertModel",
     "RobertaModel": "core_pytorch_backend.models.bert:RobertaModel",
