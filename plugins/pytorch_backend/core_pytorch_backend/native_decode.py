@@ -61,6 +61,7 @@ from core_pytorch_backend.models.mixtral import MixtralDecoderLayer, MixtralMode
 from core_pytorch_backend.models.olmo2 import Olmo2Attention, Olmo2DecoderLayer, Olmo2Model
 from core_pytorch_backend.models.olmo3 import Olmo3Model
 from core_pytorch_backend.models.olmoe import OlmoeAttention, OlmoeDecoderLayer, OlmoeModel
+from core_pytorch_backend.models.phi import PhiAttention, PhiDecoderLayer, PhiModel
 from core_pytorch_backend.models.sparse_moe import QwenMoeDecoderLayer, QwenMoeModel, SparseMoeBlock
 from core_pytorch_backend.models.stablelm import StableLmAttention, StableLmDecoderLayer, StableLmModel
 from core_pytorch_backend.models.starcoder2 import Starcoder2DecoderLayer, Starcoder2Model
@@ -109,6 +110,7 @@ GEMMA_SANDWICH = ("input_layernorm", "pre_feedforward_layernorm", "post_attentio
                   "post_feedforward_layernorm")
 GLM4_SANDWICH = ("input_layernorm", "post_attention_layernorm", "post_self_attn_layernorm", "post_mlp_layernorm")
 POST = (None, None, "post_attention_layernorm", "post_feedforward_layernorm")
+PARALLEL_NONE, PARALLEL_RESIDUAL, PARALLEL_SUM = 0, 1, 2  # csrc/decoder_stack.c
 
 
 @dataclass(frozen=True)
@@ -122,15 +124,18 @@ class _Family:
     places: tuple[str | None, ...]  # the layer's norms at the C layer's places (PRE, GEMMA_SANDWICH, ...)
     scaled: bool = False  # the attention's and the MLP's outputs times the layer's residual_multiplier (Granite)
     qk_whole: bool = False  # q and k normalized over all their heads at once (OLMo 2 and 3, OLMoE)
-    # a layer without a norm before its MLP runs the MLP on the attention's input norm, and adds both outputs to the
-    # residual (StableLM's use_parallel_residual); False: such a layer is post-norm (OLMo 2)
-    parallel_without_mlp_norm: bool = False
+    # a layer without a norm before its MLP: post-norm (OLMo 2), or its MLP beside the attention on the attention's
+    # input norm (csrc/decoder_stack.c PARALLEL_RESIDUAL: StableLM's use_parallel_residual; PARALLEL_SUM: Phi's)
+    parallel: int = PARALLEL_NONE
+    o_proj: str = "o_proj"  # the attention's output projection (Phi's: dense)
+    qk_norms: bool = True  # the attention has q_norm and k_norm (None: none); Phi's has q_layernorm, k_layernorm
 
     def norms(self, layer: nn.Module) -> dict[str, nn.Module | None]:
         """The layer's norms by the place the C layer has for each (None: none there)."""
         found = {name: getattr(layer, place) if place else None
                  for name, place in zip(("input", "before_mlp", "attn_out", "mlp_out"), self.places, strict=True)}
-        return found | {"q": layer.self_attn.q_norm, "k": layer.self_attn.k_norm}
+        attention = layer.self_attn
+        return found | ({"q": attention.q_norm, "k": attention.k_norm} if self.qk_norms else {"q": None, "k": None})
 
 
 _FAMILIES = {LlamaModel: _Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, PRE),
@@ -145,7 +150,9 @@ _FAMILIES = {LlamaModel: _Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RM
              Glm4Model: _Family(Glm4DecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, GLM4_SANDWICH),
              Starcoder2Model: _Family(Starcoder2DecoderLayer, LlamaAttention, UngatedMLP, LayerNorm, PRE),
              StableLmModel: _Family(StableLmDecoderLayer, StableLmAttention, LlamaMLP, LayerNorm, PRE,
-                                    parallel_without_mlp_norm=True),
+                                    parallel=PARALLEL_RESIDUAL),
+             PhiModel: _Family(PhiDecoderLayer, PhiAttention, UngatedMLP, LayerNorm, ("input_layernorm", None, None, None),
+                               parallel=PARALLEL_SUM, o_proj="dense", qk_norms=False),
              GemmaModel: _Family(GemmaDecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, PRE),
              Gemma2Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, GEMMA_SANDWICH),
              Gemma3Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, GEMMA_SANDWICH)}
@@ -292,7 +299,7 @@ def describe(model: nn.Module) -> _Plan:
                     head_dim=head_dim, rotary_dim=rotary.rotary_dim, inter=1 if dense is None else _mlp_parts(dense)[1].input_size,
                     dtype=DTYPE_CODES[dtype],
                     cache_dtype=CACHE_CODES[cache.dtype], table_dtype=DTYPE_CODES[rotary.cos_cache.dtype],
-                    norm_kind=_NORM_KINDS[family.norm], act=act, parallel=int(_parallel(first, family)),
+                    norm_kind=_NORM_KINDS[family.norm], act=act, parallel=_parallel(first, family),
                     ungated=int(family.mlp is UngatedMLP),
                     branch_scale=first.residual_multiplier if family.scaled else 1.0,
                     qk_norm_whole=int(family.qk_whole), eps=width_norm.eps, clip_qkv=_clip_qkv(attention),
@@ -363,8 +370,8 @@ def _describe_layer(layer: nn.Module, index: int, family: _Family, spec: _Decode
         raise DoesNotFit(f"layer {index}'s attention adds score terms (but a soft cap) or has narrower values")
     if _F(_clip_qkv(attention)).value != spec.clip_qkv or _parallel(layer, family) != spec.parallel:
         raise DoesNotFit(f"layer {index}'s clip_qkv or residual form differs from layer 0's")
-    if type(attention) is StableLmAttention and attention.q_layernorm is not None:
-        raise DoesNotFit(f"layer {index} has LayerNorms of each head of q and k (StableLM's qk_layernorm)")
+    if type(attention) in (StableLmAttention, PhiAttention) and attention.q_layernorm is not None:
+        raise DoesNotFit(f"layer {index} has LayerNorms of the heads of q and k (qk_layernorm)")
     if (attn.k_cache is None or attn.v_cache is None or attn.k_cache.dtype != cache.dtype
             or attn.k_cache.shape != cache.shape or not (attn.k_cache.is_contiguous() and attn.v_cache.is_contiguous())
             or attn.v_cache.dtype != cache.dtype or attn.num_heads != spec.heads or attn.num_kv_heads != spec.kv_heads):
@@ -375,7 +382,7 @@ def _describe_layer(layer: nn.Module, index: int, family: _Family, spec: _Decode
     return _Layer(input_norm=weights["input"], post_norm=weights["before_mlp"], q_norm=weights["q"],
                   k_norm=weights["k"], attn_out_norm=weights["attn_out"], mlp_out_norm=weights["mlp_out"],
                   cos=_ptr(rotary.cos_cache, keep), sin=_ptr(rotary.sin_cache, keep),
-                  qkv=_packed(attention.qkv_proj, index, keep), o=_packed(attention.o_proj, index, keep),
+                  qkv=_packed(attention.qkv_proj, index, keep), o=_packed(getattr(attention, family.o_proj), index, keep),
                   gate_up=Packed() if moe else _packed(up, index, keep),
                   down=Packed() if moe else _packed(down, index, keep),
                   k_cache=_ptr(attn.k_cache, keep), v_cache=_ptr(attn.v_cache, keep), window=attn.sliding_window or 0,
@@ -392,9 +399,9 @@ def _mlp_parts(mlp: nn.Module) -> tuple[nn.Module, nn.Module, int | None]:
     return mlp.gate_up_proj, mlp.down_proj, _ACTIVATIONS.get(type(mlp.act_fn))
 
 
-def _parallel(layer: nn.Module, family: _Family) -> bool:
-    """Whether the layer's MLP reads the attention's input norm (StableLM's parallel residual)."""
-    return family.parallel_without_mlp_norm and family.norms(layer)["before_mlp"] is None
+def _parallel(layer: nn.Module, family: _Family) -> int:
+    """The layer's form: its MLP after the attention (PARALLEL_NONE) or beside it (the family's parallel form)."""
+    return family.parallel if family.norms(layer)["before_mlp"] is None else PARALLEL_NONE
 
 
 def _clip_qkv(attention: nn.Module) -> float:

@@ -50,8 +50,8 @@ class PhiDecoderLayer(nn.Module):
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
         super().__init__()
         self.self_attn = PhiAttention(config, ops, layer_index, rotary)
-        self.mlp = UngatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, ("fc1", "fc2"))
-        self.input_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
+        self.mlp = UngatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, ("fc1", "fc2"), ops=ops)
+        self.input_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps, ops=ops)
 
     def forward(self, positions, hidden, residual, meta):
         normed, residual = input_norm(self.input_layernorm, hidden, residual)

@@ -18,7 +18,8 @@
  * included. Gemma 2's attention soft-caps its scores (softcap, in core_decode_attention); GLM-4 has the output norms
  * beside the input ones (RMSNorms); OLMoE clamps q, k and v after its q and k norms (clip_qkv); StableLM's norms are
  * LayerNorms with biases (NORM_LAYER: core_layer_norm), and its parallel layers run the MLP on the attention's input
- * norm, both outputs joining the residual (parallel).
+ * norm, both outputs joining the residual (parallel); Phi's sum the two outputs first. StarCoder 2's and Phi's
+ * MLPs are ungated (ungated: core_act).
  *
  * The model and its layers are described once (core_decoder, core_layer: pointers into the weights and
  * KV caches, which decoder_stack.py keeps alive and rebuilds when they move); a step passes its rows.
@@ -51,6 +52,11 @@ typedef struct {
     const void *input_bias, *post_bias; /* [H] input_norm's and post_norm's biases (NORM_LAYER), or NULL: none */
 } core_layer;
 
+/* core_decoder.parallel: the MLP after the attention, or beside it on the attention's input norm, the attention's
+ * output joining the residual as the MLP's does (StableLM's use_parallel_residual: residual + attn, then + mlp) or
+ * summed with the MLP's first (Phi's: residual + (attn + mlp)) */
+enum { PARALLEL_NONE = 0, PARALLEL_RESIDUAL = 1, PARALLEL_SUM = 2 };
+
 /* core_decoder.norm_kind: every norm of the layers is one of these */
 enum { NORM_RMS = 0,       /* RMSNorm, weights of the activations' dtype (core_rms_norm) */
        NORM_RMS_FLOAT = 1, /* weights float32, multiplied in float32 and rounded once (Gemma: 1 + w) */
@@ -66,8 +72,7 @@ typedef struct {
     int32_t qk_norm_whole; /* 1: q and k normalised over all their heads at once (OLMo 2, 3), 0: head by head */
     float eps;
     float clip_qkv;        /* q, k and v clamped to [-clip_qkv, clip_qkv] after the q and k norms (OLMoE), 0: not */
-    int32_t parallel;      /* 1: the MLP reads the attention's input (its norm), and the attention's output joins the
-                              residual as the MLP's does (StableLM's use_parallel_residual; post_norm NULL) */
+    int32_t parallel;      /* PARALLEL_*: whether the MLP reads the attention's input norm beside it (post_norm NULL) */
     int32_t ungated;       /* 1: the MLP is down(act(up x)), gate_up the up projection [inter, H] (StarCoder 2) */
     int64_t block_size, num_slots, max_position;
     int32_t tiles;         /* 1: the packed weights multiply on the AMX tiles (core_packed_linear_tiles) */
@@ -151,17 +156,19 @@ static void add_rows(const core_decoder *m, const char *hidden, char *residual, 
         if (status != OK) return status; \
     } while (0)
 
-/* The scratch buffers one layer of up to `rows` rows writes between its kernels. */
+/* The scratch buffers one layer of up to `rows` rows writes between its kernels (branch: PARALLEL_SUM's attention
+ * output). */
 typedef struct {
-    char *memory, *normed, *qkv, *rotated, *heads, *attn, *gate_up, *act;
+    char *memory, *normed, *qkv, *rotated, *heads, *attn, *gate_up, *act, *branch;
 } layer_buffers;
 
 static int alloc_buffers(const core_decoder *m, int64_t rows, layer_buffers *b) {
     const int64_t size = elem_size(m->dtype), h = m->hidden, q_width = m->heads * m->head_dim,
                   kv_width = m->kv_heads * m->head_dim;
     const int64_t normed_n = rows * h, qkv_n = rows * (q_width + 2 * kv_width), rot_n = rows * (q_width + kv_width),
-                  heads_n = rot_n, attn_n = rows * q_width, gate_up_n = rows * 2 * m->inter, act_n = rows * m->inter;
-    b->memory = malloc((size_t)((normed_n + qkv_n + rot_n + heads_n + attn_n + gate_up_n + act_n) * size));
+                  heads_n = rot_n, attn_n = rows * q_width, gate_up_n = rows * 2 * m->inter, act_n = rows * m->inter,
+                  branch_n = m->parallel == PARALLEL_SUM ? rows * h : 0;
+    b->memory = malloc((size_t)((normed_n + qkv_n + rot_n + heads_n + attn_n + gate_up_n + act_n + branch_n) * size));
     if (!b->memory) return ERR_MEMORY;
     b->normed = b->memory;
     b->qkv = b->normed + normed_n * size;
@@ -170,6 +177,7 @@ static int alloc_buffers(const core_decoder *m, int64_t rows, layer_buffers *b) 
     b->attn = b->heads + heads_n * size;
     b->gate_up = b->attn + attn_n * size;
     b->act = b->gate_up + gate_up_n * size;
+    b->branch = b->act + act_n * size;
     return OK;
 }
 
@@ -244,11 +252,13 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
     CHECK(core_decode_attention(q_rot, m->dtype, tokens, hq, d, L->k_cache, L->v_cache, m->cache_dtype, m->block_size,
                                 hkv, r->tables, table_width, r->lengths, L->window, L->scale, L->softcap,
                                 b->attn));
-    CHECK(linear(m, &L->o, b->attn, tokens, q_width, r->hidden));
-    if (L->attn_out_norm) CHECK(norm(m, r->hidden, tokens, h, NULL, L->attn_out_norm, NULL, r->hidden, NULL));
-    if (m->branch_scale != 1.f) scale_rows(m, r->hidden, tokens, h);
-    CHECK(branch_input(m, L->post_norm, L->post_bias, 0, r, b->normed, &input));
-    if (m->parallel) input = b->normed; /* the residual took the attention's output; the MLP the input norm's */
+    const int sum = m->parallel == PARALLEL_SUM;
+    char *attn_out = sum ? b->branch : r->hidden; /* summed with the MLP's output below, or joining the residual */
+    CHECK(linear(m, &L->o, b->attn, tokens, q_width, attn_out));
+    if (L->attn_out_norm) CHECK(norm(m, attn_out, tokens, h, NULL, L->attn_out_norm, NULL, attn_out, NULL));
+    if (m->branch_scale != 1.f) scale_rows(m, attn_out, tokens, h);
+    if (!sum) CHECK(branch_input(m, L->post_norm, L->post_bias, 0, r, b->normed, &input));
+    if (m->parallel) input = b->normed; /* the MLP reads the attention's input norm */
     if (L->moe) {
         CHECK(core_moe_block(L->moe, input, m->dtype, tokens, h, NULL, m->tiles, r->hidden));
     } else {
@@ -261,6 +271,7 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
         CHECK(linear(m, &L->down, b->act, tokens, m->inter, r->hidden));
     }
     if (L->mlp_out_norm) CHECK(norm(m, r->hidden, tokens, h, NULL, L->mlp_out_norm, NULL, r->hidden, NULL));
+    if (sum) add_rows(m, b->branch, r->hidden, tokens * h); /* attn + mlp, handed on beside the residual as it was */
     if (m->branch_scale != 1.f) scale_rows(m, r->hidden, tokens, h);
     return OK;
 }
@@ -350,7 +361,8 @@ int core_decoder_layers(const core_decoder *m, const core_layer *layers, int64_t
         !residual || !positions || !slots || !tables || !lengths)) || (m->dtype != DT_F32 && m->dtype != DT_BF16) ||
         m->hidden <= 0 || m->heads <= 0 || m->kv_heads <= 0 || m->head_dim <= 0 || m->inter <= 0 ||
         m->group_rows < 0 || (m->act != ACT_SILU && m->act != ACT_GELU_TANH) || !(m->clip_qkv >= 0.f) ||
-        m->norm_kind < NORM_RMS || m->norm_kind > NORM_LAYER)
+        m->norm_kind < NORM_RMS || m->norm_kind > NORM_LAYER || m->parallel < PARALLEL_NONE ||
+        m->parallel > PARALLEL_SUM)
         return ERR_ARGS;
     if (tokens == 0 || num_layers == 0) return OK;
     const int64_t threads = omp_get_max_threads();
