@@ -240,6 +240,12 @@ def build_tiny_checkpoint(arch: str, tmp_path: Path, seed: int = 0, **config_ove
 
 
 @pytest.fixture(scope="session")
+def make_tiny_config():
+    """``make_tiny_config(arch, **overrides)``: ``tiny_config``, for tests that nest it in a composite config."""
+    return tiny_config
+
+
+@pytest.fixture(scope="session")
 def make_tiny_checkpoint():
     """``make_tiny_checkpoint(arch, tmp_path, seed=0, **config_overrides) -> Path`` (a fresh folder)."""
     return build_tiny_checkpoint

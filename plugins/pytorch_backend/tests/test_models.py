@@ -431,3 +431,26 @@ def test_int8_quantization_packs_every_projection_and_keeps_the_text(arch, tiny_
     prompts = random_prompts([11, 4], seed=5)
     assert paged_greedy(packed, prompts, max_new=8) == paged_greedy(load_checkpoint(path, dtype="float32").model,
                                                                       prompts, max_new=8)
+
+
+@pytest.mark.parametrize("text", ["ministral3", "mistral"])
+def test_mistral3_checkpoint_serves_its_language_model(text, make_tiny_config, tmp_path):
+    """Mistral 3's released class (Ministral 3's text model, or Mistral Small 3.1's Mistral one) beside a tiny
+    Pixtral tower and projector, which the backend skips: transformers' text for text-only prompts."""
+    import transformers
+
+    from core_pytorch_backend.testing import reinit_, tiny_tokenizer
+
+    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=2, head_dim=16, image_size=28, patch_size=14)
+    config = transformers.Mistral3Config(text_config=make_tiny_config(text).to_dict(), vision_config=vision.to_dict(),
+                                         image_token_index=250, spatial_merge_size=1)
+    torch.manual_seed(0)
+    model = transformers.Mistral3ForConditionalGeneration(config).eval()
+    reinit_(model)
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    ours = load_checkpoint(tmp_path, dtype="float32").model
+    assert type(ours).__name__ == "Mistral3ForConditionalGeneration"
+    prompts = random_prompts([23, 6], seed=7)
+    assert paged_greedy(ours, prompts, block_size=4, prefill_chunks=2) == [hf_greedy(model, p) for p in prompts]

@@ -48,6 +48,8 @@ BUILTIN_ARCHITECTURES: dict[str, str] = {
     "GPTBigCodeForCausalLM": "core_pytorch_backend.models.gpt_bigcode:GPTBigCodeForCausalLM",
     "FalconForCausalLM": "core_pytorch_backend.models.falcon:FalconForCausalLM",
     "Ministral3ForCausalLM": "core_pytorch_backend.models.ministral3:Ministral3ForCausalLM",
+    # the released checkpoints' class: their language model, for text only (no vision processor registered)
+    "Mistral3ForConditionalGeneration": "core_pytorch_backend.models.ministral3:Mistral3ForConditionalGeneration",
     "ApertusForCausalLM": "core_pytorch_backend.models.apertus:ApertusForCausalLM",
     "VaultGemmaForCausalLM": "core_pytorch_backend.models.vaultgemma:VaultGemmaForCausalLM",
     "NanoChatForCausalLM": "core_pytorch_backend.models.nanochat:NanoChatForCausalLM",

@@ -2,7 +2,8 @@
 checkpoints): Mistral (no biases, ``sliding_window`` on every layer, YaRN by default) whose q is scaled after
 rotary by Llama 4's position-dependent factor ``1 + beta * log(1 + floor(pos / original_max_position_embeddings))``
 (``llama_4_scaling_beta`` and the original context from ``rope_parameters``): 1 over the original context,
-growing past it."""
+growing past it. ``Mistral3ForConditionalGeneration`` serves the language model of Mistral 3's vision-language
+checkpoints the same way, for text only."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ..attention_metadata import AttentionMetadata
 from ..layers import RotaryEmbedding
 from .llama import DecoderSpec, LlamaAttention, LlamaDecoderLayer, LlamaModel
 from .mistral import MistralForCausalLM
+from .vision_language import VisionLanguageMixin
 
 
 def llama4_query_scale(positions: torch.Tensor, beta: float, original: int) -> torch.Tensor:
@@ -49,3 +51,11 @@ class Ministral3Model(LlamaModel):
 
 class Ministral3ForCausalLM(MistralForCausalLM):
     model_class = Ministral3Model
+
+
+class Mistral3ForConditionalGeneration(VisionLanguageMixin, Ministral3ForCausalLM):
+    """The class Mistral 3's released checkpoints name (Ministral 3, Mistral Small 3.1 / 3.2): their language model
+    of ``text_config`` (a Ministral 3 or a Mistral decoder, which sets no ``llama_4_scaling_beta``), for text only:
+    no vision processor serves Pixtral's tower, so the engine refuses images."""
+
+    text_model_types = ("ministral3", "mistral")
