@@ -49,11 +49,15 @@ TINY = dict(
 )
 # Per-architecture sizes the generic ones do not make consistent (from the family's own test files).
 MLA = dict(kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, q_lora_rank=48)
+# test_deepseek's: MLA over 4 heads (as many k/v heads: transformers' MLA takes no fewer), 16 experts of 32
+DEEPSEEK = dict(MLA, head_dim=8, num_key_value_heads=4, intermediate_size=96, n_routed_experts=16, n_shared_experts=1,
+                first_k_dense_replace=1)
 BASE = {
     "gpt_neox": dict(num_key_value_heads=None),
-    "deepseek_v2": dict(MLA, intermediate_size=96, n_group=4, topk_group=2, topk_method="group_limited_greedy",
-                        n_shared_experts=1, first_k_dense_replace=1),
-    "deepseek_v3": dict(MLA, intermediate_size=96, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1),
+    "deepseek_v2": dict(DEEPSEEK, n_group=4, topk_group=2, topk_method="group_limited_greedy"),
+    "deepseek_v3": dict(DEEPSEEK, n_group=4, topk_group=2),
+    "glm4_moe_lite": dict(DEEPSEEK, n_group=1, topk_group=1),
+    "youtu": dict(DEEPSEEK),
     "glm4_moe": dict(n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, head_dim=16),
     "dots1": dict(n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, sliding_window=None),
     "llama4_text": dict(intermediate_size=32, num_hidden_layers=4, interleave_moe_layer_step=2, no_rope_layer_interval=2,
@@ -290,9 +294,16 @@ def compare(hf: Any, prompts, expected, got, path: str) -> str | None:
     return None
 
 
-def run_variant(config_cls: type, base: dict, variant: dict, seed: int, legacy: bool, verbose: bool
-                ) -> tuple[str, str]:
-    """(status, detail) of one variant (``legacy``: its config.json in transformers 4's form)."""
+def where(exc: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``exc``'s traceback in core's code (the triage's first clue)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/core" in f.filename]
+    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno} " if frames else ""
+
+
+def run_variant(config_cls: type, base: dict, variant: dict, seed: int, legacy: bool, verbose: bool,
+                engine: dict) -> tuple[str, str]:
+    """(status, detail) of one variant (``legacy``: its config.json in transformers 4's form; ``engine``: more
+    of core.pipeline's options)."""
     from core.errors import UnsupportedError
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -305,14 +316,14 @@ def run_variant(config_cls: type, base: dict, variant: dict, seed: int, legacy: 
         except Exception as exc:  # transformers cannot build or run it: not ours to serve
             return "invalid", f"{type(exc).__name__}: {str(exc)[:150]}"
         try:
-            batch, again = ours(folder, [prompts, prompts[-1:]])
-            (chunked,) = ours(folder, [prompts], max_num_batched_tokens=SMALL_CHUNK)
+            batch, again = ours(folder, [prompts, prompts[-1:]], **engine)
+            (chunked,) = ours(folder, [prompts], max_num_batched_tokens=SMALL_CHUNK, **engine)
         except (NotImplementedError, UnsupportedError, ValueError) as exc:  # refused by name (read the detail)
             return "refused", f"{type(exc).__name__}: {str(exc)[:200]}"
         except Exception as exc:
             if verbose:
                 traceback.print_exc()
-            return "error", f"{type(exc).__name__}: {str(exc)[:200]}"
+            return "error", f"{where(exc)}{type(exc).__name__}: {str(exc)[:200]}"
         for path, got, want_prompts, want in (("batch", batch, prompts, expected),
                                                ("prefix-hit", again, prompts[-1:], expected[-1:]),
                                                ("chunked", chunked, prompts, expected)):
@@ -330,8 +341,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", type=int, help="run only this variant index of each architecture's draw")
     parser.add_argument("--json", type=Path, help="write the rows here too")
     parser.add_argument("-v", "--verbose", action="store_true", help="tracebacks of errors")
+    parser.add_argument("--eager", action="store_true",
+                        help="without the native decode stack (backend option enforce_eager): the modules alone")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    engine = {"backend_options": {"enforce_eager": True}} if args.eager else {}
     rows = []
     for arch, config_cls in causal_archs().items():
         if args.arch and arch not in args.arch and config_cls.model_type not in args.arch:
@@ -342,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.only is not None and index != args.only:
                 continue
             legacy = random.Random(json.dumps(variant, sort_keys=True)).random() < 0.5  # the draws' stream untouched
-            status, detail = run_variant(config_cls, base, variant, args.seed + index, legacy, args.verbose)
+            status, detail = run_variant(config_cls, base, variant, args.seed + index, legacy, args.verbose, engine)
             rows.append(dict(arch=config_cls.model_type, index=index, status=status, variant=variant, legacy=legacy,
                              detail=detail))
             form = "v4" if legacy else "v5"
