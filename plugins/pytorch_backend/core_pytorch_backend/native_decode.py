@@ -43,6 +43,12 @@ from core_pytorch_backend.layers.activation import GeluTanhAndMul, SiluAndMul
 from core_pytorch_backend.layers.attention import attention_layers
 from core_pytorch_backend.layers.norm import LayerNorm, RMSNorm
 from core_pytorch_backend.layers.rotary import RotaryEmbedding
+from core_pytorch_backend.models.cohere import (
+    CohereAttention,
+    CohereDecoderLayer,
+    CohereLayerNorm,
+    CohereModel,
+)
 from core_pytorch_backend.models.exaone4 import Exaone4DecoderLayer, Exaone4Model
 from core_pytorch_backend.models.gemma import GemmaDecoderLayer, GemmaModel
 from core_pytorch_backend.models.gemma2 import Gemma2Model
@@ -111,6 +117,7 @@ GEMMA_SANDWICH = ("input_layernorm", "pre_feedforward_layernorm", "post_attentio
 GLM4_SANDWICH = ("input_layernorm", "post_attention_layernorm", "post_self_attn_layernorm", "post_mlp_layernorm")
 POST = (None, None, "post_attention_layernorm", "post_feedforward_layernorm")
 PARALLEL_NONE, PARALLEL_RESIDUAL, PARALLEL_SUM = 0, 1, 2  # csrc/decoder_stack.c
+NORM_LAYER = 2  # csrc/decoder_stack.c (NORM_RMS 0, NORM_RMS_FLOAT 1)
 
 
 @dataclass(frozen=True)
@@ -151,13 +158,15 @@ _FAMILIES = {LlamaModel: _Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RM
              Starcoder2Model: _Family(Starcoder2DecoderLayer, LlamaAttention, UngatedMLP, LayerNorm, PRE),
              StableLmModel: _Family(StableLmDecoderLayer, StableLmAttention, LlamaMLP, LayerNorm, PRE,
                                     parallel=PARALLEL_RESIDUAL),
+             CohereModel: _Family(CohereDecoderLayer, CohereAttention, LlamaMLP, CohereLayerNorm,
+                                  ("input_layernorm", None, None, None), parallel=PARALLEL_RESIDUAL),
              PhiModel: _Family(PhiDecoderLayer, PhiAttention, UngatedMLP, LayerNorm, ("input_layernorm", None, None, None),
                                parallel=PARALLEL_SUM, o_proj="dense", qk_norms=False),
              GemmaModel: _Family(GemmaDecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, PRE),
              Gemma2Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, GEMMA_SANDWICH),
              Gemma3Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, GEMMA_SANDWICH)}
 _ACTIVATIONS = {SiluAndMul: ACT_SILU, GeluTanhAndMul: ACT_GELU_TANH}
-_NORM_KINDS = {RMSNorm: 0, GemmaRMSNorm: 1, LayerNorm: 2}  # csrc/decoder_stack.c NORM_RMS, NORM_RMS_FLOAT, NORM_LAYER
+_NORM_KINDS = {RMSNorm: 0, GemmaRMSNorm: 1, LayerNorm: NORM_LAYER, CohereLayerNorm: NORM_LAYER}  # csrc NORM_*
 
 
 class DoesNotFit(ValueError):
@@ -430,9 +439,10 @@ def _norm_weight(norm: nn.Module | None, family: _Family, spec: _Decoder, index:
         return None
     if type(norm) is not family.norm or _F(norm.eps).value != spec.eps:
         raise DoesNotFit(f"layer {index}'s norms differ (type or eps)")
-    if type(norm) is LayerNorm and getattr(norm.ops, "layer_norm", None) is None:
+    layer_norm = _NORM_KINDS[family.norm] == NORM_LAYER
+    if layer_norm and getattr(norm.ops, "layer_norm", None) is None:
         raise DoesNotFit(f"layer {index}'s LayerNorms are torch's, not the op set's (core_layer_norm)")
-    if type(norm) is LayerNorm and norm.bias is not None and norm.bias.dtype != norm.weight.dtype:
+    if layer_norm and norm.bias is not None and norm.bias.dtype != norm.weight.dtype:
         raise DoesNotFit(f"layer {index}'s LayerNorm bias is not of its weight's dtype")
     if family.norm is GemmaRMSNorm:
         return _ptr((1.0 + norm.weight.float()).contiguous(), keep)
@@ -443,7 +453,7 @@ def _norm_weight(norm: nn.Module | None, family: _Family, spec: _Decoder, index:
 
 def _norm_bias(norm: nn.Module | None, keep: list[torch.Tensor]) -> int | None:
     """A LayerNorm's bias (None: none, or not a LayerNorm)."""
-    return _ptr(norm.bias, keep) if type(norm) is LayerNorm and norm.bias is not None else None
+    return _ptr(norm.bias, keep) if isinstance(norm, LayerNorm) and norm.bias is not None else None
 
 
 def _packed(linear: nn.Module, index: int, keep: list[torch.Tensor]) -> Packed:

@@ -82,7 +82,7 @@ def _decode_both_ways(runner: ModelRunner, steps: int = 12) -> None:
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3", "phi3-partial-rotary",
                                   "granite", "olmo2", "olmo3", "exaone4", "glm4", "gemma", "gemma3_text", "gemma2",
-                                  "stablelm", "stablelm-parallel", "starcoder2", "phi", "qwen3_moe", "qwen2_moe", "mixtral", "granitemoe",
+                                  "stablelm", "stablelm-parallel", "starcoder2", "phi", "cohere", "cohere2", "qwen3_moe", "qwen2_moe", "mixtral", "granitemoe",
                                   "granitemoeshared", "olmoe"])
 def test_the_stack_gives_the_modules_hidden_states_bit_for_bit(tiny_checkpoint_factory, native_packed, arch,
                                                                  quantization, dtype):
@@ -91,7 +91,8 @@ def test_the_stack_gives_the_modules_hidden_states_bit_for_bit(tiny_checkpoint_f
     (core_layer_norm, from the modules' LayerNorm and from the stack), its parallel residual (the MLP on the
     attention's input norm) and partial rotary, StarCoder 2's LayerNorms and ungated GELU-tanh MLP with biases
     (core_act, which the modules' Activation calls too), Phi's (one LayerNorm, attn + mlp summed beside the residual,
-    the output projection named dense), and Gemma's decoders too: float32 norms of 1 + w
+    the output projection named dense), Cohere's (one float32 LayerNorm without bias, StableLM's parallel residual;
+    Cohere 2's global layers without rotary) and Gemma's decoders too: float32 norms of 1 + w
     (core_rms_norm_float), GELU-tanh * up, Gemma 2 and 3's norms of the attention's and the MLP's outputs, Gemma 2's
     soft-capped scores (the native op set's decode attention caps them as the stack's does), Gemma 3's sliding layers
     with their own rotary table. The sparse MoE models' blocks (a dense layer among them in Qwen3-MoE's, Qwen2-MoE's

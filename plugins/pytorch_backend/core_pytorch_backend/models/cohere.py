@@ -28,10 +28,11 @@ from .rotary_pairs import Weight, pairs_to_rotate_half, rotate_half_order
 
 class CohereLayerNorm(LayerNorm):
     """transformers' ``CohereLayerNorm``: a weight-only LayerNorm over the last dimension, in float32; for q
-    and k its weight is [heads, head_dim], one per head."""
+    and k its weight is [heads, head_dim], one per head. With ``ops`` (the layers' input norms), the op set's
+    ``layer_norm`` where it has one: the same float32 computation, in the kernel the native decode stack calls."""
 
-    def __init__(self, shape: int | tuple[int, int], eps: float):
-        super().__init__(shape, eps, bias=False)
+    def __init__(self, shape: int | tuple[int, int], eps: float, ops: Any = None):
+        super().__init__(shape, eps, bias=False, ops=ops)
 
     def normalized(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
@@ -61,7 +62,7 @@ class CohereDecoderLayer(torch.nn.Module):
 
     def make_norm(self, config: Any, ops: Any) -> torch.nn.Module:
         """The input norm (Cohere 2 MoE's may be an RMSNorm)."""
-        return CohereLayerNorm(config.hidden_size, config.layer_norm_eps)
+        return CohereLayerNorm(config.hidden_size, config.layer_norm_eps, ops)
 
     def forward(self, positions, hidden, residual, meta):
         """In the Llama layers' (hidden, residual) protocol: (h + attn) + mlp, the next norm adding mlp."""
