@@ -18,7 +18,8 @@ from ..quant.attach import QuantizedShards
 from .llama import DecoderSpec, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from .names import parts_renamed
 
-RENAMED = ((".attention_layernorm.", ".input_layernorm."), (".feedforward_layernorm.", ".post_attention_layernorm."))
+RENAMED = ((".attention_layernorm.", ".input_layernorm."),
+           (".feedforward_layernorm.", ".post_attention_layernorm."))
 XIELU_BUFFERS = (".act_fn.beta", ".act_fn.eps")
 
 
@@ -49,7 +50,8 @@ class ApertusForCausalLM(LlamaForCausalLM):
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:
         bias = bool(getattr(config, "attention_bias", False))
-        return DecoderSpec(qkv_bias=bias, qk_norm=True, sliding_windows=(None,) * config.num_hidden_layers, o_bias=bias)
+        return DecoderSpec(qkv_bias=bias, qk_norm=True, sliding_windows=(None,) * config.num_hidden_layers,
+                           o_bias=bias)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> QuantizedShards:
         return super().load_weights(self._xielu_buffers_copied((parts_renamed(name, RENAMED), tensor)

@@ -19,8 +19,8 @@ class Jais2DecoderLayer(LlamaDecoderLayer):
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
         nn.Module.__init__(self)  # not LlamaDecoderLayer's: its norms are RMSNorms, its MLP gated
         self.self_attn = LlamaAttention(config, ops, spec, layer_index, rotary)
-        self.mlp = UngatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, ("up_proj", "down_proj"),
-                              bias=spec.mlp_bias)
+        self.mlp = UngatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                              ("up_proj", "down_proj"), bias=spec.mlp_bias)
         self.input_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
         self.post_attention_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
 

@@ -45,7 +45,8 @@ class NanoChatDecoderLayer(LlamaDecoderLayer):
         self.post_attention_layernorm = WeightlessRMSNorm(config.rms_norm_eps)
 
     def make_mlp(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int) -> nn.Module:
-        return UngatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, ("fc1", "fc2"), bias=False)
+        return UngatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, ("fc1", "fc2"),
+                          bias=False)
 
 
 class NanoChatModel(LlamaModel):
@@ -67,7 +68,8 @@ class NanoChatForCausalLM(LlamaForCausalLM):
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:
         bias = bool(getattr(config, "attention_bias", False))
-        return DecoderSpec(qkv_bias=bias, qk_norm=False, sliding_windows=(None,) * config.num_hidden_layers, o_bias=bias)
+        return DecoderSpec(qkv_bias=bias, qk_norm=False, sliding_windows=(None,) * config.num_hidden_layers,
+                           o_bias=bias)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> QuantizedShards:
         halves_swapped = halves_swapped_order(head_dim_of(self.config))

@@ -15,7 +15,7 @@ from .llama import DecoderSpec, LlamaForCausalLM
 
 class SolarOpenDecoderLayer(GroupedMoeDecoderLayer):
     def make_mlp(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int) -> nn.Module:
-        return GroupedMoeBlock(config, ops, self.routing_rule(config))  # every layer's (its config has no dense ones)
+        return GroupedMoeBlock(config, ops, self.routing_rule(config))  # every layer's: its config has no dense
 
 
 class SolarOpenModel(GroupedMoeModel):
