@@ -370,13 +370,14 @@ def test_models_it_does_not_take_are_refused_at_start_with_the_reason(tiny_check
         describe(packed)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "olmo2", "gemma2"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "olmo2", "gemma2", "phi"])
 async def test_the_engine_serves_decode_steps_through_the_stack_unless_eager(tiny_checkpoint_factory, native_packed,
                                                                            monkeypatch, arch):
     """16 concurrent greedy requests of different lengths, chunked prefill, a cache small enough to
     preempt: token for token the same through the stack as through the modules (--enforce-eager), for a Llama
-    layer, Gemma 3's sandwich norms and sliding layers, OLMo 2's post-norm layers and Gemma 2's soft-capped
-    scores (chunks capped by the reference, decode rows by the C kernel)."""
+    layer, Gemma 3's sandwich norms and sliding layers, OLMo 2's post-norm layers, Gemma 2's soft-capped
+    scores (chunks capped by the reference, decode rows by the C kernel) and Phi's LayerNorm, ungated MLP and
+    parallel sum."""
     from core.config import EngineConfig, GenerationConfig
     from core.engine import AsyncEngine
     from core.response import collect
