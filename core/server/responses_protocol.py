@@ -4,8 +4,8 @@ A Responses request is run as the chat request it translates to (`to_chat_reques
 chat messages (`instructions` a system message first), function tools and `tool_choice` the chat path's,
 `text.format` its `response_format`, `reasoning.effort` the templates' `enable_thinking` switch, and
 `include: ["message.output_text.logprobs"]` with `top_logprobs` its logprobs (on the message's output_text). The
-server keeps no state, so `previous_response_id`, `conversation`, item references, `store: true` and
-`background` are refused with a 400 that says so. Nothing here touches the network or the engine.
+server keeps no state, so `previous_response_id`, `conversation`, a stored `prompt`, item references,
+`store: true` and `background` are refused with a 400 that says so. Nothing here touches the network or the engine.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class ResponsesRequest(BaseModel):
     background: bool | None = None
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None  # a stored prompt template, by id: refused (no state)
     metadata: dict[str, Any] | None = None
     user: str | None = None
 
@@ -69,6 +70,8 @@ def check_stateless(req: ResponsesRequest) -> None:
         raise InvalidRequestError(f"previous_response_id is not supported: {STATELESS}", param="previous_response_id")
     if req.conversation is not None:
         raise InvalidRequestError(f"conversation is not supported: {STATELESS}", param="conversation")
+    if req.prompt is not None:
+        raise InvalidRequestError(f"prompt (a stored prompt template) is not supported: {STATELESS}", param="prompt")
     if req.store:
         raise InvalidRequestError(f"store must be false: {STATELESS}", param="store")
     if req.background:

@@ -89,7 +89,8 @@ def test_the_clients_stream_helper(client: openai.OpenAI, model: str):
 
 
 @pytest.mark.parametrize(("field", "value"), [("previous_response_id", "resp_123"), ("store", True),
-                                              ("conversation", "conv_1")])
+                                              ("conversation", "conv_1"),
+                                              ("prompt", {"id": "pmpt_1", "variables": {"city": "Paris"}})])
 def test_state_is_a_400(http: httpx.Client, field: str, value: Any):
     error = assert_openai_error(http.post("/v1/responses", json={"input": "hi", field: value}), 400, field)
     assert "keeps no state" in error["message"]
