@@ -111,7 +111,7 @@ def _check_required(block: ContentBlock, param: str) -> None:
 
 
 def _unsupported_block(block: ContentBlock, role: str, param: str) -> UnsupportedError:
-    allowed = "text, tool_use and thinking" if role == "assistant" else "text, image and tool_result"
+    allowed = "text, tool_use, thinking and redacted_thinking" if role == "assistant" else "text, image and tool_result"
     return UnsupportedError(f"{param}: {role} content blocks of type {block.type!r} are not supported "
                             f"(only {allowed})", param=param)
 
@@ -141,7 +141,8 @@ def _user_messages(blocks: list[ContentBlock], param: str) -> tuple[list[dict[st
 
 
 def _assistant_message(blocks: list[ContentBlock], param: str) -> dict[str, Any]:
-    """Text, thinking (as reasoning_content) and tool_use blocks (as OpenAI tool_calls) of one turn."""
+    """Text, thinking (as reasoning_content) and tool_use blocks (as OpenAI tool_calls) of one turn
+    (redacted_thinking blocks are dropped)."""
     texts, thinking, calls = [], [], []
     for i, block in enumerate(blocks):
         _check_required(block, f"{param}.{i}")
@@ -152,7 +153,7 @@ def _assistant_message(blocks: list[ContentBlock], param: str) -> dict[str, Any]
         elif block.type == "tool_use" and block.id and block.name:
             arguments = json.dumps(block.input or {}, ensure_ascii=False)
             calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
-        else:
+        elif block.type != "redacted_thinking":  # encrypted reasoning only Anthropic's models read: dropped
             raise _unsupported_block(block, "assistant", f"{param}.{i}")
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
     if thinking:

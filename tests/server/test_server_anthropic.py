@@ -107,6 +107,18 @@ def test_a_block_without_its_required_field_is_a_400_naming_it(http: httpx.Clien
     assert error["type"] == "invalid_request_error" and error["message"].startswith(f"{param} is required"), error
 
 
+def test_a_redacted_thinking_block_is_dropped(http: httpx.Client):
+    """Its encrypted reasoning is for Anthropic's models alone; a conversation that carries one (from an earlier
+    turn of another server) was a 400."""
+    turns = [*MESSAGES, {"role": "assistant", "content": [{"type": "text", "text": "Hi."}]}, MESSAGES[0]]
+    redacted = [*MESSAGES, {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "EmwKAhgB"},
+                                                             {"type": "text", "text": "Hi."}]}, MESSAGES[0]]
+    count = http.post("/v1/messages/count_tokens", json={"messages": redacted})
+    assert count.status_code == 200, count.text
+    assert count.json() == http.post("/v1/messages/count_tokens", json={"messages": turns}).json()
+    assert http.post("/v1/messages", json={**BODY, "messages": redacted}).status_code == 200
+
+
 def test_models_answer_anthropics_client_in_its_shape(server, model: str):
     """/v1/models is both APIs': to a request with an anthropic-version header (Anthropic's clients send one) it
     answers with Anthropic's ModelInfo and not-found error, which its client parses (it got OpenAI's objects,
