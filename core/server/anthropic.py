@@ -70,7 +70,7 @@ async def _message_events(message_id: str, model: str, input_tokens: int, source
     blocks = ContentBlockEvents()
     for name, payload in blocks.open_text() if post.is_plain else ():
         yield sse_event(name, payload)
-    yield sse_event("ping", {"type": "ping"})  # where Anthropic's streams have one (after the first block's start)
+    yield sse_event("ping", {"type": "ping"})  # where Anthropic's streams have one: after the first block starts
     last: RequestOutput | None = None
     async for out in source:
         for name, payload in blocks.events(post.delta(0, out.text, finished=out.finish_reason is not None)):
@@ -81,8 +81,9 @@ async def _message_events(message_id: str, model: str, input_tokens: int, source
     reason, sequence = ap.stop_reason(last.finish_reason if last else None, last.stop_reason if last else None,
                                       stop_sequences, post.called_tools(0))
     # The whole usage, as Anthropic's message_delta has it (the client's helper copies it onto the message).
-    usage = ap.usage(input_tokens, last.completion_tokens, last.cached_tokens) if last else ap.usage(input_tokens, 0)
-    delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage}
+    usage = ap.usage(input_tokens, last.completion_tokens if last else 0, last.cached_tokens if last else 0)
+    delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+             "usage": usage}
     yield sse_event("message_delta", delta)
     yield sse_event("message_stop", {"type": "message_stop"})
 

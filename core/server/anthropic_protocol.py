@@ -100,18 +100,22 @@ def block_text(content: str | list[ContentBlock] | None, param: str) -> str:
 
 
 # The fields each block type needs (an id or a name must not be empty either; a text may be).
-_REQUIRED = {"text": ("text",), "thinking": ("thinking",), "tool_use": ("id", "name"), "tool_result": ("tool_use_id",)}
+_REQUIRED = {"text": ("text",), "thinking": ("thinking",), "tool_use": ("id", "name"),
+             "tool_result": ("tool_use_id",)}
 
 
 def _check_required(block: ContentBlock, param: str) -> None:
     for name in _REQUIRED.get(block.type, ()):
         value = getattr(block, name)
         if value is None or (value == "" and name not in ("text", "thinking")):
-            raise InvalidRequestError(f"{param}.{name} is required in a {block.type} block", param=f"{param}.{name}")
+            raise InvalidRequestError(f"{param}.{name} is required in a {block.type} block",
+                                      param=f"{param}.{name}")
 
 
 def _unsupported_block(block: ContentBlock, role: str, param: str) -> UnsupportedError:
-    allowed = "text, tool_use, thinking and redacted_thinking" if role == "assistant" else "text, image and tool_result"
+    allowed = "text, image and tool_result"
+    if role == "assistant":
+        allowed = "text, tool_use, thinking and redacted_thinking"
     return UnsupportedError(f"{param}: {role} content blocks of type {block.type!r} are not supported "
                             f"(only {allowed})", param=param)
 

@@ -110,8 +110,8 @@ async def chat_completions(request: Request) -> Response:
     post = state.postprocessors.for_prepared(started.prepared[0], req.parallel_tool_calls is not False)
     calls = tr.reports_tool_calls(req)
     if req.stream:
-        return _stream(_chat_events(state, response_id, started.model, source, post, req.stream_options, calls),
-                       response_id, [source])
+        events = _chat_events(state, response_id, started.model, source, post, req.stream_options, calls)
+        return _stream(events, response_id, [source])
     [result] = await until_disconnected(request, collect_all([source]))
     return JSONResponse(chat_response(state, response_id, started.model, result, post, calls),
                         headers={"X-Request-Id": response_id})
@@ -213,7 +213,8 @@ async def completions(request: Request) -> Response:
     echoes = [tr.completion_echo(req, p, prepared.prompt_token_ids, decode)
               for p, prepared in zip(prompts, started.prepared, strict=True)]
     if req.stream:
-        events = _completion_events(state, response_id, started.model, sources, config.n, echoes, req.stream_options)
+        events = _completion_events(state, response_id, started.model, sources, config.n, echoes,
+                                    req.stream_options)
         return _stream(events, response_id, sources)
     results = await until_disconnected(request, collect_all(sources))
     body = completion_response(state, response_id, started.model, results, config.n, echoes,

@@ -5,7 +5,8 @@ chat messages (`instructions` a system message first), function tools and `tool_
 `text.format` its `response_format`, `reasoning.effort` the templates' `enable_thinking` switch, and
 `include: ["message.output_text.logprobs"]` with `top_logprobs` its logprobs (on the message's output_text). The
 server keeps no state, so `previous_response_id`, `conversation`, a stored `prompt`, item references,
-`store: true` and `background` are refused with a 400 that says so. Nothing here touches the network or the engine.
+`store: true` and `background` are refused with a 400 that says so. Nothing here touches the network or the
+engine.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def check_stateless(req: ResponsesRequest) -> None:
     if req.conversation is not None:
         raise InvalidRequestError(f"conversation is not supported: {STATELESS}", param="conversation")
     if req.prompt is not None:
-        raise InvalidRequestError(f"prompt (a stored prompt template) is not supported: {STATELESS}", param="prompt")
+        raise InvalidRequestError(f"prompt (a stored prompt template) is not supported: {STATELESS}",
+                                  param="prompt")
     if req.store:
         raise InvalidRequestError(f"store must be false: {STATELESS}", param="store")
     if req.background:

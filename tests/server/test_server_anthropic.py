@@ -11,8 +11,8 @@ from server_helpers import MESSAGES, abort_while_running, assert_anthropic_error
 from core.testing.parse import parse_sse
 
 BODY = {"max_tokens": 8, "temperature": 0.0, "messages": MESSAGES, "system": "Be brief."}
-EVENTS = ["message_start", "content_block_start", "ping", "content_block_delta", "content_block_stop", "message_delta",
-          "message_stop"]  # the order of Anthropic's own streams
+EVENTS = ["message_start", "content_block_start", "ping", "content_block_delta", "content_block_stop",
+          "message_delta", "message_stop"]  # the order of Anthropic's own streams
 
 
 def test_non_stream_message(http: httpx.Client, model: str):

@@ -26,7 +26,8 @@ RESPONSE_EVENT = TypeAdapter(ResponseStreamEvent)
 ANTHROPIC_EVENT = TypeAdapter(RawMessageStreamEvent)
 
 
-def streamed(http: httpx.Client, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> list[Any]:
+def streamed(http: httpx.Client, path: str, body: dict[str, Any],
+             headers: dict[str, str] | None = None) -> list[Any]:
     """The JSON payloads of a streamed response (without OpenAI's closing [DONE])."""
     response = http.post(path, json={**body, "stream": True}, headers=headers)
     assert response.status_code == 200, response.text
@@ -53,7 +54,8 @@ def test_streamed_events_validate_as_the_clients_types(http: httpx.Client, model
     for event in events:
         RESPONSE_EVENT.validate_python(event)
     Response.model_validate(events[-1]["response"])
-    events = streamed(http, "/v1/messages", {"model": model, "messages": MESSAGES, "max_tokens": 4}, ANTHROPIC_HEADERS)
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 4}
+    events = streamed(http, "/v1/messages", body, ANTHROPIC_HEADERS)
     for event in events:
         if event["type"] != "ping":  # the client skips pings, so its union has no type for them
             ANTHROPIC_EVENT.validate_python(event)
@@ -98,5 +100,6 @@ IGNORED = {"user": "u1", "safety_identifier": "s1", "metadata": {"k": "v"}, "sto
 
 def test_fields_that_change_nothing_are_accepted(client, model: str):
     plain = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, temperature=0.0)
-    ignored = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, temperature=0.0, **IGNORED)
+    ignored = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, temperature=0.0,
+                                             **IGNORED)
     assert ignored.choices[0].message.content == plain.choices[0].message.content

@@ -249,7 +249,8 @@ def test_anthropic_stream_uses_its_block_events(qwen3: Any):
 @pytest.mark.parametrize("stream", [False, True])
 def test_anthropic_disable_parallel_tool_use_keeps_the_first_call(qwen3: Any, stream: bool):
     choice = {"type": "auto", "disable_parallel_tool_use": True}
-    response = httpx.post(qwen3.url("/v1/messages"), json=_anthropic_body(TWO_CALLS, tool_choice=choice, stream=stream))
+    body = _anthropic_body(TWO_CALLS, tool_choice=choice, stream=stream)
+    response = httpx.post(qwen3.url("/v1/messages"), json=body)
     if stream:
         events = [json.loads(data) for _, data in parse_sse(response.text)]
         blocks = [e["content_block"] for e in events if e["type"] == "content_block_start"]
