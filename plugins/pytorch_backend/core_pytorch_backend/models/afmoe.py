@@ -5,7 +5,9 @@ MLP, as Gemma's); the first ``num_dense_layers`` MLPs dense, the others DeepSeek
 (models/grouped_router.py, one group): sigmoid scores, chosen with the ``expert_bias`` added, the chosen scores
 divided by their sum (+ 1e-20) and times ``route_scale``, beside a shared MLP ``num_shared_experts`` experts wide.
 The embeddings are times ``sqrt(hidden_size)`` where ``mup_enabled``. Every norm multiplies its weight in float32
-(gpt-oss's ``GptOssRMSNorm``), as transformers keeps them. Following transformers' ``modeling_afmoe``."""
+(gpt-oss's ``GptOssRMSNorm``), as transformers keeps them; the router's weight stays float32 as the grouped block
+keeps it (transformers keeps AFMoE's ``expert_bias`` alone so: its bfloat16 logits round once more). Following
+transformers' ``modeling_afmoe``."""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ and elsewhere dense MLPs of ``prefix_dense_intermediate_size``, which take rotar
 experts, weighted by those logits' softmax (``expert_selection_fn`` "softmax") or by their sigmoids, renormalized
 where ``norm_topk_prob`` ("sigmoid"); a shared MLP ``num_shared_experts`` experts wide is added to the routed
 experts' sum ("sum") or averaged with it ("average": ``shared_expert_combination_strategy``). The norms are
-RMSNorms where ``rms_norm_eps`` is set, Cohere's LayerNorm otherwise. Following transformers' ``modeling_cohere2_moe``."""
+RMSNorms where ``rms_norm_eps`` is set, Cohere's LayerNorm otherwise. Following transformers'
+``modeling_cohere2_moe``."""
 
 from __future__ import annotations
 

@@ -27,7 +27,8 @@ from .sparse_moe import SparseMoeBlock
 NORM_EPS = 1e-5  # nn.LayerNorm's default, which transformers' DBRX keeps
 RENAMED = (("transformer.wte.", "model.embed_tokens."), ("transformer.norm_f.", "model.norm."),
            ("transformer.blocks.", "model.layers."), (".norm_attn_norm.norm_1.", ".input_layernorm."),
-           (".norm_attn_norm.norm_2.", ".post_attention_layernorm."), (".norm_attn_norm.attn.Wqkv.", ".self_attn.qkv_proj."),
+           (".norm_attn_norm.norm_2.", ".post_attention_layernorm."),
+           (".norm_attn_norm.attn.Wqkv.", ".self_attn.qkv_proj."),
            (".norm_attn_norm.attn.out_proj.", ".self_attn.o_proj."), (".ffn.router.layer.", ".mlp.gate."))
 STACKED = {"w1": "gate_proj", "v1": "up_proj", "w2": "down_proj"}
 

@@ -107,15 +107,20 @@ class DeepseekV2Model(LlamaModel):
     layer_class = DeepseekV2DecoderLayer
 
 
-class DeepseekV2ForCausalLM(GroupedMoeCheckpoint, LlamaForCausalLM):
-    model_class = DeepseekV2Model
-    #: experts are not split across ranks, nor MLA's heads
-    tensor_parallel_plan = None
+class MlaCache:
+    """Mixin (before ``LlamaForCausalLM`` among the bases) for MLA models' CausalLM classes: the KV cache holds
+    every head's expanded K and V (module docstring)."""
 
     def __init__(self, config: Any, ops: Any) -> None:
         super().__init__(config, ops)
-        self.num_kv_heads = config.num_attention_heads  # the cache's heads: every head its own expanded K/V
+        self.num_kv_heads = config.num_attention_heads
         self.head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+
+
+class DeepseekV2ForCausalLM(GroupedMoeCheckpoint, MlaCache, LlamaForCausalLM):
+    model_class = DeepseekV2Model
+    #: experts are not split across ranks, nor MLA's heads
+    tensor_parallel_plan = None
 
     @classmethod
     def check_config(cls, config: Any) -> None:

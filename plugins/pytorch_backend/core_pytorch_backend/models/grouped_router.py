@@ -1,18 +1,18 @@
-"""The mixture of experts DeepSeek-V2/V3, GLM-4.5 (``Glm4MoeForCausalLM``), GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``),
-dots.llm1 (``Dots1ForCausalLM``) and EXAONE MoE (``ExaoneMoeForCausalLM``: its ``num_experts`` and
-``num_shared_experts`` fields) share: from layer ``first_k_dense_replace`` on (or where ``mlp_layer_types`` says
-"sparse"), every MLP is ``n_routed_experts`` SwiGLU experts of
-``moe_intermediate_size`` plus one shared MLP of ``n_shared_experts * moe_intermediate_size`` every token runs
-through (ungated), each token through ``num_experts_per_tok`` experts chosen within its best ``topk_group`` of
+"""The mixture of experts DeepSeek-V2/V3, GLM-4.5 (``Glm4MoeForCausalLM``), GLM-4.7-Flash
+(``Glm4MoeLiteForCausalLM``), dots.llm1 (``Dots1ForCausalLM``), EXAONE MoE (``ExaoneMoeForCausalLM``) and AFMoE
+(``AfmoeForCausalLM``; the last two name their counts ``num_experts`` and ``num_shared_experts``) share: from layer
+``first_k_dense_replace`` on (or where ``mlp_layer_types`` says "sparse"), every MLP is ``n_routed_experts`` SwiGLU
+experts of ``moe_intermediate_size`` plus one shared MLP of ``n_shared_experts * moe_intermediate_size`` every token
+runs through (ungated), each token through ``num_experts_per_tok`` experts chosen within its best ``topk_group`` of
 ``n_group`` expert groups; the layers before are dense MLPs of ``intermediate_size``. Two routing rules, as
 transformers' routers compute them (``DeepseekV2TopkRouter``, ``DeepseekV3TopkRouter``):
 
 - DeepSeek-V2's ``greedy`` / ``group_limited_greedy``: softmax scores; a group ranks by its best score; the
   weights are the chosen scores times ``routed_scaling_factor``, never renormalized.
-- ``noaux_tc`` (DeepSeek-V3, Kimi K2, Moonlight, GLM-4.5 / 4.7-Flash, dots.llm1, EXAONE MoE): sigmoid scores; the choice (of groups,
-  each ranked by the sum of its best two, and of experts) is made on the scores plus the router's
-  ``e_score_correction_bias``, the weights are the chosen scores without it, divided by their sum (+ 1e-20)
-  where ``norm_topk_prob``, then times ``routed_scaling_factor``.
+- ``noaux_tc`` (DeepSeek-V3, Kimi K2, Moonlight, GLM-4.5 / 4.7-Flash, dots.llm1, EXAONE MoE, AFMoE): sigmoid
+  scores; the choice (of groups, each ranked by the sum of its best two, and of experts) is made on the scores
+  plus the router's ``e_score_correction_bias``, the weights are the chosen scores without it, divided by their
+  sum (+ 1e-20) where ``norm_topk_prob``, then times ``routed_scaling_factor``.
 
 The experts are models/sparse_moe.py's (its expert loop, each a ``LlamaMLP``); the router stays float32 in a
 bfloat16 model, as transformers keeps it. Checkpoint names ``mlp.gate.weight``, ``mlp.gate.e_score_correction_bias``,
@@ -45,7 +45,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 @dataclass(frozen=True)
 class ExpertCounts:
     """How many routed experts a sparse layer has and how many experts' widths its shared MLP is: DeepSeek's
-    ``n_routed_experts`` / ``n_shared_experts``, or EXAONE MoE's and AFMoE's ``num_experts`` / ``num_shared_experts``."""
+    ``n_routed_experts`` / ``n_shared_experts``, or EXAONE MoE's and AFMoE's ``num_experts`` /
+    ``num_shared_experts``."""
 
     routed: int
     shared: int

@@ -85,7 +85,8 @@ class JetMoeAttention(nn.Module):
 
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
         super().__init__()
-        self.kv_heads, self.head_dim, self.top_k = config.num_key_value_heads, config.kv_channels, config.num_experts_per_tok
+        self.kv_heads, self.head_dim = config.num_key_value_heads, config.kv_channels
+        self.top_k = config.num_experts_per_tok
         width = self.kv_heads * self.head_dim
         self.experts = HeadExperts(config, width)
         self.kv_proj = Linear(config.hidden_size, 2 * width)

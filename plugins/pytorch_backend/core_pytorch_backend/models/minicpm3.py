@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .deepseek_v2 import MlaAttention
+from .deepseek_v2 import MlaAttention, MlaCache
 from .granite import GraniteDecoderLayer
 from .llama import LlamaForCausalLM, LlamaModel
 
@@ -36,15 +36,13 @@ class MiniCPM3Model(LlamaModel):
         return self.embed_tokens(input_ids) * self.scale_emb
 
 
-class MiniCPM3ForCausalLM(LlamaForCausalLM):
+class MiniCPM3ForCausalLM(MlaCache, LlamaForCausalLM):
     model_class = MiniCPM3Model
     #: MLA's heads are not split across ranks
     tensor_parallel_plan = None
 
     def __init__(self, config: Any, ops: Any) -> None:
         super().__init__(config, ops)
-        self.num_kv_heads = config.num_attention_heads  # the cache's heads: every head its own expanded K/V
-        self.head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         self.logits_scaling = config.hidden_size / config.dim_model_base
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,8 @@
 convolution, dt clamped from ``time_step_min`` in the chunked form), each ``h + mamba(norm(h))``, where the layers
 ``layers_block_type`` names "hybrid" first run a transformer block shared among them: ``num_mem_blocks`` blocks,
 hybrid layer j running block ``j % num_mem_blocks`` (where the config ties weights: transformers ties the blocks
-only under ``tie_word_embeddings``, and gives each hybrid layer a block of its own otherwise). A block reads ``[h, the token embeddings]`` (2 x hidden wide)
-through an RMSNorm, attention of ``num_attention_heads`` heads of ``2 x hidden / num_attention_heads`` (q/k/v from the
+only under ``tie_word_embeddings``, and gives each hybrid layer a block of its own otherwise). A block reads
+``[h, the token embeddings]`` (2 x hidden wide) through an RMSNorm, attention of ``num_attention_heads`` heads of ``2 x hidden / num_attention_heads`` (q/k/v from the
 doubled width, the softmax scale ``(head_dim / 2) ** -0.5``, rotary only where ``use_mem_rope``), an RMSNorm and a
 gated MLP of ``hidden_act`` on a fused ``gate_up_proj``; each hybrid layer adds its own low-rank adapters to the
 block's gate/up projection (and to q, k and v where ``use_shared_attention_adapter``), keeps its own KV cache, and
@@ -120,7 +120,8 @@ class Zamba2MambaLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.mamba = Mamba2Mixer(mixer_spec(config))
 
-    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata, added: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata,
+                added: torch.Tensor | None = None) -> torch.Tensor:
         return hidden + self.mamba(self.input_layernorm(hidden if added is None else hidden + added), meta)
 
 
