@@ -38,44 +38,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from core_pytorch_backend.kernels.native import ACT_GELU_TANH, ACT_SILU, CACHE_CODES
-from core_pytorch_backend.layers.activation import GeluTanhAndMul, SiluAndMul
+from core_pytorch_backend.kernels.native import ACT_SILU, CACHE_CODES
 from core_pytorch_backend.layers.attention import attention_layers
-from core_pytorch_backend.layers.norm import LayerNorm, RMSNorm
+from core_pytorch_backend.layers.norm import LayerNorm
 from core_pytorch_backend.layers.rotary import RotaryEmbedding
-from core_pytorch_backend.models.cohere import (
-    CohereAttention,
-    CohereDecoderLayer,
-    CohereLayerNorm,
-    CohereModel,
-)
-from core_pytorch_backend.models.exaone4 import Exaone4DecoderLayer, Exaone4Model
-from core_pytorch_backend.models.gemma import GemmaDecoderLayer, GemmaModel
-from core_pytorch_backend.models.gemma2 import Gemma2Model
-from core_pytorch_backend.models.gemma3 import (
-    Gemma3Attention,
-    Gemma3DecoderLayer,
-    Gemma3MLP,
-    Gemma3Model,
-    GemmaRMSNorm,
-)
-from core_pytorch_backend.models.glm4 import Glm4DecoderLayer, Glm4Model
-from core_pytorch_backend.models.granite import GraniteDecoderLayer, GraniteModel
-from core_pytorch_backend.models.granitemoe import GraniteMoeDecoderLayer, GraniteMoeModel
-from core_pytorch_backend.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
-from core_pytorch_backend.models.mixtral import MixtralDecoderLayer, MixtralModel
-from core_pytorch_backend.models.olmo2 import Olmo2Attention, Olmo2DecoderLayer, Olmo2Model
-from core_pytorch_backend.models.olmo3 import Olmo3Model
-from core_pytorch_backend.models.olmoe import OlmoeAttention, OlmoeDecoderLayer, OlmoeModel
-from core_pytorch_backend.models.phi import PhiAttention, PhiDecoderLayer, PhiModel
-from core_pytorch_backend.models.sparse_moe import QwenMoeDecoderLayer, QwenMoeModel, SparseMoeBlock
-from core_pytorch_backend.models.stablelm import StableLmAttention, StableLmDecoderLayer, StableLmModel
-from core_pytorch_backend.models.starcoder2 import Starcoder2DecoderLayer, Starcoder2Model
+from core_pytorch_backend.models.gemma3 import GemmaRMSNorm
+from core_pytorch_backend.models.phi import PhiAttention
+from core_pytorch_backend.models.sparse_moe import SparseMoeBlock
+from core_pytorch_backend.models.stablelm import StableLmAttention
 from core_pytorch_backend.models.ungated_mlp import UngatedMLP
 from core_pytorch_backend.native import tile_rows
 from core_pytorch_backend.native.library import CpuKernels, available
 from core_pytorch_backend.native.packed_struct import Packed, packed_of
 from core_pytorch_backend.native.packed_weight import DTYPE_CODES, NativeWeight
+from core_pytorch_backend.native_families import (
+    NORM_KINDS,
+    NORM_LAYER,
+    Family,
+    clip_qkv_of,
+    family_of,
+    mlp_parts,
+    parallel_form,
+)
 from core_pytorch_backend.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
@@ -105,68 +89,6 @@ class _Decoder(ctypes.Structure):  # core_decoder
                 ("ungated", _I),
                 ("block_size", _L), ("num_slots", _L), ("max_position", _L), ("tiles", _I),
                 ("group_rows", _I), ("group_from", _I)]
-
-
-# A layer's norms by the C layer's places for them (core_layer: input_norm, post_norm, attn_out_norm, mlp_out_norm;
-# None: none there): Llama's before the attention and before the MLP; Gemma 2 and 3's and GLM-4's "sandwich" norms,
-# which add those of the attention's and the MLP's outputs (Gemma's post_attention_layernorm is the attention
-# output's, GLM-4's the MLP input's); OLMo 2's post-norm layers, only the outputs'
-PRE = ("input_layernorm", "post_attention_layernorm", None, None)
-GEMMA_SANDWICH = ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
-                  "post_feedforward_layernorm")
-GLM4_SANDWICH = ("input_layernorm", "post_attention_layernorm", "post_self_attn_layernorm", "post_mlp_layernorm")
-POST = (None, None, "post_attention_layernorm", "post_feedforward_layernorm")
-PARALLEL_NONE, PARALLEL_RESIDUAL, PARALLEL_SUM = 0, 1, 2  # csrc/decoder_stack.c
-NORM_LAYER = 2  # csrc/decoder_stack.c (NORM_RMS 0, NORM_RMS_FLOAT 1)
-
-
-@dataclass(frozen=True)
-class _Family:
-    """The module classes of one decoder family the stack takes, and how its layers differ from Llama's."""
-
-    layer: type
-    attention: type
-    mlp: type
-    norm: type  # RMSNorm (weights of the activations' dtype), GemmaRMSNorm (float32 1 + w) or LayerNorm (a bias)
-    places: tuple[str | None, ...]  # the layer's norms at the C layer's places (PRE, GEMMA_SANDWICH, ...)
-    scaled: bool = False  # the attention's and the MLP's outputs times the layer's residual_multiplier (Granite)
-    qk_whole: bool = False  # q and k normalized over all their heads at once (OLMo 2 and 3, OLMoE)
-    # a layer without a norm before its MLP: post-norm (OLMo 2), or its MLP beside the attention on the attention's
-    # input norm (csrc/decoder_stack.c PARALLEL_RESIDUAL: StableLM's use_parallel_residual; PARALLEL_SUM: Phi's)
-    parallel: int = PARALLEL_NONE
-    o_proj: str = "o_proj"  # the attention's output projection (Phi's: dense)
-    qk_norms: bool = True  # the attention has q_norm and k_norm (None: none); Phi's has q_layernorm, k_layernorm
-
-    def norms(self, layer: nn.Module) -> dict[str, nn.Module | None]:
-        """The layer's norms by the place the C layer has for each (None: none there)."""
-        found = {name: getattr(layer, place) if place else None
-                 for name, place in zip(("input", "before_mlp", "attn_out", "mlp_out"), self.places, strict=True)}
-        attention = layer.self_attn
-        return found | ({"q": attention.q_norm, "k": attention.k_norm} if self.qk_norms else {"q": None, "k": None})
-
-
-_FAMILIES = {LlamaModel: _Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, PRE),
-             GraniteModel: _Family(GraniteDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, PRE, scaled=True),
-             QwenMoeModel: _Family(QwenMoeDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, PRE),
-             MixtralModel: _Family(MixtralDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, PRE),
-             GraniteMoeModel: _Family(GraniteMoeDecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, PRE, scaled=True),
-             OlmoeModel: _Family(OlmoeDecoderLayer, OlmoeAttention, LlamaMLP, RMSNorm, PRE, qk_whole=True),
-             Olmo2Model: _Family(Olmo2DecoderLayer, Olmo2Attention, LlamaMLP, RMSNorm, POST, qk_whole=True),
-             Olmo3Model: _Family(Olmo2DecoderLayer, Olmo2Attention, LlamaMLP, RMSNorm, POST, qk_whole=True),
-             Exaone4Model: _Family(Exaone4DecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, POST),
-             Glm4Model: _Family(Glm4DecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, GLM4_SANDWICH),
-             Starcoder2Model: _Family(Starcoder2DecoderLayer, LlamaAttention, UngatedMLP, LayerNorm, PRE),
-             StableLmModel: _Family(StableLmDecoderLayer, StableLmAttention, LlamaMLP, LayerNorm, PRE,
-                                    parallel=PARALLEL_RESIDUAL),
-             CohereModel: _Family(CohereDecoderLayer, CohereAttention, LlamaMLP, CohereLayerNorm,
-                                  ("input_layernorm", None, None, None), parallel=PARALLEL_RESIDUAL),
-             PhiModel: _Family(PhiDecoderLayer, PhiAttention, UngatedMLP, LayerNorm, ("input_layernorm", None, None, None),
-                               parallel=PARALLEL_SUM, o_proj="dense", qk_norms=False),
-             GemmaModel: _Family(GemmaDecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, PRE),
-             Gemma2Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, GEMMA_SANDWICH),
-             Gemma3Model: _Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, GEMMA_SANDWICH)}
-_ACTIVATIONS = {SiluAndMul: ACT_SILU, GeluTanhAndMul: ACT_GELU_TANH}
-_NORM_KINDS = {RMSNorm: 0, GemmaRMSNorm: 1, LayerNorm: NORM_LAYER, CohereLayerNorm: NORM_LAYER}  # csrc NORM_*
 
 
 class DoesNotFit(ValueError):
@@ -272,7 +194,7 @@ def make_native_decode(model: nn.Module, *, device: torch.device, enabled: bool)
 def describe(model: nn.Module) -> _Plan:
     """Point the C structs at ``model``'s weights and KV caches; DoesNotFit says why they cannot be."""
     decoder = getattr(model, "model", None)
-    family = _family_of(decoder)
+    family = family_of(decoder)
     if family is None:
         raise DoesNotFit(f"{type(model).__name__}'s decoder is not Llama's, Granite's, OLMo's or Gemma's")
     if getattr(getattr(model, "ops", None), "name", None) != "native":
@@ -293,7 +215,7 @@ def describe(model: nn.Module) -> _Plan:
     heads, kv_heads, head_dim = attention.attn.num_heads, attention.attn.num_kv_heads, attention.head_dim
     if head_dim > MAX_HEAD_DIM or heads // kv_heads > MAX_GROUP:
         raise DoesNotFit(f"{head_dim}-wide heads in groups of {heads // kv_heads}")
-    act = ACT_SILU if dense is None else _mlp_parts(dense)[2]
+    act = ACT_SILU if dense is None else mlp_parts(dense)[2]
     if act is None:
         raise DoesNotFit("the MLP's activation (silu or GELU-tanh, an ungated one the op set's gelu_tanh)")
     qkv = attention.qkv_proj.weight
@@ -305,13 +227,13 @@ def describe(model: nn.Module) -> _Plan:
     group_rows = 0 if moe else row_group_rows(qkv.kernels)
     keep: list[Any] = []
     spec = _Decoder(hidden=width_norm.weight.shape[0], heads=heads, kv_heads=kv_heads,
-                    head_dim=head_dim, rotary_dim=rotary.rotary_dim, inter=1 if dense is None else _mlp_parts(dense)[1].input_size,
+                    head_dim=head_dim, rotary_dim=rotary.rotary_dim, inter=1 if dense is None else mlp_parts(dense)[1].input_size,
                     dtype=DTYPE_CODES[dtype],
                     cache_dtype=CACHE_CODES[cache.dtype], table_dtype=DTYPE_CODES[rotary.cos_cache.dtype],
-                    norm_kind=_NORM_KINDS[family.norm], act=act, parallel=_parallel(first, family),
+                    norm_kind=NORM_KINDS[family.norm], act=act, parallel=parallel_form(first, family),
                     ungated=int(family.mlp is UngatedMLP),
                     branch_scale=first.residual_multiplier if family.scaled else 1.0,
-                    qk_norm_whole=int(family.qk_whole), eps=width_norm.eps, clip_qkv=_clip_qkv(attention),
+                    qk_norm_whole=int(family.qk_whole), eps=width_norm.eps, clip_qkv=clip_qkv_of(attention),
                     block_size=cache.shape[1], num_slots=cache.shape[0] * cache.shape[1],
                     max_position=rotary.cos_cache.shape[0], group_rows=group_rows,
                     group_from=row_group_from(group_rows))
@@ -319,17 +241,6 @@ def describe(model: nn.Module) -> _Plan:
     for index, layer in enumerate(layers):
         described[index] = _describe_layer(layer, index, family, spec, rotary, cache, keep)
     return _Plan(model, attention.attn, cache.data_ptr(), dtype, spec, described, keep, group_rows)
-
-
-def _family_of(decoder: nn.Module | None) -> _Family | None:
-    """The family of the decoder's class or of the nearest base class in _FAMILIES whose forward it runs as it is
-    (a subclass that only builds itself otherwise, e.g. its rotary tables: its layers are checked one by one)."""
-    for cls in type(decoder).__mro__:
-        family = _FAMILIES.get(cls)
-        if family is not None:
-            kept = all(getattr(type(decoder), name) is getattr(cls, name) for name in ("forward", "run_layers"))
-            return family if kept else None
-    return None
 
 
 def _rotary_of(layers: list[nn.Module]) -> RotaryEmbedding:
@@ -362,14 +273,14 @@ def row_group_from(group_rows: int) -> int:
     return max(2 * GROUP_ROWS, group_rows) * torch.get_num_threads()
 
 
-def _describe_layer(layer: nn.Module, index: int, family: _Family, spec: _Decoder, first_rotary: RotaryEmbedding,
+def _describe_layer(layer: nn.Module, index: int, family: Family, spec: _Decoder, first_rotary: RotaryEmbedding,
                     cache: torch.Tensor, keep: list[Any]) -> _Layer:
     attention, mlp = layer.self_attn, layer.mlp
     moe = _moe_block(mlp, index, spec, keep) if type(mlp) is SparseMoeBlock else None
     if (type(layer) is not family.layer or type(attention) is not family.attention
-            or (moe is None and (type(mlp) is not family.mlp or _mlp_parts(mlp)[2] != spec.act))):
+            or (moe is None and (type(mlp) is not family.mlp or mlp_parts(mlp)[2] != spec.act))):
         raise DoesNotFit(f"layer {index} is not its family's decoder layer with the dense layers' activation")
-    up, down = (None, None) if moe else _mlp_parts(mlp)[:2]
+    up, down = (None, None) if moe else mlp_parts(mlp)[:2]
     if moe is None and down.input_size != spec.inter:
         raise DoesNotFit(f"layer {index}'s MLP is not as wide as the other dense layers'")
     if family.scaled and _F(layer.residual_multiplier).value != spec.branch_scale:
@@ -377,7 +288,7 @@ def _describe_layer(layer: nn.Module, index: int, family: _Family, spec: _Decode
     attn = attention.attn
     if (attn.has_score_terms and not attn.only_softcapped) or attn.v_head_dim != attn.head_dim:
         raise DoesNotFit(f"layer {index}'s attention adds score terms (but a soft cap) or has narrower values")
-    if _F(_clip_qkv(attention)).value != spec.clip_qkv or _parallel(layer, family) != spec.parallel:
+    if _F(clip_qkv_of(attention)).value != spec.clip_qkv or parallel_form(layer, family) != spec.parallel:
         raise DoesNotFit(f"layer {index}'s clip_qkv or residual form differs from layer 0's")
     if type(attention) in (StableLmAttention, PhiAttention) and attention.q_layernorm is not None:
         raise DoesNotFit(f"layer {index} has LayerNorms of the heads of q and k (qk_layernorm)")
@@ -399,25 +310,6 @@ def _describe_layer(layer: nn.Module, index: int, family: _Family, spec: _Decode
                   input_bias=_norm_bias(norms["input"], keep), post_bias=_norm_bias(norms["before_mlp"], keep))
 
 
-def _mlp_parts(mlp: nn.Module) -> tuple[nn.Module, nn.Module, int | None]:
-    """A dense MLP's first projection (gate_up, or an ungated MLP's up), its down projection and the code of its
-    activation (None: one the C layer does not run as the modules do)."""
-    if type(mlp) is UngatedMLP:
-        up, down = mlp.projections()
-        return up, down, None if mlp.act.op is None else ACT_GELU_TANH
-    return mlp.gate_up_proj, mlp.down_proj, _ACTIVATIONS.get(type(mlp.act_fn))
-
-
-def _parallel(layer: nn.Module, family: _Family) -> int:
-    """The layer's form: its MLP after the attention (PARALLEL_NONE) or beside it (the family's parallel form)."""
-    return family.parallel if family.norms(layer)["before_mlp"] is None else PARALLEL_NONE
-
-
-def _clip_qkv(attention: nn.Module) -> float:
-    """The bound OLMoE's attention clamps q, k and v to (0: none)."""
-    return (attention.clip_qkv or 0.0) if type(attention) is OlmoeAttention else 0.0
-
-
 def _moe_block(block: SparseMoeBlock, index: int, spec: _Decoder, keep: list[Any]) -> int:
     """The pointer the C layer reads for a sparse MoE block: its core_moe (native/expert_mix.py), kept alive."""
     kernel = block.native_kernel(torch.device("cpu"))
@@ -431,7 +323,7 @@ def _moe_block(block: SparseMoeBlock, index: int, spec: _Decoder, keep: list[Any
     return ctypes.addressof(kernel.moe)
 
 
-def _norm_weight(norm: nn.Module | None, family: _Family, spec: _Decoder, index: int,
+def _norm_weight(norm: nn.Module | None, family: Family, spec: _Decoder, index: int,
                  keep: list[torch.Tensor]) -> int | None:
     """The pointer the C layer reads for ``norm`` (None: no such norm): an RMSNorm's or a LayerNorm's weight as it
     is; a GemmaRMSNorm's 1 + weight in float32, computed as its forward computes it on every call."""
@@ -439,7 +331,7 @@ def _norm_weight(norm: nn.Module | None, family: _Family, spec: _Decoder, index:
         return None
     if type(norm) is not family.norm or _F(norm.eps).value != spec.eps:
         raise DoesNotFit(f"layer {index}'s norms differ (type or eps)")
-    layer_norm = _NORM_KINDS[family.norm] == NORM_LAYER
+    layer_norm = NORM_KINDS[family.norm] == NORM_LAYER
     if layer_norm and getattr(norm.ops, "layer_norm", None) is None:
         raise DoesNotFit(f"layer {index}'s LayerNorms are torch's, not the op set's (core_layer_norm)")
     if layer_norm and norm.bias is not None and norm.bias.dtype != norm.weight.dtype:
