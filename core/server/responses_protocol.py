@@ -137,6 +137,9 @@ def _add_item(messages: list[dict[str, Any]], item: dict[str, Any], param: str) 
         else:
             messages.append(message)
     elif kind == "function_call":
+        for field in ("name", "arguments"):
+            if not isinstance(item.get(field, ""), str):
+                raise InvalidRequestError(f"{param}.{field} must be a string", param=f"{param}.{field}")
         call = {"id": item["call_id"], "type": "function",
                 "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
         _open_assistant(messages).setdefault("tool_calls", []).append(call)
@@ -169,7 +172,7 @@ def _message(item: dict[str, Any], param: str) -> dict[str, Any]:
         raise InvalidRequestError(f"{param}.role must be one of {sorted(_ROLES)}, got {item.get('role')!r}",
                                   param=f"{param}.role")
     content = item.get("content", "")
-    if role != "user" or isinstance(content, str):
+    if role != "user" or not isinstance(content, list):
         return {"role": role, "content": _text(content, f"{param}.content")}
     return {"role": role, "content": [_user_part(part, f"{param}.content[{j}]") for j, part in enumerate(content)]}
 
@@ -194,6 +197,8 @@ def _text(content: Any, param: str) -> str:
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
             raise UnsupportedError(f"{param}[{j}]: only text parts are supported here", param=f"{param}[{j}]")
+        if not isinstance(part.get("text", ""), str):
+            raise InvalidRequestError(f"{param}[{j}].text must be a string", param=f"{param}[{j}].text")
     return "".join(part.get("text", "") for part in content)
 
 

@@ -134,6 +134,14 @@ def test_json_schema_format_needs_structured_output(http: httpx.Client):
     ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a/b", "schema": {}}}}, "text.format.name"),
     ({"input": "x", "top_p": 1.5}, "top_p"),
+    # contents of the wrong type: they were 500s (a fuzz of the input items found them)
+    ({"input": [{"role": "user", "content": 5}]}, "input[0].content"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input[0].content[0].text"),
+    ({"input": [{"role": "system", "content": [{"type": "input_text", "text": None}]}]}, "input[0].content[0].text"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": 1}]}]},
+     "input[0].output[0].text"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": 5, "arguments": "{}"}]}, "input[0].name"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}}]}, "input[0].arguments"),
 ])
 def test_invalid_requests_name_the_field(http: httpx.Client, body: dict[str, Any], param: str):
     assert_openai_error(http.post("/v1/responses", json=body), 400, param)
