@@ -46,7 +46,7 @@ typedef struct {
     void *k_cache, *v_cache; /* [slots, Hkv, D] of the cache dtype */
     int64_t window;          /* sliding window, 0: none */
     float scale;             /* softmax scale */
-    float softcap;           /* the scores soft-capped (Gemma 2's attn_logit_softcapping: cpu_ops.c cap_scores), 0: not */
+    float softcap;           /* scores soft-capped (Gemma 2's attn_logit_softcapping: cpu_ops.c cap_scores), 0: not */
     int32_t rope;            /* 1: rotary on q and k; 0: none (SmolLM3's no-rope layers) */
     const core_moe *moe;     /* the MLP a sparse MoE block (moe_mix.c; gate_up and down unused), or NULL */
     const void *input_bias, *post_bias; /* [H] input_norm's and post_norm's biases (NORM_LAYER), or NULL: none */
@@ -60,7 +60,7 @@ enum { PARALLEL_NONE = 0, PARALLEL_RESIDUAL = 1, PARALLEL_SUM = 2 };
 /* core_decoder.norm_kind: every norm of the layers is one of these */
 enum { NORM_RMS = 0,       /* RMSNorm, weights of the activations' dtype (core_rms_norm) */
        NORM_RMS_FLOAT = 1, /* weights float32, multiplied in float32 and rounded once (Gemma: 1 + w) */
-       NORM_LAYER = 2 };   /* LayerNorm with a bias, weights of the activations' dtype (core_layer_norm: StableLM) */
+       NORM_LAYER = 2 };   /* LayerNorm (a bias or none), weights of the activations' dtype (core_layer_norm) */
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter; /* inter: the dense MLPs' (the widest; MoE layers' own) */
@@ -271,8 +271,8 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
         CHECK(linear(m, &L->down, b->act, tokens, m->inter, r->hidden));
     }
     if (L->mlp_out_norm) CHECK(norm(m, r->hidden, tokens, h, NULL, L->mlp_out_norm, NULL, r->hidden, NULL));
-    if (sum) add_rows(m, b->branch, r->hidden, tokens * h); /* attn + mlp, handed on beside the residual as it was */
     if (m->branch_scale != 1.f) scale_rows(m, r->hidden, tokens, h);
+    if (sum) add_rows(m, b->branch, r->hidden, tokens * h); /* attn + mlp, handed on beside the residual as it was */
     return OK;
 }
 
