@@ -15,15 +15,16 @@ It takes a model whose decoder is ``models.llama``'s (Llama, Qwen2, Qwen3, Mistr
 and a subclass that runs its forward as it is), Granite's (what the attention and the MLP add to the residual
 times its multiplier), OLMo 2's post-norm layers (and OLMo 3's and EXAONE 4's over them: only the attention's and
 the MLP's outputs normalised; OLMo's q and k norms over all heads at once), GLM-4's (Llama's norms and those of
-the attention's and the MLP's outputs), StableLM's (LayerNorms with biases, which the native op set's
-``layer_norm`` runs from the modules too; the parallel residual) or one of Gemma's (``models.gemma``, ``gemma2``,
+the attention's and the MLP's outputs), the LayerNorm decoders of StableLM, StarCoder 2, Phi and Command R / R7B
+(LayerNorms and ungated tanh GELUs, which the native op set's ``layer_norm`` and ``gelu_tanh`` run from the
+modules too; StableLM's, Cohere's and Phi's parallel layers) or one of Gemma's (``models.gemma``, ``gemma2``,
 ``gemma3``: float32 norms of 1 + w, GELU-tanh, Gemma 2 and 3's norms of the attention's and the MLP's outputs,
 Gemma 2's soft-capped scores, which the native op set's ``softcapped_attention`` caps in the same C kernel, Gemma
 3's rotary table per layer type), and the sparse MoE models over Llama's layer (Qwen2-MoE, Qwen3-MoE, Mixtral,
 Granite MoE, OLMoE with its clip_qkv: an MoE layer's block is ``native/expert_mix.py``'s one call, router included,
-which the modules' forward calls too) built on the native op set, with every projection a
-``NativeWeight`` (GGUF quants, ``--quantization int8|int4``), float32 or bfloat16 activations, a float32, bfloat16
-or int8 KV cache, and no hooks (tensor parallel ranks all-reduce in hooks). Steps with a prefill chunk, M-RoPE
+which the modules' forward calls too): ``native_families.py``. It must be built on the native op set, with every
+projection a ``NativeWeight`` (GGUF quants, ``--quantization int8|int4``), float32 or bfloat16 activations, a
+float32, bfloat16 or int8 KV cache, and no hooks (tensor parallel ranks all-reduce in hooks). Steps with a prefill chunk, M-RoPE
 positions or bidirectional image spans, and steps whose rows carry LoRA adapters (the runner routes those
 elsewhere), run through the modules; so does everything with ``--enforce-eager``.
 """
@@ -196,7 +197,7 @@ def describe(model: nn.Module) -> _Plan:
     decoder = getattr(model, "model", None)
     family = family_of(decoder)
     if family is None:
-        raise DoesNotFit(f"{type(model).__name__}'s decoder is not Llama's, Granite's, OLMo's or Gemma's")
+        raise DoesNotFit(f"{type(model).__name__}'s decoder is not one the stack takes (native_families.FAMILIES)")
     if getattr(getattr(model, "ops", None), "name", None) != "native":
         raise DoesNotFit("the model is not built on the native op set")
     _no_hooks(model)
@@ -226,8 +227,8 @@ def describe(model: nn.Module) -> _Plan:
     moe = any(type(layer.mlp) is SparseMoeBlock for layer in layers)
     group_rows = 0 if moe else row_group_rows(qkv.kernels)
     keep: list[Any] = []
-    spec = _Decoder(hidden=width_norm.weight.shape[0], heads=heads, kv_heads=kv_heads,
-                    head_dim=head_dim, rotary_dim=rotary.rotary_dim, inter=1 if dense is None else mlp_parts(dense)[1].input_size,
+    spec = _Decoder(hidden=width_norm.weight.shape[0], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                    rotary_dim=rotary.rotary_dim, inter=1 if dense is None else mlp_parts(dense)[1].input_size,
                     dtype=DTYPE_CODES[dtype],
                     cache_dtype=CACHE_CODES[cache.dtype], table_dtype=DTYPE_CODES[rotary.cos_cache.dtype],
                     norm_kind=NORM_KINDS[family.norm], act=act, parallel=parallel_form(first, family),
