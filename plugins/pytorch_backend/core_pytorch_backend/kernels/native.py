@@ -173,10 +173,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
                residual: torch.Tensor | None = None):
     """``layers.norm.LayerNorm``'s (x + residual, then torch's layer_norm) in one ``core_layer_norm`` call, computed in
-    float32 and rounded once as torch's is: the decode stack calls the same kernel (StableLM's norms)."""
-    if (_code(x) is None or _code(weight) is None or x.device.type != "cpu" or (bias is not None and bias.dtype !=
-                                                                                 weight.dtype)
-            or (residual is not None and residual.dtype != x.dtype)):
+    float32 and rounded once as torch's is: the decode stack calls the same kernel (StableLM's, Phi's norms...)."""
+    if (_code(x) is None or _code(weight) is None or x.device.type != "cpu"
+            or (bias is not None and bias.dtype != weight.dtype) or (residual is not None and residual.dtype != x.dtype)):
         return reference.layer_norm(x, weight, bias, eps, residual)
     x, weight = x.contiguous(), weight.contiguous()  # named: a temporary would free its memory mid-call
     bias = None if bias is None else bias.contiguous()
