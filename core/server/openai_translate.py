@@ -225,7 +225,8 @@ def forced_tool_call(req: ChatCompletionRequest, tools: list[dict[str, Any]] | N
         return sf.tool_call_constraint(tools, None, call_format)
     if not isinstance(choice, dict):
         return None
-    name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+    function = choice.get("function") if choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
         raise InvalidRequestError('tool_choice must be {"type": "function", "function": {"name": ...}}',
                                   param="tool_choice")

@@ -59,6 +59,8 @@ CHAT_ERRORS = [
     ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "none"}, "tools[0].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": "f"}},
+     "tool_choice"),  # a function that is not an object: it was a 500
     # a json_schema response format needs a name as OpenAI's (^[a-zA-Z0-9_-]{1,64}$): it was not read at all
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
      "response_format.json_schema.name"),
