@@ -202,6 +202,9 @@ def describe(model: nn.Module) -> _Plan:
         raise DoesNotFit("the model is not built on the native op set")
     _no_hooks(model)
     layers = list(decoder.layers)
+    if any(type(layer) is not family.layer or type(layer.self_attn) is not family.attention for layer in layers):
+        raise DoesNotFit(f"{type(decoder).__name__}'s layers are not all {family.layer.__name__}s with "
+                         f"{family.attention.__name__}")  # a subclass of a family's model with layers of its own
     first = layers[0]
     attention = first.self_attn
     dense = next((layer.mlp for layer in layers if type(layer.mlp) is family.mlp), None)  # None: every MLP an MoE

@@ -355,6 +355,11 @@ def test_models_it_does_not_take_are_refused_at_start_with_the_reason(tiny_check
     with pytest.raises(DoesNotFit, match="decoder is not"):  # one with a forward of its own does not
         describe(packed)
     packed.model.__class__ = llama
+    layer_class = type(packed.model.layers[1])
+    packed.model.layers[1].__class__ = type("OtherLayer", (layer_class,), {})  # (VaultGemma's Gemma 2 model has
+    with pytest.raises(DoesNotFit, match="layers are not all LlamaDecoderLayers"):  # Gemma 1's layers)
+        describe(packed)
+    packed.model.layers[1].__class__ = layer_class
     handle = packed.model.layers[1].self_attn.o_proj.register_forward_hook(lambda *a: None)  # a TP all-reduce
     with pytest.raises(DoesNotFit, match="hooks"):
         describe(packed)
