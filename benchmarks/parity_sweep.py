@@ -2,17 +2,19 @@
 
 For every causal-LM architecture of the built-in registry whose transformers config class builds a tiny model,
 draw random variants of the fields that config class takes (its __init__ signature) and its modeling code reads
-(``config.<field>`` in its source), build each tiny random checkpoint (testing.tiny_tokenizer, reinit_), and
-compare greedy tokens of ``core.pipeline(path, dtype="float32")`` (engine, scheduler, paged cache, native
-decode where it runs) with transformers' ``generate``: a batch of prompts of different lengths, the longest
-again (a prefix-cache hit), and the batch once more with chunked prefill forced small. A variant transformers
-itself cannot build is ``invalid``; one our loader refuses by name is ``refused``; otherwise ``pass``,
-``diverge`` (with the first differing step and transformers' top-2 margin there: under ~1e-4 is a near tie) or
-``error``.
+(``config.<field>`` in its source, ``self.<field>`` in the config class's), build each tiny random checkpoint
+(testing.save_tiny_checkpoint; for half the variants its config.json rewritten in transformers 4's form, as most
+Hub checkpoints are), and compare greedy tokens of ``core.pipeline(path, dtype="float32")`` (engine, scheduler,
+paged cache, native decode stack where it runs) with transformers' ``generate``: a batch of prompts of different
+lengths, the longest again (a prefix-cache hit), and the batch once more with chunked prefill forced small. A
+variant transformers itself cannot build or run is ``invalid``; one our loader refuses by name is ``refused``;
+otherwise ``pass``, ``diverge`` (with the first differing step and transformers' top-1 minus top-2 logit there:
+near 0 is a tie) or ``error`` (with the file and line in core where it rose).
 
     python benchmarks/parity_sweep.py --variants 4 --seed 0             # every architecture
     python benchmarks/parity_sweep.py --arch qwen3_moe --variants 20 -v  # one, with tracebacks
     python benchmarks/parity_sweep.py --arch llama --only 3 --seed 0     # rerun variant 3 of that draw
+    python benchmarks/parity_sweep.py --arch olmo --eager                # the modules without the native stack
 """
 
 from __future__ import annotations
@@ -213,8 +215,9 @@ def config_fields(config_cls: type) -> dict[str, str]:
 def modeling_reads(config_cls: type) -> set[str]:
     """Fields transformers reads: in the model's source (``config.x``, ``getattr(config, "x"``) or in the config
     class's own (``self.x``: Qwen2's use_sliding_window and max_window_layers make its layer_types)."""
+    modeling = config_cls.__module__.replace(".configuration_", ".modeling_")
     try:
-        source = inspect.getsource(importlib.import_module(config_cls.__module__.replace(".configuration_", ".modeling_")))
+        source = inspect.getsource(importlib.import_module(modeling))
     except (ImportError, OSError):
         source = ""
     reads = set(re.findall(r"config\.(\w+)", source)) | set(re.findall(r"getattr\(\w*config, \"(\w+)\"", source))
@@ -341,11 +344,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", type=int, help="run only this variant index of each architecture's draw")
     parser.add_argument("--json", type=Path, help="write the rows here too")
     parser.add_argument("-v", "--verbose", action="store_true", help="tracebacks of errors")
+    parser.add_argument("--block-size", type=int, help="the KV cache's block size (default: the engine's, 16)")
     parser.add_argument("--eager", action="store_true",
                         help="without the native decode stack (backend option enforce_eager): the modules alone")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    engine = {"backend_options": {"enforce_eager": True}} if args.eager else {}
+    engine: dict[str, Any] = {"backend_options": {"enforce_eager": True}} if args.eager else {}
+    if args.block_size:
+        engine["block_size"] = args.block_size
     rows = []
     for arch, config_cls in causal_archs().items():
         if args.arch and arch not in args.arch and config_cls.model_type not in args.arch:
