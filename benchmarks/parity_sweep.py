@@ -52,8 +52,8 @@ TINY = dict(
 # Per-architecture sizes the generic ones do not make consistent (from the family's own test files).
 MLA = dict(kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, q_lora_rank=48)
 # test_deepseek's: MLA over 4 heads (as many k/v heads: transformers' MLA takes no fewer), 16 experts of 32
-DEEPSEEK = dict(MLA, head_dim=8, num_key_value_heads=4, intermediate_size=96, n_routed_experts=16, n_shared_experts=1,
-                first_k_dense_replace=1)
+DEEPSEEK = dict(MLA, head_dim=8, num_key_value_heads=4, intermediate_size=96, n_routed_experts=16,
+                n_shared_experts=1, first_k_dense_replace=1)
 BASE = {
     "gpt_neox": dict(num_key_value_heads=None),
     "deepseek_v2": dict(DEEPSEEK, n_group=4, topk_group=2, topk_method="group_limited_greedy"),
@@ -220,12 +220,13 @@ def modeling_reads(config_cls: type) -> set[str]:
         source = inspect.getsource(importlib.import_module(modeling))
     except (ImportError, OSError):
         source = ""
-    reads = set(re.findall(r"config\.(\w+)", source)) | set(re.findall(r"getattr\(\w*config, \"(\w+)\"", source))
+    reads = set(re.findall(r"config\.(\w+)", source))
+    reads |= set(re.findall(r"getattr\(\w*config, \"(\w+)\"", source))
     return reads | set(re.findall(r"self\.(\w+)", inspect.getsource(config_cls)))
 
 
 def draw_variant(config_cls: type, rng: random.Random) -> tuple[dict, dict]:
-    """(tiny base fields, drawn variant fields) of ``config_cls``: each applicable field drawn with chance 1/2."""
+    """(tiny base fields, drawn variant fields) of ``config_cls``: each field that applies drawn with chance 1/2."""
     fields = config_fields(config_cls)
     base = {k: v for k, v in TINY.items() if k in fields}
     base.update(BASE.get(config_cls.model_type, {}))
@@ -293,7 +294,8 @@ def compare(hf: Any, prompts, expected, got, path: str) -> str | None:
     for prompt, want, have in zip(prompts, expected, got, strict=True):
         if want != have:
             step = next(i for i, (a, b) in enumerate(zip(want, have, strict=True)) if a != b)
-            return f"{path}: prompt of {len(prompt)} parts at step {step} (margin {margin(hf, prompt, want, step):.2g})"
+            gap = margin(hf, prompt, want, step)
+            return f"{path}: prompt of {len(prompt)} tokens at step {step} (margin {gap:.2g})"
     return None
 
 
@@ -336,6 +338,27 @@ def run_variant(config_cls: type, base: dict, variant: dict, seed: int, legacy: 
     return "pass", ""
 
 
+STATUSES = ("pass", "diverge", "error", "refused", "invalid")
+
+
+def sweep_arch(arch: str, config_cls: type, args: argparse.Namespace, engine: dict) -> list[dict]:
+    """The rows of ``args.variants`` variants of the architecture ``arch`` (printed as they come)."""
+    rng = random.Random(f"{args.seed}-{arch}")
+    rows = []
+    for index in range(args.variants):
+        base, variant = draw_variant(config_cls, rng)
+        if args.only is not None and index != args.only:
+            continue
+        legacy = random.Random(json.dumps(variant, sort_keys=True)).random() < 0.5  # the draws' stream as it is
+        status, detail = run_variant(config_cls, base, variant, args.seed + index, legacy, args.verbose, engine)
+        rows.append(dict(arch=config_cls.model_type, index=index, status=status, variant=variant,
+                         legacy=legacy, detail=detail))
+        form = "v4" if legacy else "v5"
+        print(f"{config_cls.model_type:18} {index:3} {form} {status:8} {json.dumps(variant)} {detail}",
+              flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", action="append", help="model_type or architecture (repeatable); default all")
@@ -346,28 +369,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="tracebacks of errors")
     parser.add_argument("--block-size", type=int, help="the KV cache's block size (default: the engine's, 16)")
     parser.add_argument("--eager", action="store_true",
-                        help="without the native decode stack (backend option enforce_eager): the modules alone")
+                        help="without the native decode stack (backend option enforce_eager)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     engine: dict[str, Any] = {"backend_options": {"enforce_eager": True}} if args.eager else {}
     if args.block_size:
         engine["block_size"] = args.block_size
-    rows = []
-    for arch, config_cls in causal_archs().items():
-        if args.arch and arch not in args.arch and config_cls.model_type not in args.arch:
-            continue
-        rng = random.Random(f"{args.seed}-{arch}")
-        for index in range(args.variants):
-            base, variant = draw_variant(config_cls, rng)
-            if args.only is not None and index != args.only:
-                continue
-            legacy = random.Random(json.dumps(variant, sort_keys=True)).random() < 0.5  # the draws' stream untouched
-            status, detail = run_variant(config_cls, base, variant, args.seed + index, legacy, args.verbose, engine)
-            rows.append(dict(arch=config_cls.model_type, index=index, status=status, variant=variant, legacy=legacy,
-                             detail=detail))
-            form = "v4" if legacy else "v5"
-            print(f"{config_cls.model_type:18} {index:3} {form} {status:8} {json.dumps(variant)} {detail}", flush=True)
-    counts = {s: sum(r["status"] == s for r in rows) for s in ("pass", "diverge", "error", "refused", "invalid")}
+    rows = [row for arch, config_cls in causal_archs().items()
+            if not args.arch or arch in args.arch or config_cls.model_type in args.arch
+            for row in sweep_arch(arch, config_cls, args, engine)]
+    counts = {s: sum(r["status"] == s for r in rows) for s in STATUSES}
     print(" ".join(f"{k} {v}" for k, v in counts.items()))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
