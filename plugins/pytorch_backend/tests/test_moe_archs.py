@@ -131,10 +131,11 @@ CONFIGS = {
     # JetMoE: 4 experts, two a token, in the MLP (of 32) and the attention (query heads for the 2 k/v heads of 16
     # each: 4 query heads a token), biases after both mixes, tied
     "jetmoe": ("JetMoeConfig", dict(kv_channels=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
-    # three experts a token (6 query heads over 2 k/v heads), untied, an rms_norm_eps only the final norm takes
-    "jetmoe-top-3-untied-eps": ("JetMoeConfig", dict(kv_channels=16, intermediate_size=32, num_local_experts=4,
-                                                     num_experts_per_tok=3, tie_word_embeddings=False,
-                                                     rms_norm_eps=0.01)),
+    # three experts a token (6 query heads over 2 k/v heads), untied, an rms_norm_eps only the final norm takes,
+    # gelu_new experts (activation_function: found by benchmarks/parity_sweep.py, run as silu)
+    "jetmoe-top-3-untied-eps-gelu-new": ("JetMoeConfig", dict(
+        kv_channels=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=3, tie_word_embeddings=False,
+        rms_norm_eps=0.01, activation_function="gelu_new")),
     # AFMoE (Arcee's Trinity): a dense first layer, then 8 experts of 32, two a token (sigmoid scores chosen with
     # the expert bias, renormalized, x 2.5) beside a shared one; gated attention with per-head q/k norms, a windowed
     # layer with rotary and a global one without; four norms a layer

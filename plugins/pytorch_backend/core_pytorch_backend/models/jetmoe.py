@@ -3,7 +3,8 @@
 weighted by those logits' softmax, the experts' outputs summed in expert order plus a bias, as transformers'
 ``modeling_jetmoe``:
 
-- the MLP: SwiGLU experts of ``intermediate_size`` (models/sparse_moe.py's block, Granite MoE's routing) plus ``bias``;
+- the MLP: gated experts of ``intermediate_size`` and ``activation_function`` (models/sparse_moe.py's block, Granite
+  MoE's routing) plus ``bias``;
 - the attention (a mixture of attention heads): one k/v projection of ``num_key_value_heads`` heads of
   ``kv_channels`` every token shares; each chosen expert projects the token's queries for all those heads, so a
   token has k x ``num_key_value_heads`` query heads, the one of expert slot j and k/v head h attending over k/v head
@@ -125,6 +126,10 @@ class JetMoeForCausalLM(LlamaForCausalLM):
     model_class = JetMoeModel
     #: experts are not split across ranks
     tensor_parallel_plan = None
+
+    def __init__(self, config: Any, ops: Any) -> None:
+        config.hidden_act = config.activation_function  # JetMoE's name for the experts' activation
+        super().__init__(config, ops)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> QuantizedShards:
         return super().load_weights(_our_names(weights))
