@@ -7,6 +7,7 @@ validated strictly (`model_validate`) against openai.types and anthropic.types.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from typing import Any
 
@@ -103,3 +104,36 @@ def test_fields_that_change_nothing_are_accepted(client, model: str):
     ignored = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, temperature=0.0,
                                              **IGNORED)
     assert ignored.choices[0].message.content == plain.choices[0].message.content
+
+
+BAD_REQUESTS = [
+    ("/v1/chat/completions", b"{not json"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 5}]}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+                             b'"function": {"name": "f"}}], "tool_choice": {"type": "function", "function": 1}}'),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x " * 5000}]}).encode()),
+    ("/v1/completions", b'{"prompt": [-1]}'),
+    ("/v1/responses", b'{"input": [{"role": "user", "content": 5}]}'),
+    ("/v1/messages", b'{"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}'),
+]
+
+
+def test_bad_requests_do_not_disturb_a_concurrent_stream(http: httpx.Client, server):
+    """Bad requests sent while a greedy stream runs are 4xx each, and the stream's text is the one it gives alone."""
+    body = {"messages": MESSAGES, "max_tokens": 64, "temperature": 0.0}
+    alone = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+
+    def bad(request: tuple[str, bytes]) -> int:
+        with httpx.Client(base_url=server.base_url, timeout=30.0) as other:
+            return other.post(request[0], content=request[1], headers={"content-type": "application/json"}).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool, \
+            http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        statuses = list(pool.map(bad, BAD_REQUESTS * 3))
+        rest = list(lines)
+    assert all(400 <= status < 500 for status in statuses), statuses
+    chunks = [json.loads(line[5:]) for line in [first, *rest] if line.startswith("data:") and "[DONE]" not in line]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == alone
+    assert not any("error" in c for c in chunks)
