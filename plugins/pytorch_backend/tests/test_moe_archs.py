@@ -385,6 +385,10 @@ def test_hunyuan_router_matches_transformers():
     ("phimoe", dict(num_experts_per_tok=1), "num_experts_per_tok=1"),
     ("phimoe", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
                                      "short_mscale": 1.0, "long_mscale": 1.0}), "rope_type 'linear'"),
+    ("cohere2-moe", dict(expert_selection_fn="relu"), "expert_selection_fn 'relu'"),
+    ("cohere2-moe", dict(shared_expert_combination_strategy="max"), "shared_expert_combination_strategy 'max'"),
+    ("dbrx", dict(ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2, ffn_act_fn={"name": "gelu"})),
+     "ffn_act_fn"),
 ])
 def test_layouts_not_served_are_refused_at_load(name, overrides, match, tmp_path):
     with pytest.raises(NotImplementedError, match=match):
