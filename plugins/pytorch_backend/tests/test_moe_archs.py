@@ -373,6 +373,63 @@ def test_hunyuan_router_matches_transformers():
         torch.testing.assert_close(weights, their_weights)
 
 
+@pytest.mark.parametrize("selection, normalize", [("softmax", True), ("sigmoid", True), ("sigmoid", False)])
+@torch.inference_mode()
+def test_cohere2_moe_router_matches_transformers(selection, normalize):
+    from transformers.models.cohere2_moe.modeling_cohere2_moe import Cohere2MoeTopKRouter
+
+    from core_pytorch_backend.models.cohere2_moe import moe_block
+
+    config = _config("cohere2-moe", expert_selection_fn=selection, norm_topk_prob=normalize)
+    router = Cohere2MoeTopKRouter(config)
+    reinit_(router, std=0.3)
+    block = moe_block(config, reference)
+    block.gate.weight.copy_(router.weight)
+    weights, chosen, their_weights, their_chosen = _ours_and_theirs(block, router)
+    assert torch.equal(chosen, their_chosen)
+    torch.testing.assert_close(weights, their_weights)
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0, None])
+@torch.inference_mode()
+def test_dbrx_router_matches_transformers(p):
+    from transformers.models.dbrx.modeling_dbrx import DbrxFFN
+
+    from core_pytorch_backend.models.dbrx import DbrxMoeBlock
+
+    config = _config("dbrx", ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2,
+                                             moe_normalize_expert_weights=p))
+    ffn = DbrxFFN(config)
+    reinit_(ffn, std=0.3)
+    block = DbrxMoeBlock(config, reference)
+    block.gate.weight.copy_(ffn.router.layer.weight)
+    router = lambda hidden: (None, *ffn.route_tokens_to_experts(ffn.router(hidden)))  # noqa: E731
+    weights, chosen, their_weights, their_chosen = _ours_and_theirs(block, router)
+    assert torch.equal(chosen, their_chosen)
+    torch.testing.assert_close(weights, their_weights)
+
+
+@torch.inference_mode()
+def test_afmoe_router_matches_transformers():
+    """Sigmoid scores chosen with the expert bias (large enough to change the choice), renormalized, scaled."""
+    from transformers.models.afmoe.modeling_afmoe import AfmoeTokenChoiceRouter
+
+    from core_pytorch_backend.models.afmoe import afmoe_routing
+    from core_pytorch_backend.models.grouped_router import GroupedMoeBlock
+
+    config = _config("afmoe")
+    router = AfmoeTokenChoiceRouter(config)
+    reinit_(router, std=0.3)
+    bias = torch.randn(config.num_experts, generator=torch.Generator().manual_seed(2)) * 0.3
+    block = GroupedMoeBlock(config, reference, afmoe_routing(config))
+    block.gate.weight.copy_(router.gate.weight)
+    block.gate.e_score_correction_bias.copy_(bias)
+    weights, chosen, their_weights, their_chosen = _ours_and_theirs(block, lambda h: router(h[None], bias))
+    assert torch.equal(chosen, their_chosen)
+    torch.testing.assert_close(weights, their_weights)
+    assert not torch.equal(chosen, _ours_and_theirs(block, lambda h: router(h[None], bias * 0))[3])
+
+
 # ---------------------------------------------------------------- refused at load
 
 

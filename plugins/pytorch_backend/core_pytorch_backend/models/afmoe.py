@@ -55,17 +55,21 @@ class AfmoeAttention(LlamaAttention):
         return self.o_proj(self.attn(q, k, v, meta) * gate)
 
 
+def afmoe_routing(config: Any) -> GroupedRouting:
+    """DeepSeek-V3's ``noaux_tc`` on one group: sigmoid scores chosen with ``expert_bias`` added, renormalized,
+    times ``route_scale`` (transformers' ``AfmoeTokenChoiceRouter``)."""
+    rule = GroupedRouting(config.num_experts_per_tok, 1, 1, noaux_tc=True, normalize=True,
+                          scaling=float(config.route_scale))
+    rule.check(config.num_experts)
+    return rule
+
+
 class AfmoeDecoderLayer(nn.Module):
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
         super().__init__()
         self.self_attn = AfmoeAttention(config, ops, spec, layer_index, rotary)
-        if layer_index < config.num_dense_layers:
-            self.mlp = LlamaMLP(config, ops)
-        else:
-            rule = GroupedRouting(config.num_experts_per_tok, 1, 1, noaux_tc=True, normalize=True,
-                                  scaling=float(config.route_scale))
-            rule.check(config.num_experts)
-            self.mlp = GroupedMoeBlock(config, ops, rule)
+        dense = layer_index < config.num_dense_layers
+        self.mlp = LlamaMLP(config, ops) if dense else GroupedMoeBlock(config, ops, afmoe_routing(config))
         norms = ("input_layernorm", "post_attention_layernorm", "pre_mlp_layernorm", "post_mlp_layernorm")
         for name in norms:
             setattr(self, name, GptOssRMSNorm(config.hidden_size, config.rms_norm_eps, ops))

@@ -58,12 +58,16 @@ class Cohere2MoeSigmoidBlock(Cohere2MoeBlock):
         return weights, chosen
 
 
+def moe_block(config: Any, ops: Any) -> Cohere2MoeBlock:
+    """A sparse layer's block, by ``expert_selection_fn``."""
+    return (Cohere2MoeSigmoidBlock if config.expert_selection_fn == "sigmoid" else Cohere2MoeBlock)(config, ops)
+
+
 class Cohere2MoeDecoderLayer(CohereDecoderLayer):
     def make_mlp(self, config: Any, ops: Any, layer_index: int) -> nn.Module:
         if config.mlp_layer_types[layer_index] == "dense":
             return LlamaMLP(config, ops, config.prefix_dense_intermediate_size)
-        sigmoid = config.expert_selection_fn == "sigmoid"
-        return (Cohere2MoeSigmoidBlock if sigmoid else Cohere2MoeBlock)(config, ops)
+        return moe_block(config, ops)
 
     def make_norm(self, config: Any, ops: Any) -> nn.Module:
         return norm_of(config, ops)
