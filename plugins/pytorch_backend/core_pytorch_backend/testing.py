@@ -56,14 +56,15 @@ def tiny_tokenizer():
     )
 
 
-def save_tiny_checkpoint(config: Any, folder: Path, seed: int = 0) -> Path:
-    """A random float32 model of the transformers ``config`` (``reinit_``'s weights) saved with ``tiny_tokenizer``
-    into ``folder``; returns it."""
+def save_tiny_checkpoint(config: Any, folder: Path, seed: int = 0, reinit: Callable[..., None] | None = None
+                         ) -> Path:
+    """A random float32 model of the transformers ``config`` (``reinit``'s weights, ``reinit_`` by default)
+    saved with ``tiny_tokenizer`` into ``folder``; returns it."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    reinit_(model, seed=seed)
+    (reinit or reinit_)(model, seed=seed)
     model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return folder
