@@ -238,6 +238,14 @@ def modeling_reads(config_cls: type) -> set[str]:
     return reads | set(re.findall(r"self\.(\w+)", inspect.getsource(config_cls)))
 
 
+def default_rope(config_cls: type, base: dict) -> Any:
+    """The rope_parameters ``config_cls`` makes of ``base`` (None where it cannot: its variants are invalid)."""
+    try:
+        return getattr(config_cls(**base), "rope_parameters", None)
+    except Exception:  # noqa: BLE001 - transformers' validators raise several kinds
+        return None
+
+
 def draw_variant(config_cls: type, rng: random.Random) -> tuple[dict, dict]:
     """(tiny base fields, drawn variant fields) of ``config_cls``: each field that applies drawn with chance 1/2."""
     fields = config_fields(config_cls)
@@ -254,7 +262,7 @@ def draw_variant(config_cls: type, rng: random.Random) -> tuple[dict, dict]:
     for name in sorted(drawn):
         if rng.random() < 0.5:
             if name == "rope_parameters":
-                variant[name] = _ropes(rng, getattr(config_cls(**base), "rope_parameters", None))
+                variant[name] = _ropes(rng, default_rope(config_cls, base))
             else:
                 variant[name] = DRAWS[name](rng, layers) if name in DRAWS else rng.choice([True, False])
     if "sliding_attention" in variant.get("layer_types", ()) and "use_sliding_window" in fields:
