@@ -163,10 +163,8 @@ class NativeDecodeStack:
         self.plan = None
         if self.refused is not None and self.refused[0] is model and self.refused[1] == _cache_ptr(model):
             return False
-        try:
-            self.plan = describe(model)
-        except DoesNotFit as exc:
-            log.info("native decode stack off: %s", exc)
+        self.plan = described(model)
+        if self.plan is None:
             self.refused = (model, _cache_ptr(model))
             return False
         return True
@@ -181,15 +179,28 @@ def make_native_decode(model: nn.Module, *, device: torch.device, enabled: bool)
     kernels = available()
     if kernels is None:
         return None
-    try:
-        stack = NativeDecodeStack(kernels)
-        stack.plan = describe(model)
-    except DoesNotFit as exc:
-        log.info("native decode stack off: %s", exc)
+    stack = NativeDecodeStack(kernels)
+    stack.plan = described(model)
+    if stack.plan is None:
         return None
     log.info("native decode stack: decode steps run all %d layers in one native call (%s kernels)",
              len(stack.plan.layers), kernels.variant)
     return stack
+
+
+def described(model: nn.Module) -> _Plan | None:
+    """``describe(model)``, or None with the reason logged: a decoder the stack does not take (DoesNotFit), or one
+    whose describing failed otherwise (an architecture the family rules let through but whose layers hold
+    something else: a warning with the traceback), whose decode steps then take the modules rather than the
+    server failing to start."""
+    try:
+        return describe(model)
+    except DoesNotFit as exc:
+        log.info("native decode stack off: %s", exc)
+    except Exception:  # noqa: BLE001 - any failure to describe leaves the modules, which serve every model
+        log.warning("native decode stack off: describing %s's layers failed; decode steps take the modules",
+                    type(model).__name__, exc_info=True)
+    return None
 
 
 def describe(model: nn.Module) -> _Plan:

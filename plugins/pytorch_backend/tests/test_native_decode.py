@@ -16,6 +16,7 @@ import torch
 
 from core.scheduling.scheduler import ScheduledSequence
 from core.scheduling.sequence import Sequence
+from core_pytorch_backend import native_decode
 from core_pytorch_backend.attention_metadata import AttentionMetadata
 from core_pytorch_backend.kernels import kv_int8, select_ops
 from core_pytorch_backend.loader import load_checkpoint
@@ -373,6 +374,22 @@ def test_models_it_does_not_take_are_refused_at_start_with_the_reason(tiny_check
     packed.model.layers[0].mlp.down_proj.matmul = torch.nn.functional.linear
     with pytest.raises(DoesNotFit, match="layer 0's Linear"):
         describe(packed)
+
+
+def test_a_model_whose_describing_fails_otherwise_takes_the_modules(tiny_checkpoint_factory, native_packed,
+                                                                   monkeypatch, caplog):
+    packed = _load(tiny_checkpoint_factory("llama"), "int8")
+    ModelRunner(packed, block_size=BLOCK, num_blocks=64, device=CPU, dtype=torch.float32)  # binds its cache
+
+    def broken(model):
+        raise AttributeError("'LlamaMLP' object has no attribute 'gate_up_proj'")
+
+    monkeypatch.setattr(native_decode, "describe", broken)
+    with caplog.at_level(logging.WARNING, logger="core_pytorch_backend.native_decode"):
+        assert make_native_decode(packed, device=CPU, enabled=True) is None  # a warning, not a failed start
+    assert "describing LlamaForCausalLM's layers failed" in caplog.text and "gate_up_proj" in caplog.text
+    stack = NativeDecodeStack(available())
+    assert not stack.try_capture(packed) and stack.refused is not None  # after a wakeup too, described once
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "olmo2", "gemma2", "phi"])
