@@ -1,6 +1,7 @@
 """The decoders the native decode stack takes (``native_decode.py``): each family's module classes and how its layers
 differ from Llama's, as data the C layer carries (``csrc/decoder_stack.c``: the norms' places and kind, the parallel
-forms, an ungated MLP, Granite's multiplier, OLMo's whole-projection q/k norms, OLMoE's clip_qkv)."""
+forms, an ungated MLP (tanh GELU or relu^2: StarCoder 2, Phi, Arcee, Jais 2), Granite's multiplier, OLMo's
+whole-projection q/k norms, OLMoE's clip_qkv)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from core_pytorch_backend.kernels.native import ACT_GELU_TANH, ACT_SILU
-from core_pytorch_backend.layers.activation import GeluTanhAndMul, SiluAndMul
+from core_pytorch_backend.kernels.native import ACT_GELU_TANH, ACT_RELU2, ACT_SILU
+from core_pytorch_backend.layers.activation import OP_OF, GeluTanhAndMul, SiluAndMul
 from core_pytorch_backend.layers.norm import LayerNorm, RMSNorm
+from core_pytorch_backend.models.arcee import ArceeDecoderLayer, ArceeModel
 from core_pytorch_backend.models.cohere import (
     CohereAttention,
     CohereDecoderLayer,
@@ -30,6 +32,7 @@ from core_pytorch_backend.models.gemma3 import (
 from core_pytorch_backend.models.glm4 import Glm4DecoderLayer, Glm4Model
 from core_pytorch_backend.models.granite import GraniteDecoderLayer, GraniteModel
 from core_pytorch_backend.models.granitemoe import GraniteMoeDecoderLayer, GraniteMoeModel
+from core_pytorch_backend.models.jais2 import Jais2DecoderLayer, Jais2Model
 from core_pytorch_backend.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 from core_pytorch_backend.models.mixtral import MixtralDecoderLayer, MixtralModel
 from core_pytorch_backend.models.olmo2 import Olmo2Attention, Olmo2DecoderLayer, Olmo2Model
@@ -90,6 +93,8 @@ FAMILIES = {LlamaModel: Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RMSN
              Exaone4Model: Family(Exaone4DecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, POST),
              Glm4Model: Family(Glm4DecoderLayer, LlamaAttention, LlamaMLP, RMSNorm, GLM4_SANDWICH),
              Starcoder2Model: Family(Starcoder2DecoderLayer, LlamaAttention, UngatedMLP, LayerNorm, PRE),
+             Jais2Model: Family(Jais2DecoderLayer, LlamaAttention, UngatedMLP, LayerNorm, PRE),
+             ArceeModel: Family(ArceeDecoderLayer, LlamaAttention, UngatedMLP, RMSNorm, PRE),
              StableLmModel: Family(StableLmDecoderLayer, StableLmAttention, LlamaMLP, LayerNorm, PRE,
                                     parallel=PARALLEL_RESIDUAL),
              CohereModel: Family(CohereDecoderLayer, CohereAttention, LlamaMLP, CohereLayerNorm,
@@ -100,6 +105,7 @@ FAMILIES = {LlamaModel: Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RMSN
              Gemma2Model: Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, GEMMA_SANDWICH),
              Gemma3Model: Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, GEMMA_SANDWICH)}
 ACTIVATIONS = {SiluAndMul: ACT_SILU, GeluTanhAndMul: ACT_GELU_TANH}
+UNGATED_ACTIVATIONS = {"gelu_tanh": ACT_GELU_TANH, "relu2": ACT_RELU2}  # an Activation's op (layers.activation.OP_OF)
 NORM_KINDS = {RMSNorm: 0, GemmaRMSNorm: 1, LayerNorm: NORM_LAYER, CohereLayerNorm: NORM_LAYER}  # csrc NORM_*
 
 
@@ -119,7 +125,7 @@ def mlp_parts(mlp: nn.Module) -> tuple[nn.Module, nn.Module, int | None]:
     activation (None: one the C layer does not run as the modules do)."""
     if type(mlp) is UngatedMLP:
         up, down = mlp.projections()
-        return up, down, None if mlp.act.op is None else ACT_GELU_TANH
+        return up, down, None if mlp.act.op is None else UNGATED_ACTIVATIONS[OP_OF[mlp.act.hidden_act]]
     return mlp.gate_up_proj, mlp.down_proj, ACTIVATIONS.get(type(mlp.act_fn))
 
 

@@ -622,6 +622,17 @@ def test_ungated_gelu_tanh_matches_torch(ops, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_ungated_relu2_is_torchs_bit_for_bit(ops, dtype):
+    """core_act's relu^2 (Nemotron's, Arcee's and Jais 2's MLPs, from the modules' Activation and the decode stack):
+    torch's square(relu(x)) bit for bit, negative zeros and a NaN included."""
+    x = (torch.randn(7, 300) * 40).to(dtype)
+    x[0, :3] = torch.tensor([-0.0, float("nan"), 0.0])
+    mine = ops.relu2(x)
+    assert mine.dtype == dtype
+    assert torch.equal(mine.nan_to_num(7.0), torch.square(torch.relu(x)).nan_to_num(7.0)) and mine[0, 1].isnan()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_layer_norm_matches_the_reference(ops, dtype, with_residual, with_bias):

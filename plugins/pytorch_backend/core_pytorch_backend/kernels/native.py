@@ -190,7 +190,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return out if residual is None else (out, summed)
 
 
-ACT_SILU, ACT_GELU_TANH = 0, 1  # csrc/common.h
+ACT_SILU, ACT_GELU_TANH, ACT_RELU2 = 0, 1, 2  # csrc/common.h
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -213,10 +213,21 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     float32 ulps of torch's, in one ``core_act`` call, which the decode stack makes too."""
     if _code(x) is None or x.device.type != "cpu":
         return torch.nn.functional.gelu(x, approximate="tanh")
+    return _act(x, ACT_GELU_TANH)
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """The ungated relu(x)^2 (Nemotron's, Arcee's and Jais 2's MLPs): torch's ``square(relu(x))`` bit for bit (one
+    rounding of an exact square), in one ``core_act`` call, which the decode stack makes too."""
+    if _code(x) is None or x.device.type != "cpu":
+        return torch.square(torch.relu(x))
+    return _act(x, ACT_RELU2)
+
+
+def _act(x: torch.Tensor, act: int) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
-    kernels().call("core_act", x.data_ptr(), _code(x), x.numel() // x.shape[-1], x.shape[-1], ACT_GELU_TANH,
-                   out.data_ptr())
+    kernels().call("core_act", x.data_ptr(), _code(x), x.numel() // x.shape[-1], x.shape[-1], act, out.data_ptr())
     return out
 
 

@@ -56,13 +56,15 @@ ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "ge
                "swish": F.silu, "relu": F.relu, "relu2": lambda x: torch.square(F.relu(x)), "bloom_gelu": _bloom_gelu}
 
 
-# the tanh GELUs (two spellings of one function) that an op set's ``gelu_tanh`` computes
-TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new")
+# the activations an op set may compute (its optional op of that name): the tanh GELUs (two spellings of one
+# function) and relu^2
+OP_OF = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "relu2": "relu2"}
 
 
 class Activation(nn.Module):
     """An ungated activation (StarCoder 2's MLP: ``c_proj(act(c_fc(x)))``). Built with ``ops`` whose set has a
-    ``gelu_tanh`` (the native set's), a tanh GELU is that op: the native decode stack calls its kernel."""
+    ``gelu_tanh`` or ``relu2`` (the native set's), a tanh GELU or relu^2 is that op (``OP_OF``): the native decode
+    stack calls its kernel."""
 
     def __init__(self, hidden_act: str, ops: Any = None):
         super().__init__()
@@ -70,7 +72,7 @@ class Activation(nn.Module):
             raise NotImplementedError(
                 f"hidden_act {hidden_act!r} is not supported (supported: {', '.join(sorted(ACTIVATIONS))})")
         self.hidden_act = hidden_act
-        self.op = getattr(ops, "gelu_tanh", None) if hidden_act in TANH_GELUS else None
+        self.op = getattr(ops, OP_OF[hidden_act], None) if hidden_act in OP_OF else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ACTIVATIONS[self.hidden_act](x) if self.op is None else self.op(x)

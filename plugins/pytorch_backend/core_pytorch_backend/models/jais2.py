@@ -20,9 +20,10 @@ class Jais2DecoderLayer(LlamaDecoderLayer):
         nn.Module.__init__(self)  # not LlamaDecoderLayer's: its norms are RMSNorms, its MLP gated
         self.self_attn = LlamaAttention(config, ops, spec, layer_index, rotary)
         self.mlp = UngatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                              ("up_proj", "down_proj"), bias=spec.mlp_bias)
-        self.input_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
-        self.post_attention_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
+                              ("up_proj", "down_proj"), bias=spec.mlp_bias, ops=ops)
+        # the op set's LayerNorm and relu^2: the native decode stack calls their kernels
+        self.input_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps, ops=ops)
+        self.post_attention_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps, ops=ops)
 
 
 class Jais2Model(LayerNormModel):

@@ -216,9 +216,11 @@ static inline void gelu_tanh_times(float *gate, const float *up, int64_t n, int 
     }
 }
 
-/* the gated activations of core_act_and_mul and the decoder stack */
+/* the activations of core_act_and_mul and the decoder stack; ACT_RELU2 (relu(x)^2: Nemotron's, Arcee's, Jais 2's)
+ * is core_act's alone (ungated MLPs) */
 #define ACT_SILU 0
 #define ACT_GELU_TANH 1
+#define ACT_RELU2 2
 
 /* The cache slot of context position pos (32-bit division: positions and blocks fit, and 64-bit
  * division costs tens of cycles) */

@@ -930,11 +930,21 @@ typedef struct {
     const void *x;
     int dtype;
     int64_t tokens, inner;
-    int act; /* ACT_SILU or ACT_GELU_TANH */
+    int act; /* ACT_SILU, ACT_GELU_TANH, or ACT_RELU2 (ungated) */
     void *out;
     int status;
     int ungated; /* 1: x [T, I] is the activation's input alone (times an up of ones: the same bits as act(x)) */
 } act_team;
+
+/* x[i] <- relu(x[i])^2 in float32, rounded once by the store (torch's square(relu(x)): relu is exact, the square
+ * of a bfloat16 exact in float32); a NaN stays NaN as in torch */
+static inline void relu_squared(float *x, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+        const float r = x[i] < 0.f ? 0.f : x[i];
+        x[i] = r * r;
+    }
+}
 
 static void act_work(void *context, int64_t thread, int64_t threads) {
     act_team *c = context;
@@ -953,7 +963,9 @@ static void act_work(void *context, int64_t thread, int64_t threads) {
                 load_row(c->x, dtype, t * 2 * inner, inner, gate);
                 load_row(c->x, dtype, t * 2 * inner + inner, inner, up);
             }
-            if (c->act == ACT_GELU_TANH)
+            if (c->act == ACT_RELU2)
+                relu_squared(gate, inner);
+            else if (c->act == ACT_GELU_TANH)
                 gelu_tanh_times(gate, up, inner, dtype);
             else
                 silu_times(gate, up, inner, dtype);
@@ -975,11 +987,11 @@ int core_act_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, in
     return ctx.status;
 }
 
-/* out[T, I] = act(x) for x[T, I] (an ungated MLP's: StarCoder 2's GELU-tanh), the values of core_act_and_mul's
- * act(gate) with an up of ones; out may be x. */
+/* out[T, I] = act(x) for x[T, I] (an ungated MLP's: StarCoder 2's GELU-tanh, Nemotron's relu^2), the values of
+ * core_act_and_mul's act(gate) with an up of ones; out may be x. */
 int core_act(const void *x, int dtype, int64_t tokens, int64_t inner, int act, void *out) {
     if ((tokens > 0 && (!x || !out)) || tokens < 0 || inner <= 0 || (dtype != DT_F32 && dtype != DT_BF16) ||
-        (act != ACT_SILU && act != ACT_GELU_TANH))
+        (act != ACT_SILU && act != ACT_GELU_TANH && act != ACT_RELU2))
         return ERR_ARGS;
     act_team ctx = {x, dtype, tokens, inner, act, out, OK, 1};
     run_team(tokens * inner > PARALLEL_MIN_WORK, act_work, &ctx);

@@ -18,8 +18,8 @@
  * included. Gemma 2's attention soft-caps its scores (softcap, in core_decode_attention); GLM-4 has the output norms
  * beside the input ones (RMSNorms); OLMoE clamps q, k and v after its q and k norms (clip_qkv); StableLM's norms are
  * LayerNorms with biases (NORM_LAYER: core_layer_norm), and its parallel layers run the MLP on the attention's input
- * norm, both outputs joining the residual (parallel); Phi's sum the two outputs first. StarCoder 2's and Phi's
- * MLPs are ungated (ungated: core_act).
+ * norm, both outputs joining the residual (parallel); Phi's sum the two outputs first. StarCoder 2's, Phi's,
+ * Arcee's and Jais 2's MLPs are ungated (ungated: core_act; relu^2: ACT_RELU2).
  *
  * The model and its layers are described once (core_decoder, core_layer: pointers into the weights and
  * KV caches, which decoder_stack.py keeps alive and rebuilds when they move); a step passes its rows.
@@ -67,7 +67,7 @@ typedef struct {
     int64_t rotary_dim; /* each head's rotated values (partial_rotary_factor: fewer than head_dim; the rest as is) */
     int32_t dtype, cache_dtype, table_dtype; /* dtype: the activations' (and the norm weights', but NORM_RMS_FLOAT) */
     int32_t norm_kind;  /* NORM_RMS, NORM_RMS_FLOAT or NORM_LAYER */
-    int32_t act;        /* ACT_SILU or ACT_GELU_TANH (common.h) */
+    int32_t act;        /* ACT_SILU or ACT_GELU_TANH (common.h); ACT_RELU2 for an ungated MLP */
     float branch_scale; /* multiplies what the attention and the MLP add to the residual (Granite); 1: none */
     int32_t qk_norm_whole; /* 1: q and k normalised over all their heads at once (OLMo 2, 3), 0: head by head */
     float eps;
@@ -360,7 +360,8 @@ int core_decoder_layers(const core_decoder *m, const core_layer *layers, int64_t
     if (!m || (num_layers > 0 && !layers) || num_layers < 0 || tokens < 0 || (tokens > 0 && (!hidden ||
         !residual || !positions || !slots || !tables || !lengths)) || (m->dtype != DT_F32 && m->dtype != DT_BF16) ||
         m->hidden <= 0 || m->heads <= 0 || m->kv_heads <= 0 || m->head_dim <= 0 || m->inter <= 0 ||
-        m->group_rows < 0 || (m->act != ACT_SILU && m->act != ACT_GELU_TANH) || !(m->clip_qkv >= 0.f) ||
+        m->group_rows < 0 || (m->act != ACT_SILU && m->act != ACT_GELU_TANH && !(m->act == ACT_RELU2 && m->ungated)) ||
+        !(m->clip_qkv >= 0.f) ||
         m->norm_kind < NORM_RMS || m->norm_kind > NORM_LAYER || m->parallel < PARALLEL_NONE ||
         m->parallel > PARALLEL_SUM)
         return ERR_ARGS;
