@@ -16,7 +16,7 @@ and a subclass that runs its forward as it is), Granite's (what the attention an
 times its multiplier), OLMo 2's post-norm layers (and OLMo 3's and EXAONE 4's over them: only the attention's and
 the MLP's outputs normalised; OLMo's q and k norms over all heads at once), GLM-4's (Llama's norms and those of
 the attention's and the MLP's outputs), Arcee's (Llama's with an ungated relu^2 MLP), the LayerNorm decoders of StableLM,
-StarCoder 2, Phi, Command R / R7B and Jais 2 (LayerNorms and ungated tanh GELUs or relu^2, which the native op set's
+StarCoder 2, Phi, Command R / R7B, Jais 2 and Nemotron (LayerNorms, Nemotron's of 1 + w, and ungated tanh GELUs or relu^2, which the native op set's
 ``layer_norm``, ``gelu_tanh`` and ``relu2`` run from the modules too; StableLM's, Cohere's and Phi's parallel
 layers) or one of Gemma's (``models.gemma``, ``gemma2``,
 ``gemma3``: float32 norms of 1 + w, GELU-tanh, Gemma 2 and 3's norms of the attention's and the MLP's outputs,
@@ -342,7 +342,8 @@ def _moe_block(block: SparseMoeBlock, index: int, spec: _Decoder, keep: list[Any
 def _norm_weight(norm: nn.Module | None, family: Family, spec: _Decoder, index: int,
                  keep: list[torch.Tensor]) -> int | None:
     """The pointer the C layer reads for ``norm`` (None: no such norm): an RMSNorm's or a LayerNorm's weight as it
-    is; a GemmaRMSNorm's 1 + weight in float32, computed as its forward computes it on every call."""
+    is (a LayerNorm's scale(): LayerNorm1P's 1 + weight); a GemmaRMSNorm's 1 + weight in float32, computed as its
+    forward computes it on every call."""
     if norm is None:
         return None
     if type(norm) is not family.norm or _F(norm.eps).value != spec.eps:
@@ -354,9 +355,10 @@ def _norm_weight(norm: nn.Module | None, family: Family, spec: _Decoder, index: 
         raise DoesNotFit(f"layer {index}'s LayerNorm bias is not of its weight's dtype")
     if family.norm is GemmaRMSNorm:
         return _ptr((1.0 + norm.weight.float()).contiguous(), keep)
-    if DTYPE_CODES.get(norm.weight.dtype) != spec.dtype:
+    weight = norm.scale() if layer_norm else norm.weight  # Nemotron's LayerNorm1P: its 1 + w, as its forward's
+    if DTYPE_CODES.get(weight.dtype) != spec.dtype:
         raise DoesNotFit(f"layer {index}'s norm weights are not of the activations' dtype")
-    return _ptr(norm.weight, keep)
+    return _ptr(weight.contiguous(), keep)
 
 
 def _norm_bias(norm: nn.Module | None, keep: list[torch.Tensor]) -> int | None:

@@ -1,6 +1,6 @@
 """The decoders the native decode stack takes (``native_decode.py``): each family's module classes and how its layers
 differ from Llama's, as data the C layer carries (``csrc/decoder_stack.c``: the norms' places and kind, the parallel
-forms, an ungated MLP (tanh GELU or relu^2: StarCoder 2, Phi, Arcee, Jais 2), Granite's multiplier, OLMo's
+forms, an ungated MLP (tanh GELU or relu^2: StarCoder 2, Phi, Arcee, Jais 2, Nemotron), Granite's multiplier, OLMo's
 whole-projection q/k norms, OLMoE's clip_qkv)."""
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from core_pytorch_backend.models.granitemoe import GraniteMoeDecoderLayer, Grani
 from core_pytorch_backend.models.jais2 import Jais2DecoderLayer, Jais2Model
 from core_pytorch_backend.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 from core_pytorch_backend.models.mixtral import MixtralDecoderLayer, MixtralModel
+from core_pytorch_backend.models.nemotron import LayerNorm1P, NemotronDecoderLayer, NemotronModel
 from core_pytorch_backend.models.olmo2 import Olmo2Attention, Olmo2DecoderLayer, Olmo2Model
 from core_pytorch_backend.models.olmo3 import Olmo3Model
 from core_pytorch_backend.models.olmoe import OlmoeAttention, OlmoeDecoderLayer, OlmoeModel
@@ -64,7 +65,8 @@ class Family:
     layer: type
     attention: type
     mlp: type
-    norm: type  # RMSNorm (weights of the activations' dtype), GemmaRMSNorm (float32 1 + w) or LayerNorm (a bias)
+    norm: type  # RMSNorm (weights of the activations' dtype), GemmaRMSNorm (float32 1 + w) or a LayerNorm (a bias;
+    # its scale(): Nemotron's 1 + w in the weight's dtype)
     places: tuple[str | None, ...]  # the layer's norms at the C layer's places (PRE, GEMMA_SANDWICH, ...)
     scaled: bool = False  # the attention's and the MLP's outputs times the layer's residual_multiplier (Granite)
     qk_whole: bool = False  # q and k normalized over all their heads at once (OLMo 2 and 3, OLMoE)
@@ -95,6 +97,7 @@ FAMILIES = {LlamaModel: Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RMSN
              Starcoder2Model: Family(Starcoder2DecoderLayer, LlamaAttention, UngatedMLP, LayerNorm, PRE),
              Jais2Model: Family(Jais2DecoderLayer, LlamaAttention, UngatedMLP, LayerNorm, PRE),
              ArceeModel: Family(ArceeDecoderLayer, LlamaAttention, UngatedMLP, RMSNorm, PRE),
+             NemotronModel: Family(NemotronDecoderLayer, LlamaAttention, UngatedMLP, LayerNorm1P, PRE),
              StableLmModel: Family(StableLmDecoderLayer, StableLmAttention, LlamaMLP, LayerNorm, PRE,
                                     parallel=PARALLEL_RESIDUAL),
              CohereModel: Family(CohereDecoderLayer, CohereAttention, LlamaMLP, CohereLayerNorm,
@@ -106,7 +109,8 @@ FAMILIES = {LlamaModel: Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RMSN
              Gemma3Model: Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, GEMMA_SANDWICH)}
 ACTIVATIONS = {SiluAndMul: ACT_SILU, GeluTanhAndMul: ACT_GELU_TANH}
 UNGATED_ACTIVATIONS = {"gelu_tanh": ACT_GELU_TANH, "relu2": ACT_RELU2}  # an Activation's op (layers.activation.OP_OF)
-NORM_KINDS = {RMSNorm: 0, GemmaRMSNorm: 1, LayerNorm: NORM_LAYER, CohereLayerNorm: NORM_LAYER}  # csrc NORM_*
+NORM_KINDS = {RMSNorm: 0, GemmaRMSNorm: 1, LayerNorm: NORM_LAYER, CohereLayerNorm: NORM_LAYER,
+              LayerNorm1P: NORM_LAYER}  # csrc NORM_*
 
 
 def family_of(decoder: nn.Module | None) -> Family | None:

@@ -83,7 +83,7 @@ def _decode_both_ways(runner: ModelRunner, steps: int = 12) -> None:
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3", "phi3-partial-rotary",
                                   "granite", "olmo2", "olmo3", "exaone4", "glm4", "gemma", "gemma3_text", "gemma2",
-                                  "stablelm", "stablelm-parallel", "starcoder2", "phi", "cohere", "cohere2", "arcee", "jais2", "qwen3_moe", "qwen2_moe", "mixtral", "granitemoe",
+                                  "stablelm", "stablelm-parallel", "starcoder2", "phi", "cohere", "cohere2", "arcee", "jais2", "nemotron", "qwen3_moe", "qwen2_moe", "mixtral", "granitemoe",
                                   "granitemoeshared", "olmoe"])
 def test_the_stack_gives_the_modules_hidden_states_bit_for_bit(tiny_checkpoint_factory, native_packed, arch,
                                                                  quantization, dtype):
@@ -392,14 +392,14 @@ def test_a_model_whose_describing_fails_otherwise_takes_the_modules(tiny_checkpo
     assert not stack.try_capture(packed) and stack.refused is not None  # after a wakeup too, described once
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "olmo2", "gemma2", "phi"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "olmo2", "gemma2", "phi", "nemotron"])
 async def test_the_engine_serves_decode_steps_through_the_stack_unless_eager(tiny_checkpoint_factory, native_packed,
                                                                            monkeypatch, arch):
     """16 concurrent greedy requests of different lengths, chunked prefill, a cache small enough to
     preempt: token for token the same through the stack as through the modules (--enforce-eager), for a Llama
     layer, Gemma 3's sandwich norms and sliding layers, OLMo 2's post-norm layers, Gemma 2's soft-capped
-    scores (chunks capped by the reference, decode rows by the C kernel) and Phi's LayerNorm, ungated MLP and
-    parallel sum."""
+    scores (chunks capped by the reference, decode rows by the C kernel), Phi's LayerNorm, ungated MLP and
+    parallel sum, and Nemotron's LayerNorm1P (1 + w), relu^2 MLP and partial rotary."""
     from core.config import EngineConfig, GenerationConfig
     from core.engine import AsyncEngine
     from core.response import collect

@@ -38,15 +38,19 @@ class LayerNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         native = getattr(self.ops, "layer_norm", None)
         if native is not None:
-            return native(x, self.weight, self.bias, self.eps, residual)
+            return native(x, self.scale(), self.bias, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
         out = self.normalized(x)
         return out if residual is None else (out, residual)
 
+    def scale(self) -> torch.Tensor:
+        """What the normalized values are multiplied by (the native decode stack's norm weight)."""
+        return self.weight
+
     def normalized(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        return F.layer_norm(x, (x.shape[-1],), self.scale(), self.bias, self.eps)
 
 
 class ParameterFreeLayerNorm(LayerNorm):

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..layers import LayerNorm, RotaryEmbedding
@@ -20,8 +19,8 @@ from .ungated_mlp import UngatedMLP
 class LayerNorm1P(LayerNorm):
     """transformers' ``NemotronLayerNorm1P``: a LayerNorm scaled by its weight plus one."""
 
-    def normalized(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), self.weight + 1.0, self.bias, self.eps)
+    def scale(self) -> torch.Tensor:
+        return self.weight + 1.0
 
 
 class NemotronDecoderLayer(LlamaDecoderLayer):
@@ -29,9 +28,10 @@ class NemotronDecoderLayer(LlamaDecoderLayer):
         nn.Module.__init__(self)  # LlamaDecoderLayer's norms are RMSNorms
         self.self_attn = LlamaAttention(config, ops, spec, layer_index, rotary)
         self.mlp = UngatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                              ("up_proj", "down_proj"), bias=bool(getattr(config, "mlp_bias", False)))
-        self.input_layernorm = LayerNorm1P(config.hidden_size, config.norm_eps)
-        self.post_attention_layernorm = LayerNorm1P(config.hidden_size, config.norm_eps)
+                              ("up_proj", "down_proj"), bias=bool(getattr(config, "mlp_bias", False)), ops=ops)
+        # the op set's LayerNorm and relu^2: the native decode stack calls their kernels
+        self.input_layernorm = LayerNorm1P(config.hidden_size, config.norm_eps, ops=ops)
+        self.post_attention_layernorm = LayerNorm1P(config.hidden_size, config.norm_eps, ops=ops)
 
 
 class NemotronModel(LlamaModel):
