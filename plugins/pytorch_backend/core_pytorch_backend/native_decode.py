@@ -15,10 +15,10 @@ It takes a model whose decoder is ``models.llama``'s (Llama, Qwen2, Qwen3, Mistr
 and a subclass that runs its forward as it is), Granite's (what the attention and the MLP add to the residual
 times its multiplier), OLMo 2's post-norm layers (and OLMo 3's and EXAONE 4's over them: only the attention's and
 the MLP's outputs normalised; OLMo's q and k norms over all heads at once), GLM-4's (Llama's norms and those of
-the attention's and the MLP's outputs), Arcee's (Llama's with an ungated relu^2 MLP), the LayerNorm decoders of StableLM,
-StarCoder 2, Phi, Command R / R7B, Jais 2 and Nemotron (LayerNorms, Nemotron's of 1 + w, and ungated tanh GELUs or relu^2, which the native op set's
-``layer_norm``, ``gelu_tanh`` and ``relu2`` run from the modules too; StableLM's, Cohere's and Phi's parallel
-layers) or one of Gemma's (``models.gemma``, ``gemma2``,
+the attention's and the MLP's outputs), Arcee's (Llama's with an ungated relu^2 MLP), the LayerNorm decoders of
+StableLM, StarCoder 2, Phi, Command R / R7B, Jais 2 and Nemotron (LayerNorms, Nemotron's of 1 + w, and ungated tanh
+GELUs or relu^2, which the native op set's ``layer_norm``, ``gelu_tanh`` and ``relu2`` run from the modules too;
+StableLM's, Cohere's and Phi's parallel layers) or one of Gemma's (``models.gemma``, ``gemma2``,
 ``gemma3``: float32 norms of 1 + w, GELU-tanh, Gemma 2 and 3's norms of the attention's and the MLP's outputs,
 Gemma 2's soft-capped scores, which the native op set's ``softcapped_attention`` caps in the same C kernel, Gemma
 3's rotary table per layer type), and the sparse MoE models over Llama's layer (Qwen2-MoE, Qwen3-MoE, Mixtral,
