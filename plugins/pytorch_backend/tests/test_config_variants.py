@@ -45,6 +45,9 @@ VARIANTS = {
         num_hidden_layers=4, intermediate_size=96, rope_parameters=_rope(partial=0.5),
         layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=16, linear_value_head_dim=8)),
+    "lfm2-partial-rotary-factor-ignored": ("Lfm2Config", dict(  # (refused before)
+        num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2, norm_eps=1e-6, block_multiple_of=32,
+        rope_parameters=_rope(partial=0.5))),
     # ... and the families that read it still turn a part
     "glm4-partial-rotary-factor-read": ("glm4", dict(rope_parameters=_rope(partial=0.25))),
     "stablelm-partial-rotary-factor-read": ("stablelm", dict(rope_parameters=_rope(partial=0.5))),

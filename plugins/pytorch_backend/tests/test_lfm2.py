@@ -164,8 +164,11 @@ REFUSED = {
     "lfm2-unknown-layer-type": ("Lfm2Config", dict(layer_types=["conv", "sliding_attention", "conv", "conv"]),
                                 "layer_types"),
     "lfm2-moe-without-layer-types": ("Lfm2MoeConfig", dict(layer_types=None), "layer_types"),
-    "lfm2-partial-rotary": ("Lfm2Config", dict(layer_types=CONV_ATTN, rope_parameters={
-        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}), "partial_rotary_factor"),
+    # transformers' LFM2 turns whole heads: it ignores the factor with the default frequencies (served so) and
+    # fails with it with any other
+    "lfm2-partial-rotary-linear": ("Lfm2Config", dict(layer_types=CONV_ATTN, rope_parameters={
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        "partial_rotary_factor"),
     "lfm3-yarn": ("Lfm3Config", dict(head_dim=16, rope_parameters={
         "full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0},
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), "rope_type"),

@@ -31,7 +31,6 @@ from torch import nn
 from ..attention_metadata import AttentionMetadata
 from ..layers import Linear, RMSNorm, RotaryEmbedding
 from ..layers.recurrent import DepthwiseConv, RecurrentLayer, StateSpec, segments
-from ..layers.rotary import rope_parameters
 from ..quant.attach import QuantizedShards
 from .llama import DecoderSpec, LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, input_norm
 from .names import parts_renamed
@@ -54,13 +53,6 @@ def check_layer_types(config: Any, family: str, layer_types: tuple[str, ...] = L
     unknown = sorted(set(config.layer_types) - set(layer_types))
     if unknown:
         raise NotImplementedError(f"{family}: layer_types {unknown} are not supported (supported: {layer_types})")
-
-
-def check_rope(config: Any, family: str) -> None:
-    """transformers' LFM2 computes its default frequencies over the whole head: a ``partial_rotary_factor``
-    (which ``layers.rotary`` would apply) is refused."""
-    if rope_parameters(config).get("partial_rotary_factor") not in (None, 1, 1.0):
-        raise NotImplementedError(f"{family}: rope_parameters partial_rotary_factor is not supported")
 
 
 def mlp_size(config: Any) -> int:
@@ -156,7 +148,6 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
     @classmethod
     def check_supported(cls, config: Any) -> None:
         check_layer_types(config, cls.family)
-        check_rope(config, cls.family)
 
     @classmethod
     def decoder_spec(cls, config: Any) -> DecoderSpec:
