@@ -39,8 +39,8 @@ VARIANTS = {
     # (Cohere and Falcon refused it; transformers serves it as above)
     "cohere-partial-rotary-factor-ignored": ("cohere", dict(rope_parameters=_rope(partial=0.75))),
     "falcon-partial-rotary-factor-ignored": ("falcon", dict(rope_parameters=_rope(partial=0.5))),
-    "phimoe-partial-rotary-factor-ignored": ("PhimoeConfig", dict(rope_parameters=_rope(partial=0.5), num_local_experts=4,
-                                                             num_experts_per_tok=2)),
+    "phimoe-partial-rotary-factor-ignored": ("PhimoeConfig", dict(
+        rope_parameters=_rope(partial=0.5), num_local_experts=4, num_experts_per_tok=2)),
     "olmo-hybrid-partial-rotary-factor-ignored": ("OlmoHybridConfig", dict(
         num_hidden_layers=4, intermediate_size=96, rope_parameters=_rope(partial=0.5),
         layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -48,7 +48,9 @@ VARIANTS = {
     "lfm2-partial-rotary-factor-ignored": ("Lfm2Config", dict(  # (refused before)
         num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2, norm_eps=1e-6, block_multiple_of=32,
         rope_parameters=_rope(partial=0.5))),
-    # ... and the families that read it still turn a part
+    # PhiMoE's sparsemixer picks two experts a token whatever num_experts_per_tok says, as transformers' (refused)
+    "phimoe-num-experts-per-tok-ignored": ("PhimoeConfig", dict(num_local_experts=4, num_experts_per_tok=1)),
+    # the families that read partial_rotary_factor still turn a part
     "glm4-partial-rotary-factor-read": ("glm4", dict(rope_parameters=_rope(partial=0.25))),
     "stablelm-partial-rotary-factor-read": ("stablelm", dict(rope_parameters=_rope(partial=0.5))),
 }

@@ -439,7 +439,6 @@ def test_afmoe_router_matches_transformers():
     ("hunyuan", dict(use_qk_norm=False), "use_qk_norm=False"),
     ("hunyuan", dict(num_shared_expert=[2, 2]), "num_shared_expert"),
     ("hunyuan", dict(moe_intermediate_size=[64, 64]), "moe_intermediate_size"),
-    ("phimoe", dict(num_experts_per_tok=1), "num_experts_per_tok=1"),
     ("phimoe", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
                                      "short_mscale": 1.0, "long_mscale": 1.0}), "rope_type 'linear'"),
     ("cohere2-moe", dict(expert_selection_fn="relu"), "expert_selection_fn 'relu'"),

@@ -87,12 +87,6 @@ def phimoe_rope_parameters(config: Any) -> dict[str, Any]:
 class PhimoeForCausalLM(MixtralForCausalLM):
     model_class = PhimoeModel
 
-    def __init__(self, config: Any, ops: Any):
-        if config.num_experts_per_tok != 2:
-            raise NotImplementedError(f"PhiMoE with num_experts_per_tok={config.num_experts_per_tok}: sparsemixer "
-                                      "picks two experts a token (transformers ignores the field)")
-        super().__init__(config, ops)
-
     @property
     def lm_head_bias(self) -> bool:  # read by LlamaForCausalLM.__init__, after it sets self.config
         return bool(getattr(self.config, "lm_head_bias", False))
