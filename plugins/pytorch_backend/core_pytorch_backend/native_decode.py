@@ -15,7 +15,8 @@ It takes a model whose decoder is ``models.llama``'s (Llama, Qwen2, Qwen3, Mistr
 and a subclass that runs its forward as it is), Granite's (what the attention and the MLP add to the residual
 times its multiplier), OLMo 2's post-norm layers (and OLMo 3's and EXAONE 4's over them: only the attention's and
 the MLP's outputs normalised; OLMo's q and k norms over all heads at once), GLM-4's (Llama's norms and those of
-the attention's and the MLP's outputs), Arcee's (Llama's with an ungated relu^2 MLP), the LayerNorm decoders of
+the attention's and the MLP's outputs), Arcee's (Llama's with an ungated relu^2 MLP), Ministral 3's (q times a
+factor of its position after rotary, ``core_layer.q_scale``), the LayerNorm decoders of
 StableLM, StarCoder 2, Phi, Command R / R7B, Jais 2 and Nemotron (LayerNorms, Nemotron's of 1 + w, and ungated tanh
 GELUs or relu^2, which the native op set's ``layer_norm``, ``gelu_tanh`` and ``relu2`` run from the modules too;
 StableLM's, Cohere's and Phi's parallel layers) or one of Gemma's (``models.gemma``, ``gemma2``,
@@ -61,6 +62,7 @@ from core_pytorch_backend.native_families import (
     family_of,
     mlp_parts,
     parallel_form,
+    query_scales_of,
 )
 from core_pytorch_backend.step_inputs import StepInputs
 
@@ -73,6 +75,7 @@ GROUP_ROWS = 4  # csrc/decoder_stack.c's row-group path: units of at least 4 row
 # and the clients, two units of 32 beat the one call of 64 (row_group_from)
 EXACT_TILES_GROUP_ROWS = 32
 _STEP_DTYPES = (torch.float32, torch.bfloat16)
+_DTYPE_OF = {code: dtype for dtype, code in DTYPE_CODES.items()}
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 
@@ -80,7 +83,7 @@ class _Layer(ctypes.Structure):  # core_layer
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("attn_out_norm", _P),
                 ("mlp_out_norm", _P), ("cos", _P), ("sin", _P), ("qkv", Packed), ("o", Packed), ("gate_up", Packed),
                 ("down", Packed), ("k_cache", _P), ("v_cache", _P), ("window", _L), ("scale", _F), ("softcap", _F),
-                ("rope", _I), ("moe", _P), ("input_bias", _P), ("post_bias", _P)]
+                ("rope", _I), ("moe", _P), ("input_bias", _P), ("post_bias", _P), ("q_scale", _P)]
 
 
 class _Decoder(ctypes.Structure):  # core_decoder
@@ -315,6 +318,9 @@ def _describe_layer(layer: nn.Module, index: int, family: Family, spec: _Decoder
     norms = family.norms(layer)
     weights = {name: _norm_weight(norm, family, spec, index, keep) for name, norm in norms.items()}
     rotary = attention.rotary_emb or first_rotary  # a layer without rotary (rope 0) never reads the table
+    q_scales = query_scales_of(attention)
+    if q_scales is not None and q_scales.shape[0] != spec.max_position:
+        raise DoesNotFit(f"layer {index}'s query scales are not as long as the rotary table")
     return _Layer(input_norm=weights["input"], post_norm=weights["before_mlp"], q_norm=weights["q"],
                   k_norm=weights["k"], attn_out_norm=weights["attn_out"], mlp_out_norm=weights["mlp_out"],
                   cos=_ptr(rotary.cos_cache, keep), sin=_ptr(rotary.sin_cache, keep),
@@ -323,7 +329,8 @@ def _describe_layer(layer: nn.Module, index: int, family: Family, spec: _Decoder
                   down=Packed() if moe else _packed(down, index, keep),
                   k_cache=_ptr(attn.k_cache, keep), v_cache=_ptr(attn.v_cache, keep), window=attn.sliding_window or 0,
                   scale=attn.scale, softcap=attn.softcap or 0.0, rope=int(attention.rotary_emb is not None), moe=moe,
-                  input_bias=_norm_bias(norms["input"], keep), post_bias=_norm_bias(norms["before_mlp"], keep))
+                  input_bias=_norm_bias(norms["input"], keep), post_bias=_norm_bias(norms["before_mlp"], keep),
+                  q_scale=None if q_scales is None else _ptr(q_scales.to(_DTYPE_OF[spec.dtype]).contiguous(), keep))
 
 
 def _moe_block(block: SparseMoeBlock, index: int, spec: _Decoder, keep: list[Any]) -> int:

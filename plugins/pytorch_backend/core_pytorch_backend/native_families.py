@@ -1,12 +1,13 @@
 """The decoders the native decode stack takes (``native_decode.py``): each family's module classes and how its layers
 differ from Llama's, as data the C layer carries (``csrc/decoder_stack.c``: the norms' places and kind, the parallel
 forms, an ungated MLP (tanh GELU or relu^2: StarCoder 2, Phi, Arcee, Jais 2, Nemotron), Granite's multiplier, OLMo's
-whole-projection q/k norms, OLMoE's clip_qkv)."""
+whole-projection q/k norms, OLMoE's clip_qkv, Ministral 3's per-position query scale)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from core_pytorch_backend.kernels.native import ACT_GELU_TANH, ACT_RELU2, ACT_SILU
@@ -34,6 +35,11 @@ from core_pytorch_backend.models.granite import GraniteDecoderLayer, GraniteMode
 from core_pytorch_backend.models.granitemoe import GraniteMoeDecoderLayer, GraniteMoeModel
 from core_pytorch_backend.models.jais2 import Jais2DecoderLayer, Jais2Model
 from core_pytorch_backend.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+from core_pytorch_backend.models.ministral3 import (
+    Ministral3Attention,
+    Ministral3DecoderLayer,
+    Ministral3Model,
+)
 from core_pytorch_backend.models.mixtral import MixtralDecoderLayer, MixtralModel
 from core_pytorch_backend.models.nemotron import LayerNorm1P, NemotronDecoderLayer, NemotronModel
 from core_pytorch_backend.models.olmo2 import Olmo2Attention, Olmo2DecoderLayer, Olmo2Model
@@ -97,6 +103,7 @@ FAMILIES = {LlamaModel: Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RMSN
              Starcoder2Model: Family(Starcoder2DecoderLayer, LlamaAttention, UngatedMLP, LayerNorm, PRE),
              Jais2Model: Family(Jais2DecoderLayer, LlamaAttention, UngatedMLP, LayerNorm, PRE),
              ArceeModel: Family(ArceeDecoderLayer, LlamaAttention, UngatedMLP, RMSNorm, PRE),
+             Ministral3Model: Family(Ministral3DecoderLayer, Ministral3Attention, LlamaMLP, RMSNorm, PRE),
              NemotronModel: Family(NemotronDecoderLayer, LlamaAttention, UngatedMLP, LayerNorm1P, PRE),
              StableLmModel: Family(StableLmDecoderLayer, StableLmAttention, LlamaMLP, LayerNorm, PRE,
                                     parallel=PARALLEL_RESIDUAL),
@@ -136,6 +143,11 @@ def mlp_parts(mlp: nn.Module) -> tuple[nn.Module, nn.Module, int | None]:
 def parallel_form(layer: nn.Module, family: Family) -> int:
     """The layer's form: its MLP after the attention (PARALLEL_NONE) or beside it (the family's parallel form)."""
     return family.parallel if family.norms(layer)["before_mlp"] is None else PARALLEL_NONE
+
+
+def query_scales_of(attention: nn.Module) -> torch.Tensor | None:
+    """Each position's factor on q after rotary, float32 (Ministral 3's Llama 4 scaling; None: none)."""
+    return attention.query_scales() if type(attention) is Ministral3Attention else None
 
 
 def clip_qkv_of(attention: nn.Module) -> float:

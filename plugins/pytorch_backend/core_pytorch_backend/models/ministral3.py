@@ -7,6 +7,7 @@ checkpoints the same way, for text only."""
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -23,6 +24,14 @@ def llama4_query_scale(positions: torch.Tensor, beta: float, original: int) -> t
     return (1 + beta * torch.log(1 + torch.floor(positions / original)))[:, None]
 
 
+@lru_cache(maxsize=4)
+def query_scale_table(rows: int, beta: float, original: int, device: torch.device) -> torch.Tensor:
+    """The factors of positions 0 .. rows - 1, [rows] float32: one table every layer and step indexes (and the
+    native decode stack reads), so that a position's factor does not depend on how many rows a step computes it
+    for (torch's vectorized log and its scalar tail may differ in the last bit)."""
+    return llama4_query_scale(torch.arange(rows, device=device), beta, original)[:, 0]
+
+
 class Ministral3Attention(LlamaAttention):
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
         super().__init__(config, ops, spec, layer_index, rotary)
@@ -37,8 +46,15 @@ class Ministral3Attention(LlamaAttention):
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q, k = self.rotary_emb(positions, q, k)
         if self.query_scaling is not None:
-            q = q * llama4_query_scale(positions, *self.query_scaling).to(q.dtype)
+            q = q * self.query_scales()[positions][:, None].to(q.dtype)
         return self.o_proj(self.attn(q, k, v, meta))
+
+    def query_scales(self) -> torch.Tensor | None:
+        """Each position's factor on q up to the rotary table's length, float32 (None: no scaling)."""
+        if self.query_scaling is None:
+            return None
+        table = self.rotary_emb.cos_cache
+        return query_scale_table(table.shape[0], *self.query_scaling, table.device)
 
 
 class Ministral3DecoderLayer(LlamaDecoderLayer):

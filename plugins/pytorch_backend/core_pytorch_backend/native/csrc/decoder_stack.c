@@ -19,7 +19,8 @@
  * beside the input ones (RMSNorms); OLMoE clamps q, k and v after its q and k norms (clip_qkv); StableLM's norms are
  * LayerNorms with biases (NORM_LAYER: core_layer_norm), and its parallel layers run the MLP on the attention's input
  * norm, both outputs joining the residual (parallel); Phi's sum the two outputs first. StarCoder 2's, Phi's,
- * Arcee's and Jais 2's MLPs are ungated (ungated: core_act; relu^2: ACT_RELU2).
+ * Arcee's, Jais 2's and Nemotron's MLPs are ungated (ungated: core_act; relu^2: ACT_RELU2). Ministral 3 scales q
+ * after rotary by a factor of its position (q_scale).
  *
  * The model and its layers are described once (core_decoder, core_layer: pointers into the weights and
  * KV caches, which decoder_stack.py keeps alive and rebuilds when they move); a step passes its rows.
@@ -50,6 +51,8 @@ typedef struct {
     int32_t rope;            /* 1: rotary on q and k; 0: none (SmolLM3's no-rope layers) */
     const core_moe *moe;     /* the MLP a sparse MoE block (moe_mix.c; gate_up and down unused), or NULL */
     const void *input_bias, *post_bias; /* [H] input_norm's and post_norm's biases (NORM_LAYER), or NULL: none */
+    const void *q_scale; /* [max_position] of the activations' dtype: q times its position's factor after rotary
+                            (Ministral 3's Llama 4 scaling), or NULL: none */
 } core_layer;
 
 /* core_decoder.parallel: the MLP after the attention, or beside it on the attention's input norm, the attention's
@@ -117,6 +120,24 @@ static void scale_rows(const core_decoder *m, char *x, int64_t rows, int64_t wid
         float *v = (float *)x;
         for (int64_t i = 0; i < n; ++i) v[i] *= m->branch_scale;
     }
+}
+
+/* each row t of x [rows, width] times table[positions[t]] (of the dtype), rounded to the dtype (torch's q * scale) */
+static int scale_by_position(const core_decoder *m, const void *table, const int64_t *positions, char *x,
+                             int64_t rows, int64_t width) {
+    for (int64_t t = 0; t < rows; ++t) {
+        if (positions[t] < 0 || positions[t] >= m->max_position) return ERR_ARGS;
+        if (m->dtype == DT_BF16) {
+            uint16_t *v = (uint16_t *)x + t * width;
+            const float s = bf16_to_f32(((const uint16_t *)table)[positions[t]]);
+            for (int64_t i = 0; i < width; ++i) v[i] = f32_to_bf16(bf16_to_f32(v[i]) * s);
+        } else {
+            float *v = (float *)x + t * width;
+            const float s = ((const float *)table)[positions[t]];
+            for (int64_t i = 0; i < width; ++i) v[i] *= s;
+        }
+    }
+    return OK;
 }
 
 /* `rows` rows of `width` values `stride` apart clamped to [-m->clip_qkv, m->clip_qkv] in place (as torch's clamp:
@@ -247,6 +268,7 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
         copy_rows(q, q_stride, tokens, q_width, size, q_rot);
         copy_rows(k, k_stride, tokens, kv_width, size, k_rot);
     }
+    if (L->q_scale) CHECK(scale_by_position(m, L->q_scale, r->positions, q_rot, tokens, q_width));
     CHECK(core_store_kv(k_rot, v, m->dtype, tokens, hkv, d, kv_width, qkv_width, r->slots, L->k_cache, L->v_cache,
                         m->cache_dtype, m->num_slots));
     CHECK(core_decode_attention(q_rot, m->dtype, tokens, hq, d, L->k_cache, L->v_cache, m->cache_dtype, m->block_size,
