@@ -15,8 +15,9 @@ It takes a model whose decoder is ``models.llama``'s (Llama, Qwen2, Qwen3, Mistr
 and a subclass that runs its forward as it is), Granite's (what the attention and the MLP add to the residual
 times its multiplier), OLMo 2's post-norm layers (and OLMo 3's and EXAONE 4's over them: only the attention's and
 the MLP's outputs normalised; OLMo's q and k norms over all heads at once), GLM-4's (Llama's norms and those of
-the attention's and the MLP's outputs), Arcee's (Llama's with an ungated relu^2 MLP), Ministral 3's (q times a
-factor of its position after rotary, ``core_layer.q_scale``), the LayerNorm decoders of
+the attention's and the MLP's outputs), Arcee's (Llama's with an ungated relu^2 MLP), Apertus's (an ungated xIELU
+MLP, the op set's ``xielu``, its parameters ``core_layer.act_params``), Ministral 3's (q times a factor of its
+position after rotary, ``core_layer.q_scale``), the LayerNorm decoders of
 StableLM, StarCoder 2, Phi, Command R / R7B, Jais 2 and Nemotron (LayerNorms, Nemotron's of 1 + w, and ungated tanh
 GELUs or relu^2, which the native op set's ``layer_norm``, ``gelu_tanh`` and ``relu2`` run from the modules too;
 StableLM's, Cohere's and Phi's parallel layers) or one of Gemma's (``models.gemma``, ``gemma2``,
@@ -45,6 +46,7 @@ from core_pytorch_backend.kernels.native import ACT_SILU, CACHE_CODES
 from core_pytorch_backend.layers.attention import attention_layers
 from core_pytorch_backend.layers.norm import LayerNorm
 from core_pytorch_backend.layers.rotary import RotaryEmbedding
+from core_pytorch_backend.models.apertus import ApertusMLP
 from core_pytorch_backend.models.gemma3 import GemmaRMSNorm
 from core_pytorch_backend.models.phi import PhiAttention
 from core_pytorch_backend.models.sparse_moe import SparseMoeBlock
@@ -58,6 +60,7 @@ from core_pytorch_backend.native_families import (
     NORM_KINDS,
     NORM_LAYER,
     Family,
+    act_params_of,
     clip_qkv_of,
     family_of,
     mlp_parts,
@@ -83,7 +86,8 @@ class _Layer(ctypes.Structure):  # core_layer
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("attn_out_norm", _P),
                 ("mlp_out_norm", _P), ("cos", _P), ("sin", _P), ("qkv", Packed), ("o", Packed), ("gate_up", Packed),
                 ("down", Packed), ("k_cache", _P), ("v_cache", _P), ("window", _L), ("scale", _F), ("softcap", _F),
-                ("rope", _I), ("moe", _P), ("input_bias", _P), ("post_bias", _P), ("q_scale", _P)]
+                ("rope", _I), ("moe", _P), ("input_bias", _P), ("post_bias", _P), ("q_scale", _P),
+                ("act_params", _F * 4)]
 
 
 class _Decoder(ctypes.Structure):  # core_decoder
@@ -236,7 +240,7 @@ def describe(model: nn.Module) -> _Plan:
         raise DoesNotFit(f"{head_dim}-wide heads in groups of {heads // kv_heads}")
     act = ACT_SILU if dense is None else mlp_parts(dense)[2]
     if act is None:
-        raise DoesNotFit("the MLP's activation (silu or GELU-tanh, an ungated one the op set's gelu_tanh or relu2)")
+        raise DoesNotFit("the MLP's activation (silu or GELU-tanh, an ungated one the op set's gelu_tanh, relu2 or xielu)")
     qkv = attention.qkv_proj.weight
     if not isinstance(qkv, NativeWeight):
         raise DoesNotFit("layer 0's qkv_proj is not a native packed weight")
@@ -250,7 +254,7 @@ def describe(model: nn.Module) -> _Plan:
                     dtype=DTYPE_CODES[dtype],
                     cache_dtype=CACHE_CODES[cache.dtype], table_dtype=DTYPE_CODES[rotary.cos_cache.dtype],
                     norm_kind=NORM_KINDS[family.norm], act=act, parallel=parallel_form(first, family),
-                    ungated=int(family.mlp is UngatedMLP),
+                    ungated=int(family.mlp in (UngatedMLP, ApertusMLP)),
                     branch_scale=first.residual_multiplier if family.scaled else 1.0,
                     qk_norm_whole=int(family.qk_whole), eps=width_norm.eps, clip_qkv=clip_qkv_of(attention),
                     block_size=cache.shape[1], num_slots=cache.shape[0] * cache.shape[1],
@@ -330,7 +334,8 @@ def _describe_layer(layer: nn.Module, index: int, family: Family, spec: _Decoder
                   k_cache=_ptr(attn.k_cache, keep), v_cache=_ptr(attn.v_cache, keep), window=attn.sliding_window or 0,
                   scale=attn.scale, softcap=attn.softcap or 0.0, rope=int(attention.rotary_emb is not None), moe=moe,
                   input_bias=_norm_bias(norms["input"], keep), post_bias=_norm_bias(norms["before_mlp"], keep),
-                  q_scale=None if q_scales is None else _ptr(q_scales.to(_DTYPE_OF[spec.dtype]).contiguous(), keep))
+                  q_scale=None if q_scales is None else _ptr(q_scales.to(_DTYPE_OF[spec.dtype]).contiguous(), keep),
+                  act_params=(_F * 4)(*(act_params_of(mlp) if moe is None else (0.0,) * 4)))
 
 
 def _moe_block(block: SparseMoeBlock, index: int, spec: _Decoder, keep: list[Any]) -> int:

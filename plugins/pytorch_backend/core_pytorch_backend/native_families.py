@@ -1,6 +1,6 @@
 """The decoders the native decode stack takes (``native_decode.py``): each family's module classes and how its layers
 differ from Llama's, as data the C layer carries (``csrc/decoder_stack.c``: the norms' places and kind, the parallel
-forms, an ungated MLP (tanh GELU or relu^2: StarCoder 2, Phi, Arcee, Jais 2, Nemotron), Granite's multiplier, OLMo's
+forms, an ungated MLP (tanh GELU, relu^2 or xIELU: StarCoder 2, Phi, Arcee, Jais 2, Nemotron, Apertus), Granite's multiplier, OLMo's
 whole-projection q/k norms, OLMoE's clip_qkv, Ministral 3's per-position query scale)."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core_pytorch_backend.kernels.native import ACT_GELU_TANH, ACT_RELU2, ACT_SILU
-from core_pytorch_backend.layers.activation import OP_OF, GeluTanhAndMul, SiluAndMul
+from core_pytorch_backend.kernels.native import ACT_GELU_TANH, ACT_RELU2, ACT_SILU, ACT_XIELU
+from core_pytorch_backend.layers.activation import OP_OF, XIELU, GeluTanhAndMul, SiluAndMul
 from core_pytorch_backend.layers.norm import LayerNorm, RMSNorm
+from core_pytorch_backend.models.apertus import ApertusDecoderLayer, ApertusMLP, ApertusModel
 from core_pytorch_backend.models.arcee import ArceeDecoderLayer, ArceeModel
 from core_pytorch_backend.models.cohere import (
     CohereAttention,
@@ -104,6 +105,7 @@ FAMILIES = {LlamaModel: Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RMSN
              Jais2Model: Family(Jais2DecoderLayer, LlamaAttention, UngatedMLP, LayerNorm, PRE),
              ArceeModel: Family(ArceeDecoderLayer, LlamaAttention, UngatedMLP, RMSNorm, PRE),
              Ministral3Model: Family(Ministral3DecoderLayer, Ministral3Attention, LlamaMLP, RMSNorm, PRE),
+             ApertusModel: Family(ApertusDecoderLayer, LlamaAttention, ApertusMLP, RMSNorm, PRE),
              NemotronModel: Family(NemotronDecoderLayer, LlamaAttention, UngatedMLP, LayerNorm1P, PRE),
              StableLmModel: Family(StableLmDecoderLayer, StableLmAttention, LlamaMLP, LayerNorm, PRE,
                                     parallel=PARALLEL_RESIDUAL),
@@ -137,12 +139,21 @@ def mlp_parts(mlp: nn.Module) -> tuple[nn.Module, nn.Module, int | None]:
     if type(mlp) is UngatedMLP:
         up, down = mlp.projections()
         return up, down, None if mlp.act.op is None else UNGATED_ACTIVATIONS[OP_OF[mlp.act.hidden_act]]
+    if type(mlp) is ApertusMLP:
+        xielu = type(mlp.act_fn) is XIELU and mlp.act_fn.op is not None
+        return mlp.up_proj, mlp.down_proj, ACT_XIELU if xielu else None
     return mlp.gate_up_proj, mlp.down_proj, ACTIVATIONS.get(type(mlp.act_fn))
 
 
 def parallel_form(layer: nn.Module, family: Family) -> int:
     """The layer's form: its MLP after the attention (PARALLEL_NONE) or beside it (the family's parallel form)."""
     return family.parallel if family.norms(layer)["before_mlp"] is None else PARALLEL_NONE
+
+
+def act_params_of(mlp: nn.Module) -> tuple[float, float, float, float]:
+    """The parameters of a dense MLP's activation the C layer reads (Apertus's xIELU: alpha_p, alpha_n, beta, eps;
+    zeros for the others)."""
+    return mlp.act_fn.params() if type(mlp) is ApertusMLP else (0.0, 0.0, 0.0, 0.0)
 
 
 def query_scales_of(attention: nn.Module) -> torch.Tensor | None:

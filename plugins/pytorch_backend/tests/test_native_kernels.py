@@ -633,6 +633,27 @@ def test_ungated_relu2_is_torchs_bit_for_bit(ops, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_ungated_xielu_matches_torch(ops, dtype):
+    """core_act's xIELU (Apertus's MLP, from the modules' XIELU and the decode stack) against XIELU's torch forward
+    with random parameters: float32 within a few ulps of the operands (expm1f against torch's expm1; the sums cancel
+    near 0), bfloat16 the same bits but where that ulp crosses a rounding (each operation rounded as torch's are)."""
+    from core_pytorch_backend.layers.activation import XIELU
+
+    torch.manual_seed(0)
+    act = XIELU(beta=0.5, eps=-1e-6)
+    act.alpha_p.data, act.alpha_n.data = torch.randn(1), torch.randn(1)
+    act = act.to(dtype)
+    x = (torch.randn(7, 300) * 4).to(dtype)
+    mine, oracle = ops.xielu(x, act.params()), act(x)
+    assert mine.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(mine, oracle, rtol=1e-6, atol=1e-6)
+    else:
+        assert (mine != oracle).float().mean() < 0.01
+        torch.testing.assert_close(mine, oracle, rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_layer_norm_matches_the_reference(ops, dtype, with_residual, with_bias):

@@ -23,9 +23,10 @@ OP_NAMES = ("store_kv_cache", "paged_attention", "rms_norm", "apply_rotary", "si
             "gelu_tanh_and_mul")
 # what a set may add (sampling.py falls back to torch without them): the greedy rows' argmax, a fused sampler;
 # attention whose scores are soft-capped (Gemma 2: layers.attention falls back to the reference without it); a
-# LayerNorm and an ungated GELU-tanh and relu^2 that a LayerNorm and an Activation built with the op set call
-# (layers.norm, layers.activation: torch's without them)
-OPTIONAL_OP_NAMES = ("argmax_rows", "sample_tokens", "softcapped_attention", "layer_norm", "gelu_tanh", "relu2")
+# LayerNorm and an ungated GELU-tanh, relu^2 and xIELU that a LayerNorm, an Activation and an XIELU built with the op
+# set call (layers.norm, layers.activation: torch's without them)
+OPTIONAL_OP_NAMES = ("argmax_rows", "sample_tokens", "softcapped_attention", "layer_norm", "gelu_tanh", "relu2",
+                     "xielu")
 KINDS = ("reference", "native", "triton")
 KERNELS_ENV = "CORE_KERNELS"
 

@@ -12,6 +12,7 @@ two.
 
 from __future__ import annotations
 
+import ctypes
 from typing import NamedTuple
 
 import torch
@@ -190,7 +191,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return out if residual is None else (out, summed)
 
 
-ACT_SILU, ACT_GELU_TANH, ACT_RELU2 = 0, 1, 2  # csrc/common.h
+ACT_SILU, ACT_GELU_TANH, ACT_RELU2, ACT_XIELU = 0, 1, 2, 3  # csrc/common.h
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -224,10 +225,22 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
     return _act(x, ACT_RELU2)
 
 
-def _act(x: torch.Tensor, act: int) -> torch.Tensor:
+def xielu(x: torch.Tensor, params: tuple[float, float, float, float]) -> torch.Tensor:
+    """Apertus's xIELU of ``params`` (alpha_p, alpha_n, beta, eps: ``layers.activation.XIELU.params``) in one
+    ``core_act`` call, which the decode stack makes too: each operation rounded to x's dtype as torch's are, the
+    expm1 the C library's (within an ulp of torch's)."""
+    if _code(x) is None or x.device.type != "cpu":
+        alpha_p, alpha_n, beta, eps = params
+        return torch.where(x > 0, alpha_p * x * x + beta * x, (torch.expm1(x.clamp(max=eps)) - x) * alpha_n + beta * x)
+    return _act(x, ACT_XIELU, params)
+
+
+def _act(x: torch.Tensor, act: int, params: tuple[float, ...] | None = None) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
-    kernels().call("core_act", x.data_ptr(), _code(x), x.numel() // x.shape[-1], x.shape[-1], act, out.data_ptr())
+    floats = None if params is None else (ctypes.c_float * len(params))(*params)
+    kernels().call("core_act", x.data_ptr(), _code(x), x.numel() // x.shape[-1], x.shape[-1], act,
+                   None if floats is None else ctypes.addressof(floats), out.data_ptr())
     return out
 
 

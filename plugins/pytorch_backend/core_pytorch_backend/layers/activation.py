@@ -107,16 +107,25 @@ class XIELU(nn.Module):
     ``XIELUActivation`` computes it: ``alpha_p * x^2 + beta * x`` for x > 0, else ``alpha_n * (expm1(min(x, eps))
     - x) + beta * x``, where ``alpha_p = softplus(alpha_p')`` and ``alpha_n = beta + softplus(alpha_n')`` of the
     stored ``alpha_p`` / ``alpha_n``. ``beta`` and ``eps`` are buffers checkpoints may or may not hold (the
-    model's ``load_weights`` copies them in when they do)."""
+    model's ``load_weights`` copies them in when they do). Built with ``ops`` whose set has an ``xielu`` (the
+    native set's), that op of ``params()``: the native decode stack calls its kernel."""
 
-    def __init__(self, beta: float = 0.5, eps: float = -1e-6):
+    def __init__(self, beta: float = 0.5, eps: float = -1e-6, ops: Any = None):
         super().__init__()
+        self.op = getattr(ops, "xielu", None)
         self.alpha_p = nn.Parameter(torch.zeros(1), requires_grad=False)
         self.alpha_n = nn.Parameter(torch.zeros(1), requires_grad=False)
         self.register_buffer("beta", torch.tensor(beta))
         self.register_buffer("eps", torch.tensor(eps))
 
+    def params(self) -> tuple[float, float, float, float]:
+        """(alpha_p, alpha_n, beta, eps) as the forward takes them (of the parameters' dtype)."""
+        alpha_p, alpha_n = F.softplus(self.alpha_p), self.beta + F.softplus(self.alpha_n)
+        return tuple(torch.cat([alpha_p, alpha_n, self.beta.reshape(1), self.eps.reshape(1)]).float().tolist())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.op is not None and x.dtype == self.alpha_p.dtype:
+            return self.op(x, self.params())
         alpha_p = F.softplus(self.alpha_p)
         alpha_n = self.beta + F.softplus(self.alpha_n)
         return torch.where(x > 0, alpha_p * x * x + self.beta * x,

@@ -24,12 +24,12 @@ XIELU_BUFFERS = (".act_fn.beta", ".act_fn.eps")
 
 
 class ApertusMLP(nn.Module):
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, ops: Any = None):
         super().__init__()
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         act = getattr(config, "hidden_act", "xielu")
-        self.act_fn = XIELU() if act == "xielu" else Activation(act)
+        self.act_fn = XIELU(ops=ops) if act == "xielu" else Activation(act)  # the op set's xIELU: the native stack's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.up_proj(x)))
@@ -37,7 +37,7 @@ class ApertusMLP(nn.Module):
 
 class ApertusDecoderLayer(LlamaDecoderLayer):
     def make_mlp(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int) -> nn.Module:
-        return ApertusMLP(config)
+        return ApertusMLP(config, ops)
 
 
 class ApertusModel(LlamaModel):

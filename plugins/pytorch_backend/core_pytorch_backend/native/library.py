@@ -15,7 +15,7 @@ from pathlib import Path
 from .build import CpuBuildError, build_library, chosen_variant
 
 log = logging.getLogger(__name__)
-ABI_VERSION = 21  # csrc/packed_linear.c CORE_PACKED_ABI
+ABI_VERSION = 22  # csrc/packed_linear.c CORE_PACKED_ABI
 STATUS = {1: "bad arguments", 2: "out of memory", 3: "no prompt loop (a build without AVX512-BF16)"}
 
 # csrc/packed_linear.c core_packed_prompt_loop: the packed matmuls' loop for prompt tokens' rows
@@ -45,7 +45,7 @@ SIGNATURES: dict[str, list] = {
     # x, dtype, T, I, activation (0 silu, 1 GELU-tanh: csrc/common.h ACT_*), out
     "core_act_and_mul": [_P, _I, _L, _L, _I, _P],
     # the same arguments, x [T, I]: the ungated activation (out may be x)
-    "core_act": [_P, _I, _L, _L, _I, _P],
+    "core_act": [_P, _I, _L, _L, _I, _P, _P],
     # q, k, dtype, T, Hq, Hkv, D, q row stride, k row stride, positions, cos, sin, their dtype,
     # max position, q out, k out
     "core_rotary": [_P, _P, _I, _L, _L, _L, _L, _L, _L, _P, _P, _P, _I, _L, _P, _P],

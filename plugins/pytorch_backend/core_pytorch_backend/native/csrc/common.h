@@ -217,10 +217,11 @@ static inline void gelu_tanh_times(float *gate, const float *up, int64_t n, int 
 }
 
 /* the activations of core_act_and_mul and the decoder stack; ACT_RELU2 (relu(x)^2: Nemotron's, Arcee's, Jais 2's)
- * is core_act's alone (ungated MLPs) */
+ * and ACT_XIELU (Apertus's, of four parameters: act_params) are core_act's alone (ungated MLPs) */
 #define ACT_SILU 0
 #define ACT_GELU_TANH 1
 #define ACT_RELU2 2
+#define ACT_XIELU 3
 
 /* The cache slot of context position pos (32-bit division: positions and blocks fit, and 64-bit
  * division costs tens of cycles) */
@@ -280,7 +281,7 @@ int core_rms_norm(const void *x, int x_dtype, int64_t tokens, int64_t hidden, co
                   const void *weight, int w_dtype, float eps, void *out, void *residual_out);
 int core_silu_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, void *out);
 int core_act_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, int act, void *out);
-int core_act(const void *x, int dtype, int64_t tokens, int64_t inner, int act, void *out);
+int core_act(const void *x, int dtype, int64_t tokens, int64_t inner, int act, const float *params, void *out);
 int core_rms_norm_float(const void *x, int x_dtype, int64_t tokens, int64_t hidden, const void *residual,
                         const float *weight, float eps, void *out, void *residual_out);
 int core_layer_norm(const void *x, int x_dtype, int64_t tokens, int64_t hidden, const void *residual,

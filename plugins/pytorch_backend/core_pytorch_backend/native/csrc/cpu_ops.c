@@ -930,10 +930,11 @@ typedef struct {
     const void *x;
     int dtype;
     int64_t tokens, inner;
-    int act; /* ACT_SILU, ACT_GELU_TANH, or ACT_RELU2 (ungated) */
+    int act; /* ACT_SILU, ACT_GELU_TANH, or ACT_RELU2 / ACT_XIELU (ungated) */
     void *out;
     int status;
     int ungated; /* 1: x [T, I] is the activation's input alone (times an up of ones: the same bits as act(x)) */
+    const float *params; /* ACT_XIELU's alpha_p, alpha_n, beta, eps */
 } act_team;
 
 /* x[i] <- relu(x[i])^2 in float32, rounded once by the store (torch's square(relu(x)): relu is exact, the square
@@ -944,6 +945,24 @@ static inline void relu_squared(float *x, int64_t n) {
         const float r = x[i] < 0.f ? 0.f : x[i];
         x[i] = r * r;
     }
+}
+
+/* x[i] <- xIELU(x[i]) of p = {alpha_p, alpha_n, beta, eps} (softplus and the sum already taken, as transformers'
+ * XIELUActivation takes them; values of the dtype): alpha_p x x + beta x for x > 0, else
+ * (expm1(min(x, eps)) - x) alpha_n + beta x, each operation rounded to the dtype as torch's are */
+static inline void xielu(float *x, int64_t n, int dtype, const float *p) {
+    const int bf16 = dtype == DT_BF16;
+#define R(v) (bf16 ? bf16_to_f32(f32_to_bf16(v)) : (v))
+    for (int64_t i = 0; i < n; ++i) {
+        const float v = x[i], linear = R(p[2] * v);
+        if (v > 0.f) {
+            x[i] = R(R(R(p[0] * v) * v) + linear);
+        } else {
+            const float low = v < p[3] ? v : p[3];
+            x[i] = R(R(R(R(expm1f(low)) - v) * p[1]) + linear);
+        }
+    }
+#undef R
 }
 
 static void act_work(void *context, int64_t thread, int64_t threads) {
@@ -965,6 +984,8 @@ static void act_work(void *context, int64_t thread, int64_t threads) {
             }
             if (c->act == ACT_RELU2)
                 relu_squared(gate, inner);
+            else if (c->act == ACT_XIELU)
+                xielu(gate, inner, dtype, c->params);
             else if (c->act == ACT_GELU_TANH)
                 gelu_tanh_times(gate, up, inner, dtype);
             else
@@ -982,18 +1003,19 @@ int core_act_and_mul(const void *x, int dtype, int64_t tokens, int64_t inner, in
     if ((tokens > 0 && (!x || !out)) || tokens < 0 || inner <= 0 || (dtype != DT_F32 && dtype != DT_BF16) ||
         (act != ACT_SILU && act != ACT_GELU_TANH))
         return ERR_ARGS;
-    act_team ctx = {x, dtype, tokens, inner, act, out, OK};
+    act_team ctx = {x, dtype, tokens, inner, act, out, OK, 0, NULL};
     run_team(tokens * inner > PARALLEL_MIN_WORK, act_work, &ctx);
     return ctx.status;
 }
 
-/* out[T, I] = act(x) for x[T, I] (an ungated MLP's: StarCoder 2's GELU-tanh, Nemotron's relu^2), the values of
- * core_act_and_mul's act(gate) with an up of ones; out may be x. */
-int core_act(const void *x, int dtype, int64_t tokens, int64_t inner, int act, void *out) {
+/* out[T, I] = act(x) for x[T, I] (an ungated MLP's: StarCoder 2's GELU-tanh, Nemotron's relu^2, Apertus's xIELU of
+ * params[4]; NULL for the others), the values of core_act_and_mul's act(gate) with an up of ones; out may be x. */
+int core_act(const void *x, int dtype, int64_t tokens, int64_t inner, int act, const float *params, void *out) {
     if ((tokens > 0 && (!x || !out)) || tokens < 0 || inner <= 0 || (dtype != DT_F32 && dtype != DT_BF16) ||
-        (act != ACT_SILU && act != ACT_GELU_TANH && act != ACT_RELU2))
+        (act != ACT_SILU && act != ACT_GELU_TANH && act != ACT_RELU2 && act != ACT_XIELU) ||
+        (act == ACT_XIELU && !params))
         return ERR_ARGS;
-    act_team ctx = {x, dtype, tokens, inner, act, out, OK, 1};
+    act_team ctx = {x, dtype, tokens, inner, act, out, OK, 1, params};
     run_team(tokens * inner > PARALLEL_MIN_WORK, act_work, &ctx);
     return ctx.status;
 }

@@ -19,8 +19,8 @@
  * beside the input ones (RMSNorms); OLMoE clamps q, k and v after its q and k norms (clip_qkv); StableLM's norms are
  * LayerNorms with biases (NORM_LAYER: core_layer_norm), and its parallel layers run the MLP on the attention's input
  * norm, both outputs joining the residual (parallel); Phi's sum the two outputs first. StarCoder 2's, Phi's,
- * Arcee's, Jais 2's and Nemotron's MLPs are ungated (ungated: core_act; relu^2: ACT_RELU2). Ministral 3 scales q
- * after rotary by a factor of its position (q_scale).
+ * Arcee's, Jais 2's and Nemotron's MLPs are ungated (ungated: core_act; relu^2: ACT_RELU2). Apertus's is xIELU
+ * (ACT_XIELU, act_params). Ministral 3 scales q after rotary by a factor of its position (q_scale).
  *
  * The model and its layers are described once (core_decoder, core_layer: pointers into the weights and
  * KV caches, which decoder_stack.py keeps alive and rebuilds when they move); a step passes its rows.
@@ -53,6 +53,7 @@ typedef struct {
     const void *input_bias, *post_bias; /* [H] input_norm's and post_norm's biases (NORM_LAYER), or NULL: none */
     const void *q_scale; /* [max_position] of the activations' dtype: q times its position's factor after rotary
                             (Ministral 3's Llama 4 scaling), or NULL: none */
+    float act_params[4]; /* the MLP activation's parameters (ACT_XIELU: this layer's alpha_p, alpha_n, beta, eps) */
 } core_layer;
 
 /* core_decoder.parallel: the MLP after the attention, or beside it on the attention's input norm, the attention's
@@ -70,7 +71,7 @@ typedef struct {
     int64_t rotary_dim; /* each head's rotated values (partial_rotary_factor: fewer than head_dim; the rest as is) */
     int32_t dtype, cache_dtype, table_dtype; /* dtype: the activations' (and the norm weights', but NORM_RMS_FLOAT) */
     int32_t norm_kind;  /* NORM_RMS, NORM_RMS_FLOAT or NORM_LAYER */
-    int32_t act;        /* ACT_SILU or ACT_GELU_TANH (common.h); ACT_RELU2 for an ungated MLP */
+    int32_t act;        /* ACT_SILU or ACT_GELU_TANH (common.h); ACT_RELU2 or ACT_XIELU for an ungated MLP */
     float branch_scale; /* multiplies what the attention and the MLP add to the residual (Granite); 1: none */
     int32_t qk_norm_whole; /* 1: q and k normalised over all their heads at once (OLMo 2, 3), 0: head by head */
     float eps;
@@ -286,7 +287,7 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
     } else {
         if (m->ungated) {
             CHECK(linear(m, &L->gate_up, input, tokens, h, b->act));
-            CHECK(core_act(b->act, m->dtype, tokens, m->inter, m->act, b->act));
+            CHECK(core_act(b->act, m->dtype, tokens, m->inter, m->act, L->act_params, b->act));
         } else {
             CHECK(packed_gated(&L->gate_up, input, m->dtype, tokens, h, m->tiles, m->act, b->gate_up, b->act));
         }
@@ -382,7 +383,8 @@ int core_decoder_layers(const core_decoder *m, const core_layer *layers, int64_t
     if (!m || (num_layers > 0 && !layers) || num_layers < 0 || tokens < 0 || (tokens > 0 && (!hidden ||
         !residual || !positions || !slots || !tables || !lengths)) || (m->dtype != DT_F32 && m->dtype != DT_BF16) ||
         m->hidden <= 0 || m->heads <= 0 || m->kv_heads <= 0 || m->head_dim <= 0 || m->inter <= 0 ||
-        m->group_rows < 0 || (m->act != ACT_SILU && m->act != ACT_GELU_TANH && !(m->act == ACT_RELU2 && m->ungated)) ||
+        m->group_rows < 0 || (m->act != ACT_SILU && m->act != ACT_GELU_TANH &&
+                                !((m->act == ACT_RELU2 || m->act == ACT_XIELU) && m->ungated)) ||
         !(m->clip_qkv >= 0.f) ||
         m->norm_kind < NORM_RMS || m->norm_kind > NORM_LAYER || m->parallel < PARALLEL_NONE ||
         m->parallel > PARALLEL_SUM)
