@@ -51,6 +51,7 @@ from core_pytorch_backend.models.sparse_moe import QwenMoeDecoderLayer, QwenMoeM
 from core_pytorch_backend.models.stablelm import StableLmAttention, StableLmDecoderLayer, StableLmModel
 from core_pytorch_backend.models.starcoder2 import Starcoder2DecoderLayer, Starcoder2Model
 from core_pytorch_backend.models.ungated_mlp import UngatedMLP
+from core_pytorch_backend.models.vaultgemma import VaultGemmaModel
 
 # A layer's norms by the C layer's places for them (core_layer: input_norm, post_norm, attn_out_norm, mlp_out_norm;
 # None: none there): Llama's before the attention and before the MLP; Gemma 2 and 3's and GLM-4's "sandwich" norms,
@@ -115,6 +116,7 @@ FAMILIES = {LlamaModel: Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RMSN
                                parallel=PARALLEL_SUM, o_proj="dense", qk_norms=False),
              GemmaModel: Family(GemmaDecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, PRE),
              Gemma2Model: Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, GEMMA_SANDWICH),
+             VaultGemmaModel: Family(GemmaDecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, PRE),  # Gemma 2's
              Gemma3Model: Family(Gemma3DecoderLayer, Gemma3Attention, Gemma3MLP, GemmaRMSNorm, GEMMA_SANDWICH)}
 ACTIVATIONS = {SiluAndMul: ACT_SILU, GeluTanhAndMul: ACT_GELU_TANH}
 UNGATED_ACTIVATIONS = {"gelu_tanh": ACT_GELU_TANH, "relu2": ACT_RELU2}  # an Activation's op (layers.activation.OP_OF)
