@@ -17,7 +17,8 @@ times its multiplier), OLMo 2's post-norm layers (and OLMo 3's and EXAONE 4's ov
 the MLP's outputs normalised; OLMo's q and k norms over all heads at once), GLM-4's (Llama's norms and those of
 the attention's and the MLP's outputs), Arcee's (Llama's with an ungated relu^2 MLP), Apertus's (an ungated xIELU
 MLP, the op set's ``xielu``, its parameters ``core_layer.act_params``), Ministral 3's (q times a factor of its
-position after rotary, ``core_layer.q_scale``), the LayerNorm decoders of
+position after rotary, ``core_layer.q_scale``), NanoChat's (weightless RMSNorms, q and k normalized after rotary),
+the LayerNorm decoders of
 StableLM, StarCoder 2, Phi, Command R / R7B, Jais 2 and Nemotron (LayerNorms, Nemotron's of 1 + w, and ungated tanh
 GELUs or relu^2, which the native op set's ``layer_norm``, ``gelu_tanh`` and ``relu2`` run from the modules too;
 StableLM's, Cohere's and Phi's parallel layers) or one of Gemma's (``models.gemma``, ``gemma2``, ``vaultgemma``,
@@ -44,7 +45,7 @@ from torch import nn
 
 from core_pytorch_backend.kernels.native import ACT_SILU, CACHE_CODES
 from core_pytorch_backend.layers.attention import attention_layers
-from core_pytorch_backend.layers.norm import LayerNorm
+from core_pytorch_backend.layers.norm import WeightlessRMSNorm
 from core_pytorch_backend.layers.rotary import RotaryEmbedding
 from core_pytorch_backend.models.apertus import ApertusMLP
 from core_pytorch_backend.models.gemma3 import GemmaRMSNorm
@@ -94,7 +95,7 @@ class _Decoder(ctypes.Structure):  # core_decoder
     _fields_ = [("hidden", _L), ("heads", _L), ("kv_heads", _L), ("head_dim", _L), ("inter", _L),
                 ("rotary_dim", _L),
                 ("dtype", _I), ("cache_dtype", _I), ("table_dtype", _I), ("norm_kind", _I), ("act", _I),
-                ("branch_scale", _F), ("qk_norm_whole", _I), ("eps", _F), ("clip_qkv", _F), ("parallel", _I),
+                ("branch_scale", _F), ("qk_norm_whole", _I), ("qk_norm_after_rope", _I), ("eps", _F), ("clip_qkv", _F), ("parallel", _I),
                 ("ungated", _I),
                 ("block_size", _L), ("num_slots", _L), ("max_position", _L), ("tiles", _I),
                 ("group_rows", _I), ("group_from", _I)]
@@ -229,7 +230,7 @@ def describe(model: nn.Module) -> _Plan:
     dense = next((layer.mlp for layer in layers if type(layer.mlp) is family.mlp), None)  # None: every MLP an MoE
     rotary = _rotary_of(layers)
     width_norm = next(n for n in family.norms(first).values() if n is not None)  # one of the hidden width
-    dtype = width_norm.weight.dtype  # the activations' (a step whose embeddings differ takes the modules)
+    hidden, dtype = _width_and_dtype(width_norm, decoder, attention)
     cache = attention.attn.k_cache
     if cache is None:
         raise DoesNotFit("no KV cache is bound")
@@ -249,14 +250,15 @@ def describe(model: nn.Module) -> _Plan:
     moe = any(type(layer.mlp) is SparseMoeBlock for layer in layers)
     group_rows = 0 if moe else row_group_rows(qkv.kernels)
     keep: list[Any] = []
-    spec = _Decoder(hidden=width_norm.weight.shape[0], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+    spec = _Decoder(hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                     rotary_dim=rotary.rotary_dim, inter=1 if dense is None else mlp_parts(dense)[1].input_size,
                     dtype=DTYPE_CODES[dtype],
                     cache_dtype=CACHE_CODES[cache.dtype], table_dtype=DTYPE_CODES[rotary.cos_cache.dtype],
                     norm_kind=NORM_KINDS[family.norm], act=act, parallel=parallel_form(first, family),
                     ungated=int(family.mlp in (UngatedMLP, ApertusMLP)),
                     branch_scale=first.residual_multiplier if family.scaled else 1.0,
-                    qk_norm_whole=int(family.qk_whole), eps=width_norm.eps, clip_qkv=clip_qkv_of(attention),
+                    qk_norm_whole=int(family.qk_whole), qk_norm_after_rope=int(family.qk_after_rope),
+                    eps=width_norm.eps, clip_qkv=clip_qkv_of(attention),
                     block_size=cache.shape[1], num_slots=cache.shape[0] * cache.shape[1],
                     max_position=rotary.cos_cache.shape[0], group_rows=group_rows,
                     group_from=row_group_from(group_rows))
@@ -264,6 +266,15 @@ def describe(model: nn.Module) -> _Plan:
     for index, layer in enumerate(layers):
         described[index] = _describe_layer(layer, index, family, spec, rotary, cache, keep)
     return _Plan(model, attention.attn, cache.data_ptr(), dtype, spec, described, keep, group_rows)
+
+
+def _width_and_dtype(norm: nn.Module, decoder: nn.Module, attention: nn.Module) -> tuple[int, torch.dtype]:
+    """The hidden width and the activations' dtype (a step whose embeddings differ takes the modules): a norm's
+    weight's, or a weightless norm's (NanoChat's) the qkv projection's input width and the embeddings' dtype."""
+    weight = getattr(norm, "weight", None)
+    if weight is None:
+        return attention.qkv_proj.input_size, decoder.embed_tokens.weight.dtype
+    return weight.shape[0], weight.dtype
 
 
 def _rotary_of(layers: list[nn.Module]) -> RotaryEmbedding:
@@ -320,7 +331,10 @@ def _describe_layer(layer: nn.Module, index: int, family: Family, spec: _Decoder
             or attn.v_cache.dtype != cache.dtype or attn.num_heads != spec.heads or attn.num_kv_heads != spec.kv_heads):
         raise DoesNotFit(f"layer {index}'s KV cache or heads differ from layer 0's")
     norms = family.norms(layer)
-    weights = {name: _norm_weight(norm, family, spec, index, keep) for name, norm in norms.items()}
+    widths = {"q": spec.heads * spec.head_dim, "k": spec.kv_heads * spec.head_dim} if family.qk_whole else {}
+    weights = {name: _norm_weight(norm, family, spec, index, keep, widths.get(name, spec.head_dim if name in "qk"
+                                                                              else spec.hidden))
+               for name, norm in norms.items()}
     rotary = attention.rotary_emb or first_rotary  # a layer without rotary (rope 0) never reads the table
     q_scales = query_scales_of(attention)
     if q_scales is not None and q_scales.shape[0] != spec.max_position:
@@ -333,7 +347,8 @@ def _describe_layer(layer: nn.Module, index: int, family: Family, spec: _Decoder
                   down=Packed() if moe else _packed(down, index, keep),
                   k_cache=_ptr(attn.k_cache, keep), v_cache=_ptr(attn.v_cache, keep), window=attn.sliding_window or 0,
                   scale=attn.scale, softcap=attn.softcap or 0.0, rope=int(attention.rotary_emb is not None), moe=moe,
-                  input_bias=_norm_bias(norms["input"], keep), post_bias=_norm_bias(norms["before_mlp"], keep),
+                  input_bias=_norm_bias(norms["input"], family, keep),
+                  post_bias=_norm_bias(norms["before_mlp"], family, keep),
                   q_scale=None if q_scales is None else _ptr(q_scales.to(_DTYPE_OF[spec.dtype]).contiguous(), keep),
                   act_params=(_F * 4)(*(act_params_of(mlp) if moe is None else (0.0,) * 4)))
 
@@ -351,11 +366,11 @@ def _moe_block(block: SparseMoeBlock, index: int, spec: _Decoder, keep: list[Any
     return ctypes.addressof(kernel.moe)
 
 
-def _norm_weight(norm: nn.Module | None, family: Family, spec: _Decoder, index: int,
-                 keep: list[torch.Tensor]) -> int | None:
+def _norm_weight(norm: nn.Module | None, family: Family, spec: _Decoder, index: int, keep: list[torch.Tensor],
+                 width: int) -> int | None:
     """The pointer the C layer reads for ``norm`` (None: no such norm): an RMSNorm's or a LayerNorm's weight as it
     is (a LayerNorm's scale(): LayerNorm1P's 1 + weight); a GemmaRMSNorm's 1 + weight in float32, computed as its
-    forward computes it on every call."""
+    forward computes it on every call; a WeightlessRMSNorm's float32 ones of ``width``."""
     if norm is None:
         return None
     if type(norm) is not family.norm or _F(norm.eps).value != spec.eps:
@@ -367,15 +382,20 @@ def _norm_weight(norm: nn.Module | None, family: Family, spec: _Decoder, index: 
         raise DoesNotFit(f"layer {index}'s LayerNorm bias is not of its weight's dtype")
     if family.norm is GemmaRMSNorm:
         return _ptr((1.0 + norm.weight.float()).contiguous(), keep)
+    if family.norm is WeightlessRMSNorm:  # the float32 ones its forward multiplies by (NORM_RMS_FLOAT)
+        if norm.rms_ops is None:
+            raise DoesNotFit(f"layer {index}'s weightless norms are torch's, not the op set's rms_norm")
+        return _ptr(torch.ones(width, dtype=torch.float32), keep)
     weight = norm.scale() if layer_norm else norm.weight  # Nemotron's LayerNorm1P: its 1 + w, as its forward's
     if DTYPE_CODES.get(weight.dtype) != spec.dtype:
         raise DoesNotFit(f"layer {index}'s norm weights are not of the activations' dtype")
     return _ptr(weight.contiguous(), keep)
 
 
-def _norm_bias(norm: nn.Module | None, keep: list[torch.Tensor]) -> int | None:
+def _norm_bias(norm: nn.Module | None, family: Family, keep: list[torch.Tensor]) -> int | None:
     """A LayerNorm's bias (None: none, or not a LayerNorm)."""
-    return _ptr(norm.bias, keep) if isinstance(norm, LayerNorm) and norm.bias is not None else None
+    layer_norm = norm is not None and NORM_KINDS[family.norm] == NORM_LAYER
+    return _ptr(norm.bias, keep) if layer_norm and norm.bias is not None else None
 
 
 def _packed(linear: nn.Module, index: int, keep: list[torch.Tensor]) -> Packed:

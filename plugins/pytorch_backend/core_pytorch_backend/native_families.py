@@ -1,7 +1,8 @@
 """The decoders the native decode stack takes (``native_decode.py``): each family's module classes and how its layers
 differ from Llama's, as data the C layer carries (``csrc/decoder_stack.c``: the norms' places and kind, the parallel
-forms, an ungated MLP (tanh GELU, relu^2 or xIELU: StarCoder 2, Phi, Arcee, Jais 2, Nemotron, Apertus), Granite's multiplier, OLMo's
-whole-projection q/k norms, OLMoE's clip_qkv, Ministral 3's per-position query scale)."""
+forms, an ungated MLP (tanh GELU, relu^2 or xIELU: StarCoder 2, Phi, Arcee, Jais 2, Nemotron, Apertus), Granite's
+multiplier, OLMo's whole-projection q/k norms, NanoChat's q/k norms after rotary, OLMoE's clip_qkv, Ministral 3's
+per-position query scale)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import nn
 
 from core_pytorch_backend.kernels.native import ACT_GELU_TANH, ACT_RELU2, ACT_SILU, ACT_XIELU
 from core_pytorch_backend.layers.activation import OP_OF, XIELU, GeluTanhAndMul, SiluAndMul
-from core_pytorch_backend.layers.norm import LayerNorm, RMSNorm
+from core_pytorch_backend.layers.norm import LayerNorm, RMSNorm, WeightlessRMSNorm
 from core_pytorch_backend.models.apertus import ApertusDecoderLayer, ApertusMLP, ApertusModel
 from core_pytorch_backend.models.arcee import ArceeDecoderLayer, ArceeModel
 from core_pytorch_backend.models.cohere import (
@@ -42,6 +43,7 @@ from core_pytorch_backend.models.ministral3 import (
     Ministral3Model,
 )
 from core_pytorch_backend.models.mixtral import MixtralDecoderLayer, MixtralModel
+from core_pytorch_backend.models.nanochat import NanoChatAttention, NanoChatDecoderLayer, NanoChatModel
 from core_pytorch_backend.models.nemotron import LayerNorm1P, NemotronDecoderLayer, NemotronModel
 from core_pytorch_backend.models.olmo2 import Olmo2Attention, Olmo2DecoderLayer, Olmo2Model
 from core_pytorch_backend.models.olmo3 import Olmo3Model
@@ -83,6 +85,7 @@ class Family:
     parallel: int = PARALLEL_NONE
     o_proj: str = "o_proj"  # the attention's output projection (Phi's: dense)
     qk_norms: bool = True  # the attention has q_norm and k_norm (None: none); Phi's has q_layernorm, k_layernorm
+    qk_after_rope: bool = False  # q and k normalized after rotary (NanoChat), not before
 
     def norms(self, layer: nn.Module) -> dict[str, nn.Module | None]:
         """The layer's norms by the place the C layer has for each (None: none there)."""
@@ -107,6 +110,8 @@ FAMILIES = {LlamaModel: Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RMSN
              ArceeModel: Family(ArceeDecoderLayer, LlamaAttention, UngatedMLP, RMSNorm, PRE),
              Ministral3Model: Family(Ministral3DecoderLayer, Ministral3Attention, LlamaMLP, RMSNorm, PRE),
              ApertusModel: Family(ApertusDecoderLayer, LlamaAttention, ApertusMLP, RMSNorm, PRE),
+             NanoChatModel: Family(NanoChatDecoderLayer, NanoChatAttention, UngatedMLP, WeightlessRMSNorm, PRE,
+                                    qk_after_rope=True),
              NemotronModel: Family(NemotronDecoderLayer, LlamaAttention, UngatedMLP, LayerNorm1P, PRE),
              StableLmModel: Family(StableLmDecoderLayer, StableLmAttention, LlamaMLP, LayerNorm, PRE,
                                     parallel=PARALLEL_RESIDUAL),
@@ -121,7 +126,7 @@ FAMILIES = {LlamaModel: Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RMSN
 ACTIVATIONS = {SiluAndMul: ACT_SILU, GeluTanhAndMul: ACT_GELU_TANH}
 UNGATED_ACTIVATIONS = {"gelu_tanh": ACT_GELU_TANH, "relu2": ACT_RELU2}  # an Activation's op (layers.activation.OP_OF)
 NORM_KINDS = {RMSNorm: 0, GemmaRMSNorm: 1, LayerNorm: NORM_LAYER, CohereLayerNorm: NORM_LAYER,
-              LayerNorm1P: NORM_LAYER}  # csrc NORM_*
+              LayerNorm1P: NORM_LAYER, WeightlessRMSNorm: 1}  # csrc NORM_*
 
 
 def family_of(decoder: nn.Module | None) -> Family | None:

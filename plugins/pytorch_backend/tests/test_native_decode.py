@@ -83,7 +83,7 @@ def _decode_both_ways(runner: ModelRunner, steps: int = 12) -> None:
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3", "phi3-partial-rotary",
                                   "granite", "olmo2", "olmo3", "exaone4", "glm4", "gemma", "gemma3_text", "gemma2", "vaultgemma",
-                                  "stablelm", "stablelm-parallel", "starcoder2", "phi", "cohere", "cohere2", "arcee", "jais2", "nemotron", "ministral3", "apertus", "qwen3_moe", "qwen2_moe", "mixtral", "granitemoe",
+                                  "stablelm", "stablelm-parallel", "starcoder2", "phi", "cohere", "cohere2", "arcee", "jais2", "nemotron", "ministral3", "apertus", "nanochat", "qwen3_moe", "qwen2_moe", "mixtral", "granitemoe",
                                   "granitemoeshared", "olmoe"])
 def test_the_stack_gives_the_modules_hidden_states_bit_for_bit(tiny_checkpoint_factory, native_packed, arch,
                                                                  quantization, dtype):

@@ -73,11 +73,17 @@ def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class WeightlessRMSNorm(LayerNorm):
-    """An RMSNorm without a weight (NanoChat's every norm), with the residual protocol of RMSNorm."""
+    """An RMSNorm without a weight (NanoChat's every norm), with the residual protocol of RMSNorm. Built with
+    ``rms_ops``, the op set's ``rms_norm`` of x in float32 with a weight of ones, rounded once (as GemmaRMSNorm's):
+    the native decode stack's NORM_RMS_FLOAT of the same weight."""
 
-    def __init__(self, eps: float):
+    def __init__(self, eps: float, rms_ops: Any = None):
         nn.Module.__init__(self)  # not LayerNorm's: no parameters
         self.eps = eps
+        self.rms_ops = rms_ops
 
     def normalized(self, x: torch.Tensor) -> torch.Tensor:
-        return weightless_rms_norm(x, self.eps)
+        if self.rms_ops is None:
+            return weightless_rms_norm(x, self.eps)
+        ones = torch.ones(x.shape[-1], dtype=torch.float32, device=x.device)
+        return self.rms_ops.rms_norm(x.float(), ones, self.eps).to(x.dtype)

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..attention_metadata import AttentionMetadata
 from ..layers import RotaryEmbedding
-from ..layers.norm import WeightlessRMSNorm, weightless_rms_norm
+from ..layers.norm import WeightlessRMSNorm
 from ..quant.attach import QuantizedShards
 from .gemma3 import Gemma3ForCausalLM
 from .llama import DecoderSpec, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, head_dim_of
@@ -25,14 +25,14 @@ from .ungated_mlp import UngatedMLP
 class NanoChatAttention(LlamaAttention):
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
         super().__init__(config, ops, spec, layer_index, rotary)
-        self.norm_eps = config.rms_norm_eps
+        self.q_norm = self.k_norm = WeightlessRMSNorm(config.rms_norm_eps, ops)  # head by head, after rotary
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q, k = self.rotary_emb(positions, q, k)
-        t, eps = q.shape[0], self.norm_eps
-        q = weightless_rms_norm(q.reshape(t, -1, self.head_dim), eps).reshape(t, -1)
-        k = weightless_rms_norm(k.reshape(t, -1, self.head_dim), eps).reshape(t, -1)
+        t = q.shape[0]
+        q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1)
+        k = self.k_norm(k.reshape(t, -1, self.head_dim)).reshape(t, -1)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -41,12 +41,13 @@ class NanoChatDecoderLayer(LlamaDecoderLayer):
 
     def __init__(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int, rotary: RotaryEmbedding):
         super().__init__(config, ops, spec, layer_index, rotary)
-        self.input_layernorm = WeightlessRMSNorm(config.rms_norm_eps)
-        self.post_attention_layernorm = WeightlessRMSNorm(config.rms_norm_eps)
+        # the op set's rms_norm and relu^2: the native decode stack calls their kernels
+        self.input_layernorm = WeightlessRMSNorm(config.rms_norm_eps, ops)
+        self.post_attention_layernorm = WeightlessRMSNorm(config.rms_norm_eps, ops)
 
     def make_mlp(self, config: Any, ops: Any, spec: DecoderSpec, layer_index: int) -> nn.Module:
         return UngatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, ("fc1", "fc2"),
-                          bias=False)
+                          bias=False, ops=ops)
 
 
 class NanoChatModel(LlamaModel):

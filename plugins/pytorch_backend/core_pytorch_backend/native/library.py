@@ -15,7 +15,7 @@ from pathlib import Path
 from .build import CpuBuildError, build_library, chosen_variant
 
 log = logging.getLogger(__name__)
-ABI_VERSION = 22  # csrc/packed_linear.c CORE_PACKED_ABI
+ABI_VERSION = 23  # csrc/packed_linear.c CORE_PACKED_ABI
 STATUS = {1: "bad arguments", 2: "out of memory", 3: "no prompt loop (a build without AVX512-BF16)"}
 
 # csrc/packed_linear.c core_packed_prompt_loop: the packed matmuls' loop for prompt tokens' rows

@@ -20,7 +20,8 @@
  * LayerNorms with biases (NORM_LAYER: core_layer_norm), and its parallel layers run the MLP on the attention's input
  * norm, both outputs joining the residual (parallel); Phi's sum the two outputs first. StarCoder 2's, Phi's,
  * Arcee's, Jais 2's and Nemotron's MLPs are ungated (ungated: core_act; relu^2: ACT_RELU2). Apertus's is xIELU
- * (ACT_XIELU, act_params). Ministral 3 scales q after rotary by a factor of its position (q_scale).
+ * (ACT_XIELU, act_params). Ministral 3 scales q after rotary by a factor of its position (q_scale). NanoChat normalizes q and k
+ * after rotary (qk_norm_after_rope), its weightless norms NORM_RMS_FLOAT of ones.
  *
  * The model and its layers are described once (core_decoder, core_layer: pointers into the weights and
  * KV caches, which decoder_stack.py keeps alive and rebuilds when they move); a step passes its rows.
@@ -74,6 +75,7 @@ typedef struct {
     int32_t act;        /* ACT_SILU or ACT_GELU_TANH (common.h); ACT_RELU2 or ACT_XIELU for an ungated MLP */
     float branch_scale; /* multiplies what the attention and the MLP add to the residual (Granite); 1: none */
     int32_t qk_norm_whole; /* 1: q and k normalised over all their heads at once (OLMo 2, 3), 0: head by head */
+    int32_t qk_norm_after_rope; /* 1: q and k normalised after rotary (NanoChat), 0: before (Qwen3, Gemma 3) */
     float eps;
     float clip_qkv;        /* q, k and v clamped to [-clip_qkv, clip_qkv] after the q and k norms (OLMoE), 0: not */
     int32_t parallel;      /* PARALLEL_*: whether the MLP reads the attention's input norm beside it (post_norm NULL) */
@@ -248,7 +250,7 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
     CHECK(linear(m, &L->qkv, input, tokens, h, b->qkv));
     const char *q = b->qkv, *k = b->qkv + q_width * size, *v = b->qkv + (q_width + kv_width) * size;
     int64_t q_stride = qkv_width, k_stride = qkv_width;
-    if (L->q_norm) { /* per-head RMSNorm of contiguous copies of q and k */
+    if (L->q_norm && !m->qk_norm_after_rope) { /* per-head RMSNorm of contiguous copies of q and k */
         char *qn = b->heads, *kn = b->heads + tokens * q_width * size;
         copy_rows(q, qkv_width, tokens, q_width, size, qn);
         copy_rows(k, qkv_width, tokens, kv_width, size, kn);
@@ -268,6 +270,11 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
     } else { /* the same values the modules hand on unrotated, in the buffers the next kernels read */
         copy_rows(q, q_stride, tokens, q_width, size, q_rot);
         copy_rows(k, k_stride, tokens, kv_width, size, k_rot);
+    }
+    if (L->q_norm && m->qk_norm_after_rope) { /* the rotated q and k, in place, head by head or whole */
+        const int64_t whole = m->qk_norm_whole;
+        CHECK(norm(m, q_rot, whole ? tokens : tokens * hq, whole ? q_width : d, NULL, L->q_norm, NULL, q_rot, NULL));
+        CHECK(norm(m, k_rot, whole ? tokens : tokens * hkv, whole ? kv_width : d, NULL, L->k_norm, NULL, k_rot, NULL));
     }
     if (L->q_scale) CHECK(scale_by_position(m, L->q_scale, r->positions, q_rot, tokens, q_width));
     CHECK(core_store_kv(k_rot, v, m->dtype, tokens, hkv, d, kv_width, qkv_width, r->slots, L->k_cache, L->v_cache,

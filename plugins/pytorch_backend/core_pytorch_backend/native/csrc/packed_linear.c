@@ -58,7 +58,7 @@
 #include <immintrin.h>
 #endif
 
-#define CORE_PACKED_ABI 22
+#define CORE_PACKED_ABI 23
 #define ERR_NO_TILES 3
 #define GROUP 32
 #define PAIR 64
