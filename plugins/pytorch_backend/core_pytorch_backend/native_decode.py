@@ -18,10 +18,9 @@ the MLP's outputs normalised; OLMo's q and k norms over all heads at once), GLM-
 the attention's and the MLP's outputs), Arcee's (Llama's with an ungated relu^2 MLP), Apertus's (an ungated xIELU
 MLP, the op set's ``xielu``, its parameters ``core_layer.act_params``), Ministral 3's (q times a factor of its
 position after rotary, ``core_layer.q_scale``), NanoChat's (weightless RMSNorms, q and k normalized after rotary),
-the LayerNorm decoders of
-StableLM, StarCoder 2, Phi, Command R / R7B, Jais 2 and Nemotron (LayerNorms, Nemotron's of 1 + w, and ungated tanh
-GELUs or relu^2, which the native op set's ``layer_norm``, ``gelu_tanh`` and ``relu2`` run from the modules too;
-StableLM's, Cohere's and Phi's parallel layers) or one of Gemma's (``models.gemma``, ``gemma2``, ``vaultgemma``,
+the LayerNorm decoders of StableLM, StarCoder 2, Phi, Command R / R7B, Jais 2 and Nemotron (LayerNorms,
+Nemotron's of 1 + w, and ungated tanh GELUs or relu^2, which the native op set's ``layer_norm``, ``gelu_tanh`` and
+``relu2`` run from the modules too; StableLM's, Cohere's and Phi's parallel layers) or one of Gemma's (``models.gemma``, ``gemma2``, ``vaultgemma``,
 ``gemma3``: float32 norms of 1 + w, GELU-tanh, Gemma 2 and 3's norms of the attention's and the MLP's outputs,
 Gemma 2's soft-capped scores, which the native op set's ``softcapped_attention`` caps in the same C kernel, Gemma
 3's rotary table per layer type), and the sparse MoE models over Llama's layer (Qwen2-MoE, Qwen3-MoE, Mixtral,
@@ -95,7 +94,8 @@ class _Decoder(ctypes.Structure):  # core_decoder
     _fields_ = [("hidden", _L), ("heads", _L), ("kv_heads", _L), ("head_dim", _L), ("inter", _L),
                 ("rotary_dim", _L),
                 ("dtype", _I), ("cache_dtype", _I), ("table_dtype", _I), ("norm_kind", _I), ("act", _I),
-                ("branch_scale", _F), ("qk_norm_whole", _I), ("qk_norm_after_rope", _I), ("eps", _F), ("clip_qkv", _F), ("parallel", _I),
+                ("branch_scale", _F), ("qk_norm_whole", _I), ("qk_norm_after_rope", _I), ("eps", _F),
+                ("clip_qkv", _F), ("parallel", _I),
                 ("ungated", _I),
                 ("block_size", _L), ("num_slots", _L), ("max_position", _L), ("tiles", _I),
                 ("group_rows", _I), ("group_from", _I)]
@@ -241,7 +241,8 @@ def describe(model: nn.Module) -> _Plan:
         raise DoesNotFit(f"{head_dim}-wide heads in groups of {heads // kv_heads}")
     act = ACT_SILU if dense is None else mlp_parts(dense)[2]
     if act is None:
-        raise DoesNotFit("the MLP's activation (silu or GELU-tanh, an ungated one the op set's gelu_tanh, relu2 or xielu)")
+        raise DoesNotFit("the MLP's activation (silu or GELU-tanh, an ungated one the op set's gelu_tanh, relu2 or "
+                         "xielu)")
     qkv = attention.qkv_proj.weight
     if not isinstance(qkv, NativeWeight):
         raise DoesNotFit("layer 0's qkv_proj is not a native packed weight")
@@ -271,10 +272,9 @@ def describe(model: nn.Module) -> _Plan:
 def _width_and_dtype(norm: nn.Module, decoder: nn.Module, attention: nn.Module) -> tuple[int, torch.dtype]:
     """The hidden width and the activations' dtype (a step whose embeddings differ takes the modules): a norm's
     weight's, or a weightless norm's (NanoChat's) the qkv projection's input width and the embeddings' dtype."""
-    weight = getattr(norm, "weight", None)
-    if weight is None:
+    if isinstance(norm, WeightlessRMSNorm):
         return attention.qkv_proj.input_size, decoder.embed_tokens.weight.dtype
-    return weight.shape[0], weight.dtype
+    return norm.weight.shape[0], norm.weight.dtype
 
 
 def _rotary_of(layers: list[nn.Module]) -> RotaryEmbedding:
@@ -331,9 +331,9 @@ def _describe_layer(layer: nn.Module, index: int, family: Family, spec: _Decoder
             or attn.v_cache.dtype != cache.dtype or attn.num_heads != spec.heads or attn.num_kv_heads != spec.kv_heads):
         raise DoesNotFit(f"layer {index}'s KV cache or heads differ from layer 0's")
     norms = family.norms(layer)
-    widths = {"q": spec.heads * spec.head_dim, "k": spec.kv_heads * spec.head_dim} if family.qk_whole else {}
-    weights = {name: _norm_weight(norm, family, spec, index, keep, widths.get(name, spec.head_dim if name in "qk"
-                                                                              else spec.hidden))
+    head = spec.head_dim  # the widths of a weightless norm's ones
+    widths = {"q": spec.heads * head, "k": spec.kv_heads * head} if family.qk_whole else {"q": head, "k": head}
+    weights = {name: _norm_weight(norm, family, spec, index, keep, widths.get(name, spec.hidden))
                for name, norm in norms.items()}
     rotary = attention.rotary_emb or first_rotary  # a layer without rotary (rope 0) never reads the table
     q_scales = query_scales_of(attention)

@@ -93,7 +93,10 @@ def test_the_stack_gives_the_modules_hidden_states_bit_for_bit(tiny_checkpoint_f
     attention's input norm) and partial rotary, StarCoder 2's LayerNorms and ungated GELU-tanh MLP with biases
     (core_act, which the modules' Activation calls too), Phi's (one LayerNorm, attn + mlp summed beside the residual,
     the output projection named dense), Cohere's (one float32 LayerNorm without bias, StableLM's parallel residual;
-    Cohere 2's global layers without rotary) and Gemma's decoders too: float32 norms of 1 + w
+    Cohere 2's global layers without rotary), the ungated relu^2 MLPs of Arcee, Jais 2 (LayerNorms with biases) and
+    Nemotron (LayerNorm1P's 1 + w, partial rotary), Apertus's xIELU of per-layer parameters, Ministral 3's q scaled by
+    a factor of its position after rotary (its tiny original context of 16 makes it bite), NanoChat's weightless
+    norms and q/k norms after rotary, VaultGemma's (Gemma 2's model over Gemma 1's layers) and Gemma's decoders too: float32 norms of 1 + w
     (core_rms_norm_float), GELU-tanh * up, Gemma 2 and 3's norms of the attention's and the MLP's outputs, Gemma 2's
     soft-capped scores (the native op set's decode attention caps them as the stack's does), Gemma 3's sliding layers
     with their own rotary table. The sparse MoE models' blocks (a dense layer among them in Qwen3-MoE's, Qwen2-MoE's
