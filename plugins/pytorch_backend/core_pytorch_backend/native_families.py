@@ -65,7 +65,7 @@ GEMMA_SANDWICH = ("input_layernorm", "pre_feedforward_layernorm", "post_attentio
 GLM4_SANDWICH = ("input_layernorm", "post_attention_layernorm", "post_self_attn_layernorm", "post_mlp_layernorm")
 POST = (None, None, "post_attention_layernorm", "post_feedforward_layernorm")
 PARALLEL_NONE, PARALLEL_RESIDUAL, PARALLEL_SUM = 0, 1, 2  # csrc/decoder_stack.c
-NORM_LAYER = 2  # csrc/decoder_stack.c (NORM_RMS 0, NORM_RMS_FLOAT 1)
+NORM_RMS, NORM_RMS_FLOAT, NORM_LAYER = 0, 1, 2  # csrc/decoder_stack.c
 
 
 @dataclass(frozen=True)
@@ -126,8 +126,8 @@ FAMILIES = {LlamaModel: Family(LlamaDecoderLayer, LlamaAttention, LlamaMLP, RMSN
 ACTIVATIONS = {SiluAndMul: ACT_SILU, GeluTanhAndMul: ACT_GELU_TANH}
 # an Activation's op (layers.activation.OP_OF) -> the C layer's code
 UNGATED_ACTIVATIONS = {"gelu_tanh": ACT_GELU_TANH, "relu2": ACT_RELU2}
-NORM_KINDS = {RMSNorm: 0, GemmaRMSNorm: 1, LayerNorm: NORM_LAYER, CohereLayerNorm: NORM_LAYER,
-              LayerNorm1P: NORM_LAYER, WeightlessRMSNorm: 1}  # csrc NORM_*
+NORM_KINDS = {RMSNorm: NORM_RMS, GemmaRMSNorm: NORM_RMS_FLOAT, LayerNorm: NORM_LAYER, CohereLayerNorm: NORM_LAYER,
+              LayerNorm1P: NORM_LAYER, WeightlessRMSNorm: NORM_RMS_FLOAT}
 
 
 def family_of(decoder: nn.Module | None) -> Family | None:

@@ -235,6 +235,15 @@ static int branch_input(const core_decoder *m, const void *weight, const void *b
                 start ? NULL : r->residual);
 }
 
+/* The layer's q and k norms of contiguous q [tokens, Hq D] and k [tokens, Hkv D], in place: head by head, or over
+ * all heads at once (qk_norm_whole) */
+static int qk_norms(const core_decoder *m, const core_layer *L, char *q, char *k, int64_t tokens) {
+    const int64_t d = m->head_dim, hq = m->heads, hkv = m->kv_heads, whole = m->qk_norm_whole;
+    const int status = norm(m, q, whole ? tokens : tokens * hq, whole ? hq * d : d, NULL, L->q_norm, NULL, q, NULL);
+    if (status != OK) return status;
+    return norm(m, k, whole ? tokens : tokens * hkv, whole ? hkv * d : d, NULL, L->k_norm, NULL, k, NULL);
+}
+
 /* One decoder layer of the rows in `r` (start: layer 0 without a given residual, which it starts from the
  * embeddings). Each kernel runs with the OpenMP team it finds: its own when called outside a parallel
  * region, the calling thread alone inside one (the row-group path). */
@@ -254,9 +263,7 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
         char *qn = b->heads, *kn = b->heads + tokens * q_width * size;
         copy_rows(q, qkv_width, tokens, q_width, size, qn);
         copy_rows(k, qkv_width, tokens, kv_width, size, kn);
-        const int64_t whole = m->qk_norm_whole; /* rows of all heads, or of one head */
-        CHECK(norm(m, qn, whole ? tokens : tokens * hq, whole ? q_width : d, NULL, L->q_norm, NULL, qn, NULL));
-        CHECK(norm(m, kn, whole ? tokens : tokens * hkv, whole ? kv_width : d, NULL, L->k_norm, NULL, kn, NULL));
+        CHECK(qk_norms(m, L, qn, kn, tokens));
         q = qn, k = kn, q_stride = q_width, k_stride = kv_width;
     }
     if (m->clip_qkv > 0.f) { /* q and k where they are now (the buffers of this call), v in the projection's */
@@ -271,11 +278,7 @@ static int layer(const core_decoder *m, const core_layer *L, int start, const ro
         copy_rows(q, q_stride, tokens, q_width, size, q_rot);
         copy_rows(k, k_stride, tokens, kv_width, size, k_rot);
     }
-    if (L->q_norm && m->qk_norm_after_rope) { /* the rotated q and k, in place, head by head or whole */
-        const int64_t whole = m->qk_norm_whole;
-        CHECK(norm(m, q_rot, whole ? tokens : tokens * hq, whole ? q_width : d, NULL, L->q_norm, NULL, q_rot, NULL));
-        CHECK(norm(m, k_rot, whole ? tokens : tokens * hkv, whole ? kv_width : d, NULL, L->k_norm, NULL, k_rot, NULL));
-    }
+    if (L->q_norm && m->qk_norm_after_rope) CHECK(qk_norms(m, L, q_rot, k_rot, tokens)); /* the rotated q and k */
     if (L->q_scale) CHECK(scale_by_position(m, L->q_scale, r->positions, q_rot, tokens, q_width));
     CHECK(core_store_kv(k_rot, v, m->dtype, tokens, hkv, d, kv_width, qkv_width, r->slots, L->k_cache, L->v_cache,
                         m->cache_dtype, m->num_slots));
